@@ -1,0 +1,34 @@
+# The newcomer's targets. `make up` starts proxy + prefill + decode on the embedded model;
+# `make test` runs the test suite (what CI runs).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PDSERVE := $(VENV)/bin/pdserve
+
+.PHONY: install up down test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+install: $(PY)
+	# torch is pinned first so the CPU wheel is used (an unpinned torch pulls a multi-GB CUDA build)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+
+up: install
+	$(PDSERVE) up
+
+down:
+	$(PDSERVE) down
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) bench/engine_throughput.py
+	$(PY) bench/kv_transfer.py
+	$(PY) bench/proxy_overhead.py
+
+clean:
+	rm -rf $(VENV) .pdserve

@@ -1,0 +1,22 @@
+"""What the engine hands back to the serving layer, one object per request per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]  # tokens produced since the previous output
+    new_text: str = ""  # detokenized text delta (stop strings already cut)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # cumulative
+    new_logprobs: list[dict[int, float]] | None = None  # per new token: {token_id: logprob}
+    error: str | None = None  # set with finish_reason "error" (e.g. KV transfer failed)
+    kv_transfer_params: dict = field(default_factory=dict)  # e.g. first token for the decode side

@@ -1,0 +1,41 @@
+"""The interface the OpenAI serving layer talks to (implemented by ``AsyncLLMEngine``)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from common.engine.outputs import RequestOutput
+from common.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int  # includes requests parked waiting for remote KV
+    num_free_blocks: int
+    num_total_blocks: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / max(self.num_total_blocks, 1)
+
+
+class EngineClient(Protocol):
+    model_name: str
+    max_model_len: int
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield outputs until one has ``finished``. Cancelling the iterator aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...

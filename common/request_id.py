@@ -1,0 +1,37 @@
+"""The tagged request id the proxy builds (wire-compatible with vLLM's xPyD proxy).
+
+    ___prefill_addr_{host}:{port}___decode_addr_{host}:{port}_{uuid_hex}
+
+Daemons use the id exactly as received; they never rewrite or suffix it.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+
+_PREFILL_RE = re.compile(r"___prefill_addr_(.*):(\d+)___")
+_DECODE_RE = re.compile(r"___decode_addr_(.*):(\d+)")
+
+
+@dataclass(frozen=True)
+class Tags:
+    prefill_addr: str  # "host:port" of the prefill node's KV (ZMQ) endpoint
+    decode_addr: str
+
+
+def make_request_id(prefill_kv_addr: str, decode_kv_addr: str, suffix: str | None = None) -> str:
+    return f"___prefill_addr_{prefill_kv_addr}___decode_addr_{decode_kv_addr}_{suffix or uuid.uuid4().hex}"
+
+
+def parse_tags(request_id: str | None) -> Tags | None:
+    """Both addresses, or None when the id is not tagged."""
+    if not request_id:
+        return None
+    p = _PREFILL_RE.search(request_id)
+    d = _DECODE_RE.search(request_id)
+    if not p or not d:
+        return None
+    decode_host = d.group(1)
+    return Tags(prefill_addr=f"{p.group(1)}:{p.group(2)}", decode_addr=f"{decode_host}:{d.group(2)}")
