@@ -1,0 +1,102 @@
+"""load_config: precedence CLI > env > TOML > default, one-line errors with exit 2, --help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.config import NodeConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "pdserve.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_follow_role() -> None:
+    assert load_config(NodeConfig, [], "pdserve serve", env={}).port == 8000
+    prefill = load_config(NodeConfig, [], "pdserve prefill", fixed={"role": "prefill"}, env={})
+    decode = load_config(NodeConfig, [], "pdserve decode", fixed={"role": "decode"}, env={})
+    assert (prefill.port, prefill.kv_port, prefill.role) == (8100, 14579, "prefill")
+    assert (decode.port, decode.kv_port, decode.role) == (8200, 14580, "decode")
+    assert decode.kv_addr == "127.0.0.1:14580"
+
+
+def test_precedence_cli_over_env_over_file_over_default(tmp_path: Path) -> None:
+    path = _write(tmp_path, "port = 9000\nblock_size = 32\nmax_num_seqs = 8\n[decode]\nport = 9100\n")
+    fixed = {"role": "decode"}
+    base = load_config(NodeConfig, ["--config", path], "pdserve decode", fixed=fixed, env={})
+    assert (base.port, base.block_size, base.max_num_seqs, base.heartbeat_interval_s) == (9100, 32, 8, 2.0)
+    env = {"PDSERVE_PORT": "9200", "PDSERVE_BLOCK_SIZE": "64"}
+    from_env = load_config(NodeConfig, ["--config", path], "pdserve decode", fixed=fixed, env=env)
+    assert (from_env.port, from_env.block_size, from_env.max_num_seqs) == (9200, 64, 8)
+    argv = ["--config", path, "--port", "9300", "--no-enable-chunked-prefill"]
+    from_cli = load_config(NodeConfig, argv, "pdserve decode", fixed=fixed, env=env)
+    assert (from_cli.port, from_cli.block_size, from_cli.enable_chunked_prefill) == (9300, 64, False)
+
+
+def test_other_command_tables_are_ignored(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[prefill]\nport = 9100\n")
+    assert load_config(NodeConfig, ["--config", path], "pdserve serve", env={}).port == 8000
+
+
+def test_fixed_role_cannot_be_overridden() -> None:
+    cfg = load_config(NodeConfig, [], "pdserve prefill", fixed={"role": "prefill"}, env={"PDSERVE_ROLE": "decode"})
+    assert cfg.role == "prefill"
+
+
+def _run(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    code = (
+        "import sys; from common.config import NodeConfig, load_config; "
+        "load_config(NodeConfig, sys.argv[1:], 'pdserve decode', fixed={'role': 'decode'})"
+    )
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **(env_extra or {})}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        (["--port", "70000"], None, "--port: must be between 1 and 65535 (got 70000)"),
+        (["--block-size", "abc"], None, "--block-size: should be a valid integer"),
+        (["--dtype", "int8"], None, "--dtype: should be 'auto', 'float32', 'bfloat16' or 'float16'"),
+        (["--proxy", "nohost"], None, "--proxy: must be HOST:PORT"),
+        (["--config", "/nonexistent/pdserve.toml"], None, "--config: file not found"),
+        ([], {"PDSERVE_KV_TIMEOUT_S": "0"}, "PDSERVE_KV_TIMEOUT_S: must be > 0"),
+        (["--bogus"], None, "unrecognized arguments: --bogus"),
+    ],
+)
+def test_invalid_value_exits_2_with_one_line(args: list[str], env: dict | None, expected: str) -> None:
+    proc = _run(args, env)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("pdserve decode: error: ")
+    assert expected in lines[0]
+
+
+def test_unknown_toml_key_is_an_error(tmp_path: Path) -> None:
+    proc = _run(["--config", _write(tmp_path, "prot = 1\n")])
+    assert proc.returncode == 2
+    assert "unknown key 'prot'" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_bad_value_in_file_names_the_file(tmp_path: Path) -> None:
+    proc = _run(["--config", _write(tmp_path, "port = 0\n")])
+    assert proc.returncode == 2
+    assert "port (in " in proc.stderr and "must be between 1 and 65535 (got 0)" in proc.stderr
+
+
+def test_help_documents_every_option() -> None:
+    proc = _run(["--help"])
+    assert proc.returncode == 0
+    for name in NodeConfig.model_fields:
+        if name != "role":
+            assert "--" + name.replace("_", "-") in proc.stdout, name
+    assert "--config" in proc.stdout and "--no-enable-chunked-prefill" in proc.stdout
