@@ -216,14 +216,17 @@ class NodeConfig(BaseModel):
     role: Role = Field("both", description="both = colocated; prefill/decode = disaggregated daemon")
     model: str | None = Field(None, description="Hugging Face model directory; unset = embedded tiny model")
     served_model_name: str | None = Field(None, description="Model name in the API; unset = model's name")
-    device: str = Field("auto", description="cpu, cuda, cuda:N, or auto (cuda when available)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on GPU"
     )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV cache block")
-    num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; unset = engine sizes it")
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; unset = sized from memory")
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0, description="KV cache budget when num_kv_blocks is unset; unset = 0.5 on CPU, 85% of free GPU"
+    )
     max_num_seqs: int = Field(64, ge=1, le=65536, description="Most sequences in one engine step")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="Most tokens in one engine step")
+    max_num_batched_tokens: int = Field(512, ge=1, description="Most tokens in one engine step")
     max_model_len: int | None = Field(None, ge=1, description="Prompt + output limit; unset = model's")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps")
     seed: int = Field(0, description="Engine random seed (per-request seeds override it)")
@@ -270,7 +273,7 @@ class NodeConfig(BaseModel):
 
         values = self.model_dump(
             include={
-                "model", "served_model_name", "device", "dtype", "block_size", "num_kv_blocks",
+                "model", "served_model_name", "device", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill", "seed",
             }
         )
