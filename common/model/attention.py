@@ -1,0 +1,128 @@
+"""Paged attention over the per-layer KV cache, with plain ``scaled_dot_product_attention``.
+
+Every step first writes the new tokens' K/V at ``slot_mapping``, then attends:
+- decode tokens (one new token per sequence) of the whole batch together: their blocks are
+  gathered into one padded tensor and one SDPA call runs with a padding mask;
+- prefill sequences (a whole prompt or a chunk continuing an earlier one) one by one, with
+  a causal mask offset by the tokens already cached.
+
+Grouped-query attention folds the query heads of a group into the query-length axis
+(``[kv_heads, group * q_len, d]``) so keys and values are never copied per query head.
+``AttentionPlan`` holds what every layer shares (indices, masks), built once per forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from common.model.attention_metadata import AttentionMetadata
+
+
+@dataclass
+class PrefillSlice:
+    start: int  # first token of this sequence in the flat batch
+    end: int
+    seq_len: int
+    block_ids: torch.Tensor | None  # blocks to gather; None when the prompt is all new
+    mask: torch.Tensor  # [group * q_len, seq_len] bool, True = may attend
+
+
+@dataclass
+class AttentionPlan:
+    """Per-forward facts every layer's attention reuses."""
+
+    block_size: int
+    num_tokens: int
+    decode_token_idx: torch.Tensor | None = None  # None with decode-only batches: all tokens
+    decode_block_ids: torch.Tensor | None = None  # [B, blocks]
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, blocks * block_size]
+    prefills: list[PrefillSlice] = field(default_factory=list)
+
+
+def build_plan(meta: AttentionMetadata, group: int, device: torch.device) -> AttentionPlan:
+    """Precompute gather indices and masks for ``meta``; ``group`` = query heads per KV head."""
+    bs = meta.block_size
+    block_tables = meta.block_tables.to(device)
+    plan = AttentionPlan(block_size=bs, num_tokens=sum(meta.query_lens))
+    starts = [0]
+    for q in meta.query_lens:
+        starts.append(starts[-1] + q)
+    decode_rows = [i for i, q in enumerate(meta.query_lens) if q == 1]
+    if decode_rows:
+        lens = [meta.seq_lens[i] for i in decode_rows]
+        num_blocks = -(-max(lens) // bs)
+        rows = torch.tensor(decode_rows, device=device)
+        plan.decode_block_ids = block_tables[rows, :num_blocks] if len(decode_rows) < meta.num_seqs else block_tables[:, :num_blocks]
+        seq_lens = torch.tensor(lens, device=device)
+        plan.decode_mask = (torch.arange(num_blocks * bs, device=device) < seq_lens[:, None])[:, None, None, :]
+        if len(decode_rows) < meta.num_seqs:
+            plan.decode_token_idx = torch.tensor([starts[i] for i in decode_rows], device=device)
+    for i, q in enumerate(meta.query_lens):
+        if q == 1:
+            continue
+        seq_len = meta.seq_lens[i]
+        context = seq_len - q
+        keys = torch.arange(seq_len, device=device)
+        queries = torch.arange(context, seq_len, device=device)
+        mask = (keys[None, :] <= queries[:, None]).repeat(group, 1)
+        block_ids = block_tables[i, : -(-seq_len // bs)] if context > 0 else None
+        plan.prefills.append(PrefillSlice(starts[i], starts[i + 1], seq_len, block_ids, mask))
+    return plan
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store ``k``/``v`` [n, kv_heads, d] at flat slots of ``kv_cache`` [2, blocks, bs, kv_heads, d]."""
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    flat[0, slot_mapping] = k.to(kv_cache.dtype)
+    flat[1, slot_mapping] = v.to(kv_cache.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, scale: float
+) -> torch.Tensor:
+    """Attention for a flat batch; ``q`` [n, heads, d], ``k``/``v`` [n, kv_heads, d] (already cached).
+
+    Returns [n, heads * d].
+    """
+    n, heads, d = q.shape
+    kv_heads = kv_cache.shape[-2]
+    group = heads // kv_heads
+    if plan.decode_token_idx is None and not plan.prefills:
+        return _decode(q, kv_cache, plan, scale).reshape(n, heads * d)
+    out = q.new_empty(n, heads * d)
+    if plan.decode_mask is not None:
+        idx = plan.decode_token_idx
+        out[idx] = _decode(q[idx], kv_cache, plan, scale).reshape(len(idx), heads * d)
+    for p in plan.prefills:
+        if p.block_ids is None:
+            keys, values = k[p.start : p.end], v[p.start : p.end]
+        else:
+            keys, values = _gather(kv_cache, p.block_ids, p.seq_len)
+        q_len = p.end - p.start
+        # [q_len, heads, d] -> [kv_heads, group * q_len, d]
+        qs = q[p.start : p.end].transpose(0, 1).reshape(kv_heads, group * q_len, d)
+        o = F.scaled_dot_product_attention(
+            qs, keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype), attn_mask=p.mask, scale=scale
+        )
+        out[p.start : p.end] = o.reshape(heads, q_len, d).transpose(0, 1).reshape(q_len, heads * d)
+    return out
+
+
+def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    kv = kv_cache[:, block_ids].flatten(1, 2)[:, :seq_len]  # [2, seq_len, kv_heads, d]
+    return kv[0], kv[1]
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
+    """One query token per sequence; returns [B, heads, d]."""
+    b, heads, d = q.shape
+    kv_heads = kv_cache.shape[-2]
+    kv = kv_cache[:, plan.decode_block_ids].flatten(2, 3)  # [2, B, L, kv_heads, d]
+    keys = kv[0].transpose(1, 2).to(q.dtype)  # [B, kv_heads, L, d]
+    values = kv[1].transpose(1, 2).to(q.dtype)
+    qs = q.view(b, kv_heads, heads // kv_heads, d)  # the group's heads share one key row
+    o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=plan.decode_mask, scale=scale)
+    return o.view(b, heads, d)

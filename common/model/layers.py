@@ -1,0 +1,113 @@
+"""Building blocks shared by every supported decoder: RMSNorm, rotary embedding, gated MLP.
+
+Parameters that the checkpoint stores split but we keep packed (``gate_up_proj``) carry a
+``weight_loader`` so the loader can copy each checkpoint shard into its slice.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as the reference models do."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    original = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = original / low, original / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse rotary frequencies, with the scalings pdserve supports applied."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    raise NotImplementedError(f"rope scaling type {kind!r} is not supported (supported: llama3, linear)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rotary embedding with a cos/sin table precomputed for every position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.theta = theta
+        self.scaling = scaling
+        self.register_buffer("cos_sin", self._table(), persistent=False)
+
+    def _table(self, device: torch.device | None = None) -> torch.Tensor:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_positions, head_dim]
+
+    def reset_table(self, device: torch.device) -> None:
+        """Recompute the table on ``device`` (it is not in the checkpoint, so meta-built models need this)."""
+        self.cos_sin = self._table(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` [n, heads, d] and ``k`` [n, kv_heads, d] by their token positions."""
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """SiLU-gated MLP with gate and up projections packed into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.bind_weight_loaders()
+
+    def bind_weight_loaders(self) -> None:
+        """Attach the packed parameter's loader (again after ``to_empty``, which drops attributes)."""
+        self.gate_up_proj.weight.weight_loader = self._load_gate_up  # type: ignore[attr-defined]
+
+    def _load_gate_up(self, param: torch.Tensor, loaded: torch.Tensor, shard: int) -> None:
+        size = self.intermediate_size
+        param.data[shard * size : (shard + 1) * size].copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,143 @@
+"""One decoder-only model covering Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
+
+Parameter names follow the Hugging Face checkpoints except for the packed projections
+(``qkv_proj`` = q/k/v, ``gate_up_proj`` = gate/up); ``packed_modules_mapping`` tells the
+loader where each checkpoint tensor goes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from common.model.attention import AttentionPlan, build_plan, paged_attention, write_kv
+from common.model.attention_metadata import AttentionMetadata
+from common.model.config import ModelConfig
+from common.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = d = config.head_dim
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.scale = d**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        # Qwen2 biases q/k/v only; Llama-style attention_bias covers the output too.
+        o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = RotaryEmbedding(d, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
+        self.bind_weight_loaders()
+
+    def bind_weight_loaders(self) -> None:
+        """Attach the packed parameters' loaders (again after ``to_empty``, which drops attributes)."""
+        self.qkv_proj.weight.weight_loader = self._load_qkv  # type: ignore[attr-defined]
+        if self.qkv_proj.bias is not None:
+            self.qkv_proj.bias.weight_loader = self._load_qkv  # type: ignore[attr-defined]
+
+    def _load_qkv(self, param: torch.Tensor, loaded: torch.Tensor, shard: str) -> None:
+        offset = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard]
+        param.data[offset : offset + loaded.shape[0]].copy_(loaded)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, slots: torch.Tensor
+    ) -> torch.Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        write_kv(kv_cache, k, v, slots)
+        return self.o_proj(paged_attention(q, k, v, kv_cache, plan, self.scale))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, slots: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, plan, slots)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A decoder over a paged KV cache; ``forward`` returns hidden states, ``compute_logits`` logits."""
+
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def materialize(self, device: torch.device) -> None:
+        """Turn a ``meta``-built model into uninitialised tensors on ``device``, ready to load."""
+        self.to_empty(device=device)
+        if self.config.tie_word_embeddings:
+            self.tie_weights()  # to_empty gives each module its own tensor; share it again
+        for layer in self.model.layers:
+            layer.self_attn.bind_weight_loaders()
+            layer.mlp.bind_weight_loaders()
+            layer.self_attn.rotary.reset_table(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        on_layer_done: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Run the flat batch through every layer; returns the final-norm hidden states [n, hidden].
+
+        Each layer writes its new K/V into ``kv_caches[i]`` before attending, and
+        ``on_layer_done(i, kv_caches[i])`` runs once that layer's KV is in the cache.
+        """
+        group = self.config.num_heads // self.config.num_kv_heads
+        plan = build_plan(attn_metadata, group, input_ids.device)
+        slots = attn_metadata.slot_mapping.to(input_ids.device)
+        hidden = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            hidden = layer(positions, hidden, kv_caches[i], plan, slots)
+            if on_layer_done is not None:
+                on_layer_done(i, kv_caches[i])
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [n, vocab] for the given hidden states."""
+        return self.lm_head(hidden).float()

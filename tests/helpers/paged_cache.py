@@ -1,0 +1,65 @@
+"""A minimal paged-KV driver for model tests: block tables, slot mappings, one forward per step.
+
+It stands in for the engine's scheduler and block manager so model tests can prefill in
+chunks, decode token by token and mix sequences in one batch, with deliberately
+scattered (non-contiguous, reversed) block ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.model.attention_metadata import AttentionMetadata
+from common.model.llama import CausalLM
+
+
+@dataclass
+class PagedSeq:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_cached: int = 0  # tokens whose K/V are already in the cache
+    outputs: list[torch.Tensor] = field(default_factory=list)  # logits rows, one per computed token
+
+
+class PagedCache:
+    """KV caches for ``model`` plus a scattered block allocator."""
+
+    def __init__(self, model: CausalLM, num_blocks: int = 64, block_size: int = 4) -> None:
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        layout = cfg.kv_layout(block_size, "float32")
+        self.kv_caches = [torch.zeros(layout.layer_shape(num_blocks)) for _ in range(cfg.num_layers)]
+        self.free = list(range(num_blocks - 1, 0, -1))  # handed out high ids first; block 0 unused
+
+    def new_seq(self, token_ids: list[int]) -> PagedSeq:
+        blocks_needed = -(-len(token_ids) // self.block_size)
+        blocks = [self.free.pop(i % 2 - 1) for i in range(blocks_needed)]  # alternate ends: scattered
+        return PagedSeq(list(token_ids), blocks)
+
+    def step(self, work: list[tuple[PagedSeq, int]]) -> None:
+        """One forward: each ``(seq, n)`` computes its next ``n`` uncached tokens; logits are appended."""
+        ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
+        for seq, n in work:
+            start = seq.num_cached
+            for pos in range(start, start + n):
+                ids.append(seq.token_ids[pos])
+                positions.append(pos)
+                slots.append(seq.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+        width = max(len(seq.block_ids) for seq, _ in work)
+        tables = torch.tensor([seq.block_ids + [0] * (width - len(seq.block_ids)) for seq, _ in work])
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), query_lens=query_lens, seq_lens=seq_lens,
+            block_tables=tables, block_size=self.block_size,
+        )
+        hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden)
+        offset = 0
+        for seq, n in work:
+            seq.outputs.extend(logits[offset : offset + n])
+            seq.num_cached += n
+            offset += n
