@@ -42,7 +42,7 @@ def test_greedy_matches_transformers(family, checkpoint_dir, hf_greedy):
 
 
 def test_requests_joining_mid_decode_and_preemption(checkpoint_dir, hf_greedy):
-    path = checkpoint_dir("llama")
+    path = checkpoint_dir("qwen3")
     ps = prompts([41, 3, 17, 60, 9, 28], seed=2)
     expected = hf_greedy(path, ps, 32)
     # 10 blocks of 16 = 160 slots for six requests needing up to 92 each: forces preemption
@@ -67,7 +67,7 @@ def test_requests_joining_mid_decode_and_preemption(checkpoint_dir, hf_greedy):
 
 
 def test_abort_frees_blocks_and_reports(checkpoint_dir):
-    e = engine(checkpoint_dir("llama"), num_kv_blocks=32)
+    e = engine(checkpoint_dir("qwen3"), num_kv_blocks=32)
     e.add_request("a", prompts([30])[0], GREEDY)
     e.add_request("b", prompts([5])[0], GREEDY)
     with pytest.raises(ValueError):

@@ -10,7 +10,7 @@ PROMPT = [5, 17, 99, 3, 42, 8]
 
 
 def make(checkpoint_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(checkpoint_dir("llama")), device="cpu", num_kv_blocks=32))
+    return LLMEngine(EngineConfig(model=str(checkpoint_dir("qwen3")), device="cpu", num_kv_blocks=32))
 
 
 def test_seed_reproducible_across_batch_mates_and_top_k_1_is_greedy(checkpoint_dir):
