@@ -1,0 +1,74 @@
+"""Configuration, counters and errors of the KV transfer layer."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class TransferError(RuntimeError):
+    """A transfer failed: dead or unreachable peer, timeout, refused handshake."""
+
+
+class LayoutMismatchError(TransferError):
+    """The two sides' KV layouts differ; the message names each difference."""
+
+
+class PairBrokenError(TransferError):
+    """The data-plane pair failed (timeout, closed connection); it must be rebuilt."""
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Knobs of one process's transfer engine. Times are seconds."""
+
+    timeout_s: float = 5.0  # one data-plane operation or one control request/response
+    lease_s: float = 30.0  # how long the producer holds a request's KV waiting for the consumer
+    handshake_timeout_s: float = 10.0  # control handshake plus building the data-plane pair
+    max_bytes_in_flight: int = 256 << 20  # staged (gathered, not yet sent) bytes on the producer
+    heartbeat_s: float = 1.0  # consumer pings a producer it waits on this often
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "lease_s", "handshake_timeout_s", "heartbeat_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TransferConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_bytes_in_flight <= 0:
+            raise ValueError("TransferConfig.max_bytes_in_flight must be > 0")
+
+
+@dataclass
+class TransferStats:
+    """Counters the daemons export as metrics (base units). Thread-safe increments.
+
+    ``on_transfer`` (optional) is called with (seconds, bytes) for every finished transfer,
+    from a background thread: a daemon can feed a Prometheus histogram from it.
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfers_sent: int = 0
+    transfers_received: int = 0
+    transfer_seconds_sum: float = 0.0
+    failures: int = 0
+    leases_expired: int = 0
+    on_transfer: Callable[[float, int], None] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def transfer_done(self, seconds: float, nbytes: int) -> None:
+        self.add(transfers_received=1, transfer_seconds_sum=seconds)
+        if self.on_transfer is not None:
+            self.on_transfer(seconds, nbytes)
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return {
+                k: getattr(self, k)
+                for k in ("bytes_sent", "bytes_received", "transfers_sent", "transfers_received",
+                          "transfer_seconds_sum", "failures", "leases_expired")
+            }

@@ -1,0 +1,142 @@
+"""Control-plane messages: typed, versioned, encoded and decoded in one place.
+
+Every message is a msgpack map ``{"v": PROTOCOL_VERSION, "cmd": ..., "id": ..., **fields}``.
+``id`` pairs a response with its request. Decoding rejects a wrong version, an unknown
+``cmd`` or missing fields with :class:`MessageError`, so a listener can log and drop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+
+class MessageError(ValueError):
+    """A frame that is not a valid control message."""
+
+
+@dataclass
+class Message:
+    CMD: ClassVar[str] = ""
+    id: int = 0
+
+
+@dataclass
+class Handshake(Message):
+    """Consumer -> producer: open a data-plane pair ``pair_id`` for this layout."""
+
+    CMD: ClassVar[str] = "handshake"
+    pair_id: str = ""
+    layout: dict = field(default_factory=dict)
+    backend: str = "gloo"
+
+
+@dataclass
+class HandshakeOk(Message):
+    """Producer -> consumer: join the pair's store at ``store_host:store_port`` as rank 1."""
+
+    CMD: ClassVar[str] = "handshake_ok"
+    pair_id: str = ""
+    store_host: str = ""
+    store_port: int = 0
+
+
+@dataclass
+class Pull(Message):
+    """Consumer -> producer: send ``request_id``'s KV over ``pair_id`` (``num_blocks`` per layer)."""
+
+    CMD: ClassVar[str] = "pull"
+    request_id: str = ""
+    pair_id: str = ""
+    num_blocks: int = 0
+    num_tokens: int = 0
+
+
+@dataclass
+class Ok(Message):
+    CMD: ClassVar[str] = "ok"
+
+
+@dataclass
+class Error(Message):
+    CMD: ClassVar[str] = "error"
+    reason: str = ""
+    request_id: str = ""
+
+
+@dataclass
+class LayerNotice(Message):
+    """Producer -> consumer: the next tensor on the pair is this layer (metadata out of band)."""
+
+    CMD: ClassVar[str] = "layer"
+    request_id: str = ""
+    pair_id: str = ""
+    layer: int = 0
+    dtype: str = ""
+    shape: list = field(default_factory=list)
+
+
+@dataclass
+class Done(Message):
+    """Producer -> consumer: every layer of ``request_id`` was sent; here is the first token."""
+
+    CMD: ClassVar[str] = "done"
+    request_id: str = ""
+    pair_id: str = ""
+    first_token: int = 0
+
+
+@dataclass
+class Ack(Message):
+    """Consumer -> producer: KV landed; the producer may free the blocks."""
+
+    CMD: ClassVar[str] = "ack"
+    request_id: str = ""
+
+
+@dataclass
+class Abort(Message):
+    """Consumer -> producer: stop and drop ``request_id``."""
+
+    CMD: ClassVar[str] = "abort"
+    request_id: str = ""
+
+
+@dataclass
+class Ping(Message):
+    CMD: ClassVar[str] = "ping"
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.CMD: cls
+    for cls in (Handshake, HandshakeOk, Pull, Ok, Error, LayerNotice, Done, Ack, Abort, Ping)
+}
+
+
+def encode(msg: Message) -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, "cmd": msg.CMD, **asdict(msg)}, use_bin_type=True)
+
+
+def decode(frame: bytes) -> Message:
+    """Parse one frame; raise :class:`MessageError` on anything but a known, valid message."""
+    try:
+        raw: Any = msgpack.unpackb(frame, raw=False)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise MessageError(f"not msgpack: {e}") from e
+    if not isinstance(raw, dict):
+        raise MessageError(f"not a map: {type(raw).__name__}")
+    if raw.get("v") != PROTOCOL_VERSION:
+        raise MessageError(f"protocol version {raw.get('v')!r} != {PROTOCOL_VERSION}")
+    cls = MESSAGE_TYPES.get(raw.get("cmd"))  # type: ignore[arg-type]
+    if cls is None:
+        raise MessageError(f"unknown cmd {raw.get('cmd')!r}")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in raw:
+            raise MessageError(f"{cls.CMD}: missing field {f.name!r}")
+        kwargs[f.name] = raw[f.name]
+    return cls(**kwargs)
