@@ -1,0 +1,104 @@
+"""The data plane: one 2-rank point-to-point process group per (producer, consumer) pair.
+
+Built straight on a ``TCPStore`` (no ``init_process_group``), so one process can hold
+many pairs. gloo on CPU, NCCL when the tensors live on CUDA; the code path is the same.
+Every operation waits at most ``timeout_s``; any failure marks the pair broken (gloo
+closes a pair after a timeout) and the owner rebuilds it for the next request.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import torch
+import torch.distributed as dist
+
+from common.kv_transfer.config import PairBrokenError
+
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def backend_for(device: torch.device | str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def _make_backend(backend: str, store: dist.Store, rank: int, timeout: datetime.timedelta):
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL  # only on CUDA builds
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupNCCL(store, rank, 2, opts)
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def host_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """The rank-0 side's store on a free port; returns at once (rank 1 joins later)."""
+    return dist.TCPStore(host, 0, 2, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+class PairGroup:
+    """Rank ``rank`` of a 2-rank group. Construction blocks until the peer joins:
+    build it on a background thread, never on a serving thread."""
+
+    def __init__(self, backend: str, rank: int, store_host: str, store_port: int,
+                 timeout_s: float, store: dist.TCPStore | None = None, device: str = "cpu") -> None:
+        self.rank, self.peer, self.backend, self.timeout_s = rank, 1 - rank, backend, timeout_s
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._store = store or dist.TCPStore(store_host, store_port, 2, False, self._timeout)
+        self._device = torch.device(device)
+        self.broken = False
+        self._lock = threading.Lock()
+        try:
+            self._pg = _make_backend(backend, self._store, rank, self._timeout)
+            # One tiny round trip proves both directions work before real data flows.
+            probe = torch.zeros(1, dtype=torch.int64, device=self._device)
+            if rank == 0:
+                self.send(probe)
+            else:
+                self.recv_into(probe)
+        except Exception as e:
+            self.broken = True
+            raise PairBrokenError(f"building the {backend} pair failed: {e}") from e
+
+    def send(self, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
+        self._run(self._pg.send, tensor, timeout_s)
+
+    def recv_into(self, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
+        """Receive into ``tensor`` (contiguous, right dtype/shape) in place."""
+        self._run(self._pg.recv, tensor, timeout_s)
+
+    def _run(self, op, tensor: torch.Tensor, timeout_s: float | None) -> None:
+        if self.broken:
+            raise PairBrokenError("pair is broken; rebuild it")
+        if not tensor.is_contiguous():
+            raise ValueError("data-plane tensors must be contiguous")
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else self._timeout
+        try:
+            work = op([tensor], self.peer, 0)
+            work.wait(timeout)
+        except Exception as e:
+            self.broken = True
+            raise PairBrokenError(f"{self.backend} {op.__name__} failed: {e}") from e
+
+    def close(self) -> None:
+        """Drop the group and store; pending operations on the peer fail."""
+        self.broken = True
+        pg, self._pg = getattr(self, "_pg", None), None
+        if pg is not None and hasattr(pg, "shutdown"):
+            try:
+                pg.shutdown()
+            except Exception:  # best effort on an already-failed group
+                pass
+        self._store = None

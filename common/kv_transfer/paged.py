@@ -1,0 +1,75 @@
+"""Gather a request's blocks out of a paged KV layer and scatter them back in.
+
+A layer is ``[2, num_blocks, block_size, kv_heads, head_dim]``; a request's part is
+``layer[:, block_ids]``. Both directions take one copy; a contiguous run of block ids
+uses a slice copy instead of an index copy.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+def _as_run(block_ids: list[int]) -> slice | None:
+    if block_ids and block_ids == list(range(block_ids[0], block_ids[0] + len(block_ids))):
+        return slice(block_ids[0], block_ids[0] + len(block_ids))
+    return None
+
+
+def gather_blocks(kv_layer: torch.Tensor, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """``kv_layer[:, block_ids]`` as a contiguous tensor (into ``out`` when given)."""
+    run = _as_run(block_ids)
+    if out is None:
+        if run is not None:
+            return kv_layer[:, run].contiguous()
+        return kv_layer.index_select(1, torch.tensor(block_ids, device=kv_layer.device))
+    src = kv_layer[:, run] if run is not None else kv_layer[:, block_ids]
+    out.copy_(src)
+    return out
+
+
+def scatter_blocks(kv_layer: torch.Tensor, block_ids: list[int], src: torch.Tensor) -> None:
+    """``kv_layer[:, block_ids] = src`` in place."""
+    run = _as_run(block_ids)
+    if run is not None:
+        kv_layer[:, run].copy_(src)
+    else:
+        kv_layer.index_copy_(1, torch.tensor(block_ids, device=kv_layer.device), src)
+
+
+class StagingBuffer:
+    """One reusable byte buffer viewed as any dtype/shape; grows, never shrinks."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self._buf = torch.empty(0, dtype=torch.uint8, device=device)
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self._buf.numel() < nbytes:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8, device=self._buf.device)
+        return self._buf[:nbytes].view(dtype).view(tuple(shape))
+
+
+class ByteBudget:
+    """Bytes staged for sending; ``try_acquire`` never blocks (the engine thread calls it)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self._lock = threading.Lock()
+
+    def try_acquire(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.in_flight + nbytes > self.limit:
+                return False
+            self.in_flight += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.in_flight -= nbytes
