@@ -59,7 +59,7 @@ class ProcessSpec:
     args: tuple[str, ...]
 
 
-def process_specs(options: UpOptions, model: str) -> list[ProcessSpec]:
+def process_specs(options: UpOptions, model_args: tuple[str, ...]) -> list[ProcessSpec]:
     """The proxy, prefill and decode command lines, in start order."""
     registry = f"{LOOPBACK}:{options.registry_port}"
     return [
@@ -73,13 +73,13 @@ def process_specs(options: UpOptions, model: str) -> list[ProcessSpec]:
             "prefill", "prefill_node", options.prefill_port,
             (options.prefill_port, options.prefill_kv_port),
             ("--port", str(options.prefill_port), "--kv-port", str(options.prefill_kv_port),
-             "--proxy", registry, "--model", model),
+             "--proxy", registry, *model_args),
         ),
         ProcessSpec(
             "decode", "decode_node", options.decode_port,
             (options.decode_port, options.decode_kv_port),
             ("--port", str(options.decode_port), "--kv-port", str(options.decode_kv_port),
-             "--proxy", registry, "--model", model),
+             "--proxy", registry, *model_args),
         ),
     ]
 
@@ -172,10 +172,16 @@ def check_can_start(run_dir: Path, specs: list[ProcessSpec]) -> None:
 def start_process(spec: ProcessSpec, log_dir: Path) -> subprocess.Popen:
     """Start one detached process group whose output goes to its own log file."""
     log_path = log_dir / f"{spec.name}.log"
+    log_path.write_bytes(b"")  # this run's log only, so a failure shows its own tail
     cmd = [sys.executable, "-m", spec.module, *spec.args, "--log-file", str(log_path)]
+    # Children import the same pdserve as this launcher, whatever the working directory.
+    package_root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+    # Append mode: the process's own --log-file handler writes to the same file.
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,  # own process group: `down` signals it as a whole
         )
 
@@ -218,13 +224,14 @@ def _failure(spec: ProcessSpec, log_dir: Path, why: str) -> str:
             f"{log_tail(log_path)}")
 
 
-def resolve_model(options: UpOptions) -> str:
-    """The model directory both daemons load; generates the embedded one if needed."""
+def model_args(options: UpOptions) -> tuple[str, ...]:
+    """The daemons' model flags; generates the embedded model first when it is the one."""
     if options.model:
-        return options.model
-    from common.model.embedded import ensure_embedded_model  # heavy (torch): only here
+        return ("--model", options.model)
+    from common.model.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model  # torch: lazy
 
-    return str(ensure_embedded_model())
+    # Both daemons load this one directory under the embedded model's public name.
+    return ("--model", str(ensure_embedded_model()), "--served-model-name", EMBEDDED_MODEL_NAME)
 
 
 def up(options: UpOptions) -> dict:
@@ -236,8 +243,8 @@ def up(options: UpOptions) -> dict:
     run_dir = Path(options.run_dir)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    check_can_start(run_dir, process_specs(options, model=""))
-    specs = process_specs(options, resolve_model(options))
+    check_can_start(run_dir, process_specs(options, ()))
+    specs = process_specs(options, model_args(options))
     entries: list[dict] = []
     procs: list[subprocess.Popen] = []
     try:
@@ -316,12 +323,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def served_model_name(proxy_url: str) -> str:
+    """The first model the proxy lists (the embedded model's name if it lists none)."""
+    try:
+        with urllib.request.urlopen(f"{proxy_url}/v1/models", timeout=5) as response:
+            return json.loads(response.read())["data"][0]["id"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
+        return SERVED_MODEL_NAME
+
+
 def print_started(result: dict, run_dir: Path) -> None:
     url = result["proxy_url"]
     for entry in result["processes"]:
         print(f"pdserve: {entry['name']:<8} pid {entry['pid']:<7} port {entry['port']:<6} "
               f"log {entry['log']}")
-    body = json.dumps({"model": SERVED_MODEL_NAME, "max_tokens": 16,
+    body = json.dumps({"model": served_model_name(url), "max_tokens": 16,
                        "messages": [{"role": "user", "content": "Hello"}]})
     print(f"\nReady. OpenAI API at {url}/v1\n\n"
           f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
@@ -346,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("pdserve up: interrupted; stopped what had started", file=sys.stderr)
+        return 130
     print_started(result, args.run_dir)
     return 0
 

@@ -143,6 +143,56 @@ def test_up_refuses_while_processes_from_pids_json_live(tmp_path, sleepers):
     assert sleepers[0].poll() is None
 
 
+STUB_DAEMON = """
+import argparse, http.server, time
+parser = argparse.ArgumentParser()
+parser.add_argument("--port", type=int)
+args, _ = parser.parse_known_args()
+started = time.monotonic()
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        ready = self.path == "/ready" and time.monotonic() - started > 0.5
+        self.send_response(200 if ready or self.path == "/health" else 503)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+"""
+
+
+def test_up_waits_for_ready_prints_how_to_use_it_and_down_stops_all(tmp_path, monkeypatch,
+                                                                    capsys):
+    """The launcher's happy path against stand-ins that serve /ready after 0.5 s."""
+    (tmp_path / "stub_daemon.py").write_text(STUB_DAEMON)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    real_specs = launcher.process_specs
+    monkeypatch.setattr(launcher, "process_specs", lambda options, model_args: [
+        launcher.ProcessSpec(s.name, "stub_daemon", s.port, s.ports, s.args)
+        for s in real_specs(options, model_args)])
+    run_dir = tmp_path / "run"
+    ports = free_ports(6)
+    try:
+        assert launcher.main([*up_args(run_dir, ports), "--model", "unused"]) == 0
+        out = capsys.readouterr().out
+        entries = json.loads((run_dir / "pids.json").read_text())
+        assert [(e["name"], e["port"]) for e in entries] == list(
+            zip(("proxy", "prefill", "decode"), ports[:3]))
+        assert all(launcher.is_alive(e["pid"]) for e in entries)
+        assert f"curl -s http://127.0.0.1:{ports[0]}/v1/chat/completions" in out
+        assert '"model": "pdserve-tiny"' in out
+        assert f"pdserve down --run-dir {run_dir}" in out
+        assert all((run_dir / "logs" / f"{n}.log").exists() for n in ("proxy", "prefill", "decode"))
+
+        assert launcher.main(["down", "--run-dir", str(run_dir)]) == 0
+        assert capsys.readouterr().out.count("pdserve: stopped ") == 3
+        assert not any(launcher.is_alive(e["pid"]) for e in entries)
+    finally:
+        launcher.down(run_dir, grace=2.0, quiet=True)
+
+
 def test_up_reports_a_process_that_dies_and_stops_the_rest(tmp_path):
     """A model path that is not a model: some process exits; up names it, cleans up."""
     run_dir = tmp_path / "run"
