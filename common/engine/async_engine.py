@@ -1,0 +1,178 @@
+"""``AsyncLLMEngine``: the ``EngineClient`` the serving layer awaits, over a background engine thread.
+
+A request's life: ``generate()`` registers an asyncio queue and posts "add" to the
+command queue -> the engine thread (the only thread that touches ``LLMEngine``) drains
+commands, steps, and hands each ``RequestOutput`` to the request's queue with
+``loop.call_soon_threadsafe`` -> ``generate()`` detokenizes, applies stop strings and
+yields. Closing or cancelling the generator (client gone) posts "abort", which frees
+the request's blocks.
+
+The thread steps while there is work, polls the connector every ``POLL_INTERVAL_S``
+while sequences are parked for remote KV or held for a send, and otherwise sleeps on
+an event until a command arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+
+from common.engine.config import EngineConfig
+from common.engine.kv_connector import KVConnectorBase
+from common.engine.llm_engine import LLMEngine
+from common.engine.outputs import RequestOutput
+from common.engine.protocol import EngineStats
+from common.engine.sampling_params import SamplingParams
+from common.engine.text_stream import TextStream
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.005
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after an unexpected error; the message says which."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig, connector: KVConnectorBase | None = None):
+        self.engine = LLMEngine(config, connector)
+        self.model_name = self.engine.model_name
+        self.max_model_len = self.engine.max_model_len
+        self.tokenizer = self.engine.tokenizer
+        self.kv_layout = self.engine.kv_layout
+        self._commands: deque[tuple] = deque()  # deque append/popleft are thread-safe
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # guards _streams
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        self._stats = self.engine.stats()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: str | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the engine thread and finish every open stream with "abort"."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._fail_all_streams("abort", None)
+
+    # ---- EngineClient -------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield outputs (with ``new_text``) until one is finished; closing the generator aborts."""
+        self._check_request(prompt_token_ids, params)
+        self.start()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already running")
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        text = TextStream(self.tokenizer, prompt_token_ids, params.stop) if self.tokenizer else None
+        finished = False
+        try:
+            self._post(("add", request_id, list(prompt_token_ids), params, kv_transfer_params))
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                if text is not None:
+                    out.new_text, hit_stop = text.add(out.new_token_ids, out.finished)
+                    if hit_stop:
+                        out.finish_reason = "stop"
+                        if not finished:
+                            out.finished = finished = True
+                            self._post(("abort", request_id))
+                yield out
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._post(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        return self._stats  # a snapshot the engine thread refreshes every step
+
+    def _check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
+                f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})"
+            )
+
+    def _post(self, command: tuple) -> None:
+        self._commands.append(command)
+        self._wake.set()
+
+    # ---- the engine thread ------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            self._wake.clear()
+            self._apply_commands()
+            if engine.has_schedulable_work() or engine.has_pending_transfers():
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # noqa: BLE001 - report to every client, then stop
+                    logger.exception("engine step failed")
+                    self._dead = f"engine step failed: {e!r}"
+                    self._fail_all_streams("error", self._dead)
+                    return
+                self._stats = engine.stats()
+                self._dispatch(outputs)
+                if not engine.has_schedulable_work():
+                    self._wake.wait(POLL_INTERVAL_S)  # only transfers pending: poll, do not spin
+            else:
+                self._stats = engine.stats()
+                self._wake.wait()
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            if command[0] == "abort":
+                self.engine.abort_request(command[1])
+                continue
+            _, request_id, prompt, params, kv_transfer_params = command
+            try:
+                self.engine.add_request(request_id, prompt, params, kv_transfer_params)
+            except ValueError as e:
+                self._dispatch([RequestOutput(request_id, [], finished=True, finish_reason="error", error=str(e))])
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            targets = [(self._streams.get(out.request_id), out) for out in outputs]
+        for stream, out in targets:
+            if stream is None:
+                continue  # the client went away; its abort is on its way
+            loop, queue = stream
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:
+                pass  # the client's event loop is closed
+
+    def _fail_all_streams(self, reason: str, error: str | None) -> None:
+        with self._lock:
+            ids = list(self._streams)
+        self._dispatch([RequestOutput(rid, [], finished=True, finish_reason=reason, error=error) for rid in ids])

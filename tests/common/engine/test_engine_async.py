@@ -1,0 +1,124 @@
+"""AsyncLLMEngine on the embedded model: streaming text, stop strings, disconnects, connector polling."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from common.engine.async_engine import AsyncLLMEngine
+from common.engine.config import EngineConfig
+from common.engine.kv_connector import FinishedTransfers, KVConnectorBase
+from common.engine.sampling_params import SamplingParams
+
+
+class SlowConsumer(KVConnectorBase):
+    """Says every prompt arrives remotely; reports it received after a few polls (no KV copied)."""
+
+    def __init__(self, polls: int = 5):
+        self.polls = polls
+        self.parked: set[str] = set()
+
+    def num_external_tokens(self, seq):
+        return len(seq.prompt_token_ids)
+
+    def on_blocks_allocated(self, seq, block_ids):
+        self.parked.add(seq.request_id)
+
+    def get_finished(self):
+        if not self.parked:
+            return FinishedTransfers()
+        self.polls -= 1
+        if self.polls > 0:
+            return FinishedTransfers()
+        done, self.parked = {rid: 42 for rid in self.parked}, set()
+        return FinishedTransfers(done_recving=done)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = AsyncLLMEngine(EngineConfig(device="cpu", num_kv_blocks=64, max_num_batched_tokens=64))
+    e.start()
+    try:
+        yield e
+    finally:
+        e.shutdown()
+
+
+def collect(engine, rid, prompt, params, stop_after=None):
+    async def go():
+        outs = []
+        gen = engine.generate(rid, prompt, params)
+        async for out in gen:
+            outs.append(out)
+            if stop_after is not None and len(outs) >= stop_after:
+                break
+        await gen.aclose()
+        return outs
+
+    return asyncio.run(go())
+
+
+def wait_all_free(engine, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s.num_free_blocks == s.num_total_blocks and s.num_running == 0 and s.num_waiting == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"blocks not freed: {engine.stats()}")
+
+
+def test_stream_text_matches_sync_and_stop_strings_cut(engine):
+    prompt = engine.tokenizer.encode("def main():\n    return")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = collect(engine, "full", prompt, params)
+    tokens = [t for o in outs for t in o.new_token_ids]
+    text = "".join(o.new_text for o in outs)
+    assert outs[-1].finished and outs[-1].finish_reason == "length" and len(tokens) == 24
+    assert text == engine.tokenizer.decode(tokens)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), f"degenerate sample text {text!r}"
+    outs = collect(engine, "stopped", prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]))
+    assert "".join(o.new_text for o in outs) == text[: text.index(stop)]
+    assert outs[-1].finished and outs[-1].finish_reason == "stop"
+    wait_all_free(engine)
+
+
+def test_closing_the_stream_aborts_and_frees_blocks(engine):
+    prompt = engine.tokenizer.encode("import os")
+    outs = collect(engine, "gone", prompt, SamplingParams(max_tokens=500, ignore_eos=True), stop_after=3)
+    assert len(outs) == 3 and not outs[-1].finished
+    wait_all_free(engine)
+
+
+def test_abort_and_concurrent_requests(engine):
+    async def go():
+        async def run(rid, n):
+            return [o async for o in engine.generate(rid, [5, 6, 7, 8][:n], SamplingParams(max_tokens=400, ignore_eos=True))]
+
+        long = asyncio.create_task(run("victim", 4))
+        short = [asyncio.create_task(run(f"s{i}", i + 1)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        await engine.abort("victim")
+        return await long, await asyncio.gather(*short)
+
+    victim, shorts = asyncio.run(go())
+    assert victim[-1].finish_reason == "abort"
+    assert all(o[-1].finish_reason == "length" and o[-1].num_output_tokens == 400 for o in shorts)
+    wait_all_free(engine)
+    with pytest.raises(ValueError):
+        collect(engine, "too-long", [1] * engine.max_model_len, SamplingParams())
+
+
+def test_parked_request_resumes_when_the_connector_reports():
+    e = AsyncLLMEngine(EngineConfig(device="cpu", num_kv_blocks=16), SlowConsumer(polls=5))
+    try:
+        outs = collect(e, "remote", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        tokens = [t for o in outs for t in o.new_token_ids]
+        assert tokens[0] == 42 and len(tokens) == 4 and outs[-1].finish_reason == "length"
+        wait_all_free(e)
+    finally:
+        e.shutdown()
+    assert not e._thread.is_alive()
