@@ -1,0 +1,24 @@
+"""Moving one request's KV cache, layer by layer, from a prefill to a decode process.
+
+``KVTransferEngine`` is the entry point (one per daemon process): ``engine.producer``
+on the prefill node, ``engine.consumer`` on the decode node. See ARCHITECTURE.md
+("KV transfer") for the contract.
+"""
+
+from common.kv_transfer.config import (
+    LayoutMismatchError,
+    PairBrokenError,
+    TransferConfig,
+    TransferError,
+    TransferStats,
+)
+from common.kv_transfer.engine import KVTransferEngine
+
+__all__ = [
+    "KVTransferEngine",
+    "LayoutMismatchError",
+    "PairBrokenError",
+    "TransferConfig",
+    "TransferError",
+    "TransferStats",
+]

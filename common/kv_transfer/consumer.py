@@ -1,0 +1,272 @@
+"""Consumer side (decode node): ask a producer for a request's KV and land it in blocks.
+
+A request's life here: ``request`` (engine thread) registers it and hands it to the
+producer's link thread, which makes sure a pair exists (handshake, layout check, pair
+build), sends PULL, then for each LAYER notice receives the tensor into a staging
+buffer and scatters it into ``kv_caches[layer][:, block_ids]``. DONE carries the first
+token; the link ACKs and the request shows up in ``poll_finished``. A dead producer
+(failed receive, unanswered ping), an error from the producer or ``abort`` end it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.kv_layout import KVLayout
+from common.kv_transfer.config import PairBrokenError, TransferConfig, TransferError, TransferStats
+from common.kv_transfer.messages import Abort, Ack, Done, Error, Handshake, HandshakeOk, LayerNotice, Message, Ping, Pull
+from common.kv_transfer.p2p_group import DTYPE_NAMES, PairGroup, backend_for
+from common.kv_transfer.paged import StagingBuffer, scatter_blocks
+
+if TYPE_CHECKING:
+    from common.kv_transfer.control import ControlPlane
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Transfer:
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    kv_caches: list[torch.Tensor]
+    started: float = field(default_factory=time.monotonic)
+    layers: set[int] = field(default_factory=set)
+    nbytes: int = 0
+
+
+class _Link:
+    """Everything this consumer does with one producer, on one thread."""
+
+    def __init__(self, owner: KVConsumer, address: str) -> None:
+        self.owner, self.address = owner, address
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.transfers: dict[str, _Transfer] = {}
+        self.pair: PairGroup | None = None
+        self.pair_id = ""
+        self.staging: StagingBuffer | None = None
+        self._ping: Future | None = None
+        self._last_ping = 0.0
+        self.thread = threading.Thread(target=self._run, name=f"kv-recv-{address}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        cfg = self.owner.config
+        while True:
+            try:
+                event = self.events.get(timeout=cfg.heartbeat_s / 4)
+            except queue.Empty:
+                event = ("tick",)
+            if event is None:
+                break
+            try:
+                getattr(self, "_on_" + event[0])(*event[1:])
+                self._heartbeat()
+            except TransferError as e:
+                logger.warning("consumer: link to %s failed: %s", self.address, e)
+                self._fail_all(str(e))
+        self._close_pair()
+
+    # ---- events --------------------------------------------------------------------
+    def _on_tick(self) -> None:
+        pass
+
+    def _on_new(self, t: _Transfer) -> None:
+        if self.pair is None:
+            try:
+                self._open_pair(t.kv_caches[0].device)
+            except TransferError as e:
+                self.owner._fail(t, str(e))
+                return
+        self.transfers[t.request_id] = t
+        fut = self.owner.control.request(self.address, Pull(request_id=t.request_id, pair_id=self.pair_id,
+                                                            num_blocks=self.owner._num_blocks(t.num_tokens),
+                                                            num_tokens=t.num_tokens), self.owner.config.timeout_s)
+        fut.add_done_callback(lambda f: self.events.put(("pull_result", t.request_id, f)))
+
+    def _on_pull_result(self, request_id: str, fut: Future) -> None:
+        try:
+            reply = fut.result()
+        except TransferError as e:
+            raise TransferError(f"producer {self.address} did not answer PULL: {e}") from e
+        if isinstance(reply, Error) and request_id in self.transfers:
+            self.owner._fail(self.transfers.pop(request_id), f"producer refused: {reply.reason}")
+
+    def _on_abort(self, request_id: str) -> None:
+        if self.transfers.pop(request_id, None) is not None:
+            self.owner.control.send(self.address, Abort(request_id=request_id))
+
+    def _on_notice(self, msg: Message) -> None:
+        if isinstance(msg, Error):
+            t = self.transfers.pop(msg.request_id, None)
+            if t is not None:
+                self.owner._fail(t, f"producer: {msg.reason}")
+        elif getattr(msg, "pair_id", None) != self.pair_id or self.pair is None:
+            return  # a notice from a pair already torn down
+        elif isinstance(msg, LayerNotice):
+            self._receive_layer(msg)
+        elif isinstance(msg, Done):
+            self._finish(msg)
+
+    def _receive_layer(self, msg: LayerNotice) -> None:
+        assert self.pair is not None and self.staging is not None
+        buf = self.staging.view(DTYPE_NAMES[msg.dtype], msg.shape)
+        self.pair.recv_into(buf, self.owner.config.timeout_s)  # always: keeps the FIFO in step
+        self.owner.stats.add(bytes_received=buf.numel() * buf.element_size())
+        t = self.transfers.get(msg.request_id)
+        if t is None:
+            return  # aborted meanwhile: bytes discarded
+        ids = t.block_ids[: msg.shape[1]]
+        kv = t.kv_caches[msg.layer]
+        if tuple(msg.shape[2:]) != tuple(kv.shape[2:]) or len(ids) != msg.shape[1]:
+            self.owner._fail(self.transfers.pop(t.request_id), f"layer {msg.layer}: unexpected shape {msg.shape}")
+            return
+        scatter_blocks(kv, ids, buf)
+        t.layers.add(msg.layer)
+        t.nbytes += buf.numel() * buf.element_size()
+
+    def _finish(self, msg: Done) -> None:
+        t = self.transfers.pop(msg.request_id, None)
+        if t is None:
+            return
+        self.owner.control.send(self.address, Ack(request_id=msg.request_id))
+        missing = self.owner.layout.num_layers - len(t.layers)
+        if missing:
+            self.owner._fail(t, f"DONE with {missing} layers missing")
+        else:
+            self.owner._done(t, msg.first_token)
+
+    # ---- pair and liveness --------------------------------------------------------------
+    def _open_pair(self, device: torch.device) -> None:
+        cfg, owner = self.owner.config, self.owner
+        pair_id = uuid.uuid4().hex
+        backend = backend_for(device)
+        fut = owner.control.request(self.address, Handshake(pair_id=pair_id, layout=owner.layout.to_dict(),
+                                                            backend=backend), cfg.handshake_timeout_s)
+        try:
+            reply = fut.result(timeout=cfg.handshake_timeout_s + 1)
+        except Exception as e:
+            raise TransferError(f"producer {self.address} unreachable: {e}") from e
+        if isinstance(reply, Error):
+            raise TransferError(reply.reason)
+        if not isinstance(reply, HandshakeOk):
+            raise TransferError(f"unexpected handshake reply {reply.CMD}")
+        self.pair = PairGroup(backend, 1, reply.store_host, reply.store_port, cfg.handshake_timeout_s,
+                              device=str(device))
+        self.pair_id, self.staging = pair_id, StagingBuffer(device)
+
+    def _heartbeat(self) -> None:
+        cfg = self.owner.config
+        if self._ping is not None and self._ping.done():
+            fut, self._ping = self._ping, None
+            if fut.exception() is not None:
+                raise TransferError(f"producer {self.address} stopped answering: {fut.exception()}")
+        now = time.monotonic()
+        for t in [t for t in self.transfers.values() if now - t.started > cfg.lease_s + cfg.timeout_s]:
+            self.owner._fail(self.transfers.pop(t.request_id), "timed out waiting for the producer")
+        if self.transfers and self._ping is None and now - self._last_ping >= cfg.heartbeat_s:
+            self._last_ping = now
+            self._ping = self.owner.control.request(self.address, Ping(), cfg.timeout_s)
+
+    def _fail_all(self, reason: str) -> None:
+        for t in self.transfers.values():
+            self.owner._fail(t, reason)
+        self.transfers.clear()
+        self._close_pair()
+        self._ping = None
+
+    def _close_pair(self) -> None:
+        if self.pair is not None:
+            self.pair.close()
+        self.pair, self.pair_id = None, ""
+
+
+class KVConsumer:
+    """The consumer half of :class:`~common.kv_transfer.engine.KVTransferEngine`."""
+
+    def __init__(self, layout: KVLayout, config: TransferConfig, stats: TransferStats) -> None:
+        self.layout, self.config, self.stats = layout, config, stats
+        self.control: ControlPlane  # set by the engine once bound
+        self._lock = threading.Lock()
+        self._links: dict[str, _Link] = {}
+        self._owner_of: dict[str, _Link] = {}
+        self._finished: dict[str, int] = {}
+        self._failed: dict[str, str] = {}
+        self._closed = False
+
+    def request(self, request_id: str, prefill_addr: str, block_ids: list[int], num_tokens: int,
+                kv_caches: list[torch.Tensor]) -> None:
+        """Ask the producer at ``prefill_addr`` ("host:port") for ``request_id``'s KV and land
+        it in ``kv_caches[layer][:, block_ids]``. Returns at once; see :meth:`poll_finished`."""
+        if len(kv_caches) != self.layout.num_layers:
+            raise ValueError(f"{len(kv_caches)} KV layers, layout says {self.layout.num_layers}")
+        if len(block_ids) < self._num_blocks(num_tokens):
+            raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens")
+        t = _Transfer(request_id, list(block_ids), num_tokens, kv_caches)
+        with self._lock:
+            if self._closed:
+                raise TransferError("transfer engine closed")
+            link = self._links.get(prefill_addr)
+            if link is None:
+                link = self._links[prefill_addr] = _Link(self, prefill_addr)
+            self._owner_of[request_id] = link
+        link.events.put(("new", t))
+
+    def poll_finished(self) -> tuple[dict[str, int], dict[str, str]]:
+        """(request_id -> first token for landed transfers, request_id -> error for failed ones)."""
+        with self._lock:
+            done, failed = self._finished, self._failed
+            self._finished, self._failed = {}, {}
+        return done, failed
+
+    def abort(self, request_id: str) -> None:
+        """Stop waiting for ``request_id`` and tell its producer to drop it."""
+        with self._lock:
+            link = self._owner_of.pop(request_id, None)
+            self._finished.pop(request_id, None)
+            self._failed.pop(request_id, None)
+        if link is not None:
+            link.events.put(("abort", request_id))
+
+    def handle(self, address: str, msg: Message) -> None:
+        """Control thread: an unsolicited message from a producer."""
+        link = self._links.get(address)
+        if link is None:
+            logger.warning("consumer: %s from unknown producer %s dropped", msg.CMD, address)
+            return
+        link.events.put(("notice", msg))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            links = list(self._links.values())
+        for link in links:
+            link.events.put(None)
+        for link in links:
+            link.thread.join(timeout=self.config.handshake_timeout_s + self.config.timeout_s)
+
+    # ---- link threads --------------------------------------------------------------------
+    def _num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.layout.block_size)
+
+    def _done(self, t: _Transfer, first_token: int) -> None:
+        seconds = time.monotonic() - t.started
+        self.stats.transfer_done(seconds, t.nbytes)
+        with self._lock:
+            if self._owner_of.pop(t.request_id, None) is not None:
+                self._finished[t.request_id] = first_token
+
+    def _fail(self, t: _Transfer, reason: str) -> None:
+        self.stats.add(failures=1)
+        with self._lock:
+            if self._owner_of.pop(t.request_id, None) is not None:
+                self._failed[t.request_id] = reason

@@ -1,0 +1,49 @@
+"""One KV transfer endpoint per daemon process: control plane, pairs, producer, consumer.
+
+The prefill daemon uses ``engine.producer``, the decode daemon ``engine.consumer``; a
+process may use both. Every call the engine thread makes returns without waiting on the
+network; results are polled (``producer.poll_freeable``, ``consumer.poll_finished``).
+"""
+
+from __future__ import annotations
+
+from common.kv_layout import KVLayout
+from common.kv_transfer.config import TransferConfig, TransferStats
+from common.kv_transfer.consumer import KVConsumer
+from common.kv_transfer.control import ControlPlane, split_address
+from common.kv_transfer.messages import Message
+from common.kv_transfer.producer import KVProducer
+
+
+class KVTransferEngine:
+    """Binds a ROUTER at ``zmq_address`` ("host:port", port 0 = any free port)."""
+
+    def __init__(self, zmq_address: str, layout: KVLayout, config: TransferConfig | None = None,
+                 stats: TransferStats | None = None) -> None:
+        self.layout = layout
+        self.config = config or TransferConfig()
+        self.stats = stats or TransferStats()
+        host, _ = split_address(zmq_address)
+        self.producer = KVProducer(layout, self.config, self.stats, host)
+        self.consumer = KVConsumer(layout, self.config, self.stats)
+        self.control = ControlPlane(zmq_address, self._on_router, self._on_dealer)
+        self.producer.control = self.consumer.control = self.control
+        self.address = self.control.address
+
+    def _on_router(self, identity: bytes, msg: Message) -> None:
+        self.producer.handle(identity, msg)
+
+    def _on_dealer(self, address: str, msg: Message) -> None:
+        self.consumer.handle(address, msg)
+
+    def close(self) -> None:
+        """Stop every thread, close every pair and socket."""
+        self.consumer.close()
+        self.producer.close()
+        self.control.close()
+
+    def __enter__(self) -> KVTransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

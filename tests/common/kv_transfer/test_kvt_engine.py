@@ -1,0 +1,100 @@
+"""Two-process transfers: a producer engine in a child process, the consumer here."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from common.kv_transfer.config import TransferConfig
+from common.kv_transfer.engine import KVTransferEngine
+from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
+from kvt_peers import make_kv, peer, same_bytes
+
+P_BLOCKS = 32  # blocks in the producer's paged cache
+D_BLOCKS = 40
+
+
+def wait_finished(engine: KVTransferEngine, ids: set[str], timeout: float = 15.0):
+    done: dict[str, int] = {}
+    failed: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not ids <= (set(done) | set(failed)):
+        d, f = engine.consumer.poll_finished()
+        done.update(d)
+        failed.update(f)
+        time.sleep(0.02)
+    return done, failed
+
+
+def d_cache() -> list[torch.Tensor]:
+    return [torch.zeros(LAYOUT.layer_shape(D_BLOCKS), dtype=LAYOUT.torch_dtype) for _ in range(LAYOUT.num_layers)]
+
+
+def assert_landed(d_kv, d_ids, seed, p_ids, num_tokens):
+    n = -(-num_tokens // LAYOUT.block_size)
+    p_kv = make_kv(LAYOUT, P_BLOCKS, seed)
+    for layer in range(LAYOUT.num_layers):
+        assert same_bytes(d_kv[layer][:, d_ids[:n]], p_kv[layer][:, p_ids[:n]]), f"layer {layer}"
+
+
+def test_consumer_asks_first_layers_pushed_during_prefill(no_thread_leak):
+    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+        kv = d_cache()
+        d_ids, p_ids = [7, 3, 30, 12, 5], [9, 1, 20, 4, 17]  # non-contiguous on both sides
+        d.consumer.request("r1", p.address, d_ids, 18, kv)
+        time.sleep(0.5)  # PULL reaches P before prefill starts
+        assert p.call("prefill", "r1", 11, P_BLOCKS, p_ids, 18, 1234, True, 0.05) == "ok"
+        done, failed = wait_finished(d, {"r1"})
+        assert (done, failed) == ({"r1": 1234}, {})
+        assert_landed(kv, d_ids, 11, p_ids, 18)
+        assert p.call("freeable", 5, ["r1"]) == ["r1"]  # ACK frees P's blocks
+        stats = p.call("stats")
+        assert stats["bytes_sent"] == LAYOUT.num_layers * 5 * LAYOUT.bytes_per_block_per_layer()
+        assert d.stats.bytes_received == stats["bytes_sent"] and d.stats.transfers_received == 1
+        p.stop()
+
+
+def test_producer_finishes_first_then_consumer_asks(no_thread_leak):
+    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+        p_ids, d_ids = [4, 5, 6, 7], [10, 11, 12, 13]  # contiguous runs take the slice path
+        assert p.call("prefill", "r2", 5, P_BLOCKS, p_ids, 13, 99, True, 0.0) == "ok"
+        kv = d_cache()
+        d.consumer.request("r2", p.address, d_ids, 13, kv)
+        assert wait_finished(d, {"r2"}) == ({"r2": 99}, {})
+        assert_landed(kv, d_ids, 5, p_ids, 13)
+        assert torch.count_nonzero(kv[0][:, 14:]) == 0  # nothing written outside the blocks
+        p.stop()
+
+
+def test_many_concurrent_requests_over_one_pair(no_thread_leak):
+    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+        kv = d_cache()
+        reqs = {f"m{i}": ([i * 2, i * 2 + 1], [31 - i, i], 5 + i) for i in range(12)}
+        for rid, (d_ids, p_ids, seed) in list(reqs.items())[:6]:  # half ask first
+            d.consumer.request(rid, p.address, d_ids, 8, kv)
+        for rid, (d_ids, p_ids, seed) in reqs.items():
+            p.call("prefill", rid, seed, P_BLOCKS, p_ids, 8, seed, int(rid[1:]) % 2 == 0, 0.0)
+        for rid, (d_ids, p_ids, seed) in list(reqs.items())[6:]:
+            d.consumer.request(rid, p.address, d_ids, 8, kv)
+        done, failed = wait_finished(d, set(reqs))
+        assert failed == {} and done == {rid: seed for rid, (_, _, seed) in reqs.items()}
+        for rid, (d_ids, p_ids, seed) in reqs.items():
+            assert_landed(kv, d_ids, seed, p_ids, 8)
+        assert sorted(p.call("freeable", 5, list(reqs))) == sorted(reqs)
+        p.stop()
+
+
+def test_one_consumer_two_producers(no_thread_leak):
+    with peer(LAYOUT, FAST) as p1, peer(LAYOUT, FAST) as p2, \
+            KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+        kv = d_cache()
+        d.consumer.request("a", p1.address, [0, 1], 8, kv)
+        d.consumer.request("b", p2.address, [2, 3], 8, kv)
+        p1.call("prefill", "a", 1, P_BLOCKS, [5, 6], 8, 1, True, 0.0)
+        p2.call("prefill", "b", 2, P_BLOCKS, [5, 6], 8, 2, True, 0.0)
+        assert wait_finished(d, {"a", "b"}) == ({"a": 1, "b": 2}, {})
+        assert_landed(kv, [0, 1], 1, [5, 6], 8)
+        assert_landed(kv, [2, 3], 2, [5, 6], 8)
+        p1.stop()
+        p2.stop()
