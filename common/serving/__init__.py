@@ -1,0 +1,1 @@
+"""The OpenAI-compatible serving layer every node role uses (``build_app``)."""

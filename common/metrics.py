@@ -1,0 +1,121 @@
+"""Prometheus metrics of one node, in vLLM's meanings under the ``pdserve:`` prefix.
+
+Each :class:`NodeMetrics` owns its registry, so several nodes (or tests) in one process
+never share counters. Queue gauges are read from the engine when ``/metrics`` is scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from common.engine.protocol import EngineStats
+
+PREFIX = "pdserve:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Buckets in seconds: sub-millisecond CPU steps up to minute-long requests.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class NodeMetrics:
+    """The request, queue and KV-transfer metrics one node exports."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._stats_source: Callable[[], EngineStats] | None = None
+        labels = ["role"]
+
+        # Role-only series are created up front so a fresh node exports zeros, not nothing.
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            metric = Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+            metric.labels(role)
+            return metric
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            metric = Counter(PREFIX + name, doc, labels + list(extra), registry=self.registry)
+            if not extra:
+                metric.labels(role)
+            return metric
+
+        def gauge(name: str, doc: str) -> Gauge:
+            metric = Gauge(PREFIX + name, doc, labels, registry=self.registry)
+            metric.labels(role)
+            return metric
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time from request arrival to its first token", _LATENCY_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens", _LATENCY_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Time from request arrival to its last token", _E2E_BUCKETS
+        )
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch")
+        self.num_requests_waiting = gauge(
+            "num_requests_waiting", "Requests waiting to be scheduled (including those awaiting remote KV)"
+        )
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.request_success = counter("request_success", "Requests that finished", ("finish_reason",))
+        self.request_errors = counter("request_errors", "Requests that failed", ("kind",))
+        self.kv_transfer_seconds = histogram(
+            "kv_transfer_seconds", "Duration of one request's KV transfer", _LATENCY_BUCKETS
+        )
+        self.kv_transfer_bytes = counter("kv_transfer_bytes", "KV cache bytes moved between nodes")
+        self.kv_transfer_failures = counter("kv_transfer_failures", "KV transfers that failed or timed out")
+        self.kv_leases_expired = counter(
+            "kv_leases_expired", "Prefill KV held for a peer that never asked, freed at lease end"
+        )
+
+    def bind_engine_stats(self, source: Callable[[], EngineStats]) -> None:
+        """Read queue and KV gauges from ``source`` at every scrape."""
+        self._stats_source = source
+
+    def refresh(self) -> None:
+        if self._stats_source is None:
+            return
+        stats = self._stats_source()
+        self.num_requests_running.labels(self.role).set(stats.num_running)
+        self.num_requests_waiting.labels(self.role).set(stats.num_waiting)
+        self.kv_cache_usage_perc.labels(self.role).set(stats.kv_cache_usage)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition (gauges refreshed first)."""
+        self.refresh()
+        return generate_latest(self.registry)
+
+    # Small helpers so call sites read as what happened, not as label plumbing.
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.time_to_first_token.labels(self.role).observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.inter_token_latency.labels(self.role).observe(seconds)
+
+    def observe_generated(self, num_tokens: int) -> None:
+        self.generation_tokens.labels(self.role).inc(num_tokens)
+
+    def observe_finished(self, finish_reason: str, num_prompt_tokens: int, e2e_seconds: float) -> None:
+        self.request_success.labels(self.role, finish_reason).inc()
+        self.prompt_tokens.labels(self.role).inc(num_prompt_tokens)
+        self.e2e_request_latency.labels(self.role).observe(e2e_seconds)
+
+    def observe_error(self, kind: str) -> None:
+        self.request_errors.labels(self.role, kind).inc()
+
+    def observe_transfer(self, seconds: float, num_bytes: int) -> None:
+        self.kv_transfer_seconds.labels(self.role).observe(seconds)
+        self.kv_transfer_bytes.labels(self.role).inc(num_bytes)
+
+    def observe_transfer_failure(self) -> None:
+        self.kv_transfer_failures.labels(self.role).inc()
+
+    def observe_lease_expired(self) -> None:
+        self.kv_leases_expired.labels(self.role).inc()

@@ -1,0 +1,104 @@
+"""POST /v1/chat/completions: messages -> chat template -> token ids -> one choice."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from common.engine.outputs import RequestOutput
+from common.serving.context import ServingContext, get_context, request_id_of
+from common.serving.errors import REQUEST_ID_HEADER, OpenAIError, engine_error, openai_errors
+from common.serving.generation import GenerationRun
+from common.serving.logprobs import chat_logprobs
+from common.serving.protocol import ChatCompletionRequest
+from common.serving.streaming import ClosingStreamingResponse, sse_stream
+
+router = APIRouter()
+
+
+def chat_prompt_token_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
+    """Render the template (it adds any BOS itself), then encode without special tokens."""
+    if not body.messages:
+        raise OpenAIError("messages is empty", param="messages")
+    messages = [m.as_template_input() for m in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as exc:
+        # The tokenizer raises ChatTemplateError (a template that rejects these messages,
+        # or a model without one); either way the client sent something we cannot render.
+        if type(exc).__name__ != "ChatTemplateError":
+            raise
+        raise OpenAIError(f"cannot apply the chat template: {exc}", param="messages") from exc
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, ctx: ServingContext = Depends(get_context)
+) -> Response:
+    request_id = request_id_of(request)
+    headers = {REQUEST_ID_HEADER: request_id}
+    with openai_errors(request_id):
+        ctx.check_model(body)
+        prepared = await ctx.prepare(body, [chat_prompt_token_ids(ctx.tokenizer, body)], request)
+        run = GenerationRun(ctx, prepared)
+        formatter = _ChatChunks(ctx, request_id, body.logprobs)
+        if body.stream:
+            return ClosingStreamingResponse(sse_stream(run, formatter, body.include_usage, request_id), headers)
+        (result,) = await run.collect()
+        if result.finish_reason == "error":
+            raise engine_error(result.error)
+        logprobs = chat_logprobs(ctx.tokenizer, result.token_ids, result.logprobs) if body.logprobs else None
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": result.text},
+        "logprobs": logprobs,
+        "finish_reason": result.finish_reason,
+    }
+    reply = {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+        "choices": [choice],
+        "usage": run.usage(),
+    }
+    return JSONResponse(reply, headers=headers)
+
+
+class _ChatChunks:
+    """``chat.completion.chunk`` stream chunks: a role delta first, then content deltas."""
+
+    def __init__(self, ctx: ServingContext, request_id: str, with_logprobs: bool) -> None:
+        self.ctx = ctx
+        self.with_logprobs = with_logprobs
+        self.base = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": ctx.model_name,
+        }
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {**self.base, "choices": [choice]}
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": ""}, None)]
+
+    def delta(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
+        if not out.new_text and not (self.with_logprobs and out.new_token_ids):
+            return None
+        logprobs = None
+        if self.with_logprobs:
+            logprobs = chat_logprobs(self.ctx.tokenizer, out.new_token_ids, out.new_logprobs or [])
+        return self._chunk({"content": out.new_text}, None, logprobs)
+
+    def finish(self, index: int, finish_reason: str) -> dict[str, Any]:
+        return self._chunk({}, finish_reason)
+
+    def usage(self, usage: dict[str, int]) -> dict[str, Any]:
+        return {**self.base, "choices": [], "usage": usage}

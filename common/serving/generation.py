@@ -1,0 +1,152 @@
+"""Running a prepared request on the engine: one engine request per choice, metrics on
+every output, and an abort for every choice that is left unfinished when the consumer
+stops listening (client gone, error, server shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from common.engine.outputs import RequestOutput
+from common.serving.context import PreparedRequest, ServingContext
+
+
+@dataclass
+class ChoiceResult:
+    """Everything one choice produced, for the non-streaming reply."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+@dataclass
+class _Timing:
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+class GenerationRun:
+    """Iterate ``events()`` (streaming) or await ``collect()`` (whole reply), once."""
+
+    def __init__(self, ctx: ServingContext, prepared: PreparedRequest) -> None:
+        self.ctx = ctx
+        self.prepared = prepared
+        self.num_prompt_tokens = sum(len(p) for p in prepared.prompts)
+        self.num_output_tokens = 0
+        self._timings = [_Timing() for _ in prepared.prompts]
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_output_tokens,
+            "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
+        }
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``(choice index, output)`` pairs in arrival order until every choice finished."""
+        if len(self.prepared.prompts) == 1:
+            async with aclosing(self._choice(0)) as outputs:
+                async for out in outputs:
+                    yield 0, out
+            return
+        async for item in self._merged():
+            yield item
+
+    async def collect(self) -> list[ChoiceResult]:
+        results = [ChoiceResult(i) for i in range(len(self.prepared.prompts))]
+        async with aclosing(self.events()) as events:
+            async for index, out in events:
+                result = results[index]
+                result.token_ids.extend(out.new_token_ids)
+                result.text_parts.append(out.new_text)
+                result.logprobs.extend(out.new_logprobs or [])
+                result.num_prompt_tokens = out.num_prompt_tokens or len(self.prepared.prompts[index])
+                if out.finished:
+                    result.finish_reason = out.finish_reason
+                    result.error = out.error
+        return results
+
+    async def _choice(self, index: int) -> AsyncIterator[RequestOutput]:
+        engine, prepared = self.ctx.engine, self.prepared
+        engine_id = prepared.engine_request_id(index)
+        stream = engine.generate(engine_id, prepared.prompts[index], prepared.params, prepared.kv_transfer_params)
+        finished = False
+        try:
+            async for out in stream:
+                finished = out.finished
+                self._observe(index, out)
+                yield out
+                if finished:
+                    return
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            if not finished:
+                await engine.abort(engine_id)
+                self.ctx.metrics.observe_error("aborted")
+
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Several choices run concurrently; their outputs interleave as they come."""
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async with aclosing(self._choice(index)) as outputs:
+                    async for out in outputs:
+                        queue.put_nowait((index, out))
+                queue.put_nowait((index, None))
+            except Exception as exc:  # re-raised in the consumer, which owns error handling
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.prepared.prompts))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _observe(self, index: int, out: RequestOutput) -> None:
+        metrics, timing, now = self.ctx.metrics, self._timings[index], time.monotonic()
+        num_new = len(out.new_token_ids)
+        if num_new:
+            if timing.first_token_at is None:
+                timing.first_token_at = now
+                metrics.observe_first_token(now - self.prepared.arrival_time)
+                num_gaps = num_new - 1
+            else:
+                num_gaps = num_new
+            if num_gaps and timing.last_token_at is not None:
+                for _ in range(num_gaps):
+                    metrics.observe_inter_token((now - timing.last_token_at) / num_gaps)
+            timing.last_token_at = now
+            metrics.observe_generated(num_new)
+            self.num_output_tokens += num_new
+        if out.finished:
+            if out.finish_reason == "error":
+                metrics.observe_error("engine")
+            else:
+                num_prompt = out.num_prompt_tokens or len(self.prepared.prompts[index])
+                metrics.observe_finished(out.finish_reason or "stop", num_prompt, now - self.prepared.arrival_time)

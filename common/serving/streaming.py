@@ -1,0 +1,90 @@
+"""Server-sent events for streaming replies, with a guaranteed abort on disconnect.
+
+Every stream ends with ``data: [DONE]``. Starlette stops iterating a body when the
+client goes away but does not promise to close the generator at once; the response
+here closes it itself, so the ``finally`` that aborts engine requests always runs
+before the response is done.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any, Protocol
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from common.engine.outputs import RequestOutput
+from common.serving.errors import engine_error, internal_error
+from common.serving.generation import GenerationRun
+
+logger = logging.getLogger(__name__)
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+def sse_event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A ``text/event-stream`` response that always closes its body generator."""
+
+    def __init__(self, content: Any, headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.headers["Cache-Control"] = "no-cache"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+class ChunkFormatter(Protocol):
+    """How one endpoint (completions, chat) shapes its stream chunks."""
+
+    def opening(self) -> list[dict[str, Any]]: ...
+
+    def delta(self, index: int, out: RequestOutput) -> dict[str, Any] | None: ...
+
+    def finish(self, index: int, finish_reason: str) -> dict[str, Any]: ...
+
+    def usage(self, usage: dict[str, int]) -> dict[str, Any]: ...
+
+
+async def sse_stream(
+    run: GenerationRun, formatter: ChunkFormatter, include_usage: bool, request_id: str
+) -> AsyncIterator[str]:
+    """Opening chunks, a chunk per output, a finish chunk per choice, usage, ``[DONE]``.
+
+    An engine error or an unexpected exception becomes one ``data: {"error": ...}`` event;
+    closing the generator early (client gone) closes ``run.events()``, which aborts.
+    """
+    failed = False
+    try:
+        for chunk in formatter.opening():
+            yield sse_event(chunk)
+        async with aclosing(run.events()) as events:
+            async for index, out in events:
+                if out.finish_reason == "error":
+                    yield sse_event(engine_error(out.error).body())
+                    failed = True
+                    break
+                chunk = formatter.delta(index, out)
+                if chunk is not None:
+                    yield sse_event(chunk)
+                if out.finished:
+                    yield sse_event(formatter.finish(index, out.finish_reason or "stop"))
+        if include_usage and not failed:
+            yield sse_event(formatter.usage(run.usage()))
+    except Exception:
+        logger.exception("stream failed (request id %s)", request_id)
+        run.ctx.metrics.observe_error("internal")
+        yield sse_event(internal_error(request_id).body())
+    yield DONE_EVENT

@@ -1,0 +1,166 @@
+"""/v1/completions and /v1/chat/completions over a scripted engine: forms, usage, bad input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from serving_fakes import CharTokenizer, FakeEngine
+
+from common.config import NodeConfig
+from common.metrics import NodeMetrics
+from common.serving.app import build_app
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def client(engine: FakeEngine) -> TestClient:
+    app = build_app(engine, CharTokenizer(), NodeConfig(), NodeMetrics("both"))
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def _complete(client: TestClient, **body: Any) -> Any:
+    return client.post("/v1/completions", json={"model": "fake-model", **body})
+
+
+def test_string_prompt_usage_and_text(client: TestClient, engine: FakeEngine) -> None:
+    reply = _complete(client, prompt="hi", max_tokens=3, temperature=0)
+    assert reply.status_code == 200
+    data = reply.json()
+    assert data["object"] == "text_completion" and data["model"] == "fake-model"
+    assert data["choices"] == [{"index": 0, "text": "abc", "logprobs": None, "finish_reason": "length"}]
+    assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert engine.calls[0].prompt_token_ids == [1, ord("h"), ord("i")]
+    assert engine.calls[0].params.greedy
+
+
+def test_default_max_tokens_is_16(client: TestClient) -> None:
+    assert _complete(client, prompt="hi").json()["usage"]["completion_tokens"] == 16
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected_prompts"),
+    [
+        (["ab", "c"], [[1, 97, 98], [1, 99]]),
+        ([5, 6, 7], [[5, 6, 7]]),
+        ([[5, 6], [7]], [[5, 6], [7]]),
+    ],
+)
+def test_prompt_forms_give_one_choice_per_prompt(
+    client: TestClient, engine: FakeEngine, prompt: Any, expected_prompts: list[list[int]]
+) -> None:
+    data = _complete(client, prompt=prompt, max_tokens=2).json()
+    assert [c["index"] for c in data["choices"]] == list(range(len(expected_prompts)))
+    assert all(c["text"] == "ab" for c in data["choices"])
+    assert sorted(call.prompt_token_ids for call in engine.calls) == sorted(expected_prompts)
+    n_prompt = sum(len(p) for p in expected_prompts)
+    assert data["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 2 * len(expected_prompts),
+                             "total_tokens": n_prompt + 2 * len(expected_prompts)}
+
+
+def test_sampling_fields_reach_the_engine(client: TestClient, engine: FakeEngine) -> None:
+    body = dict(prompt="x", max_tokens=2, temperature=0.7, top_p=0.9, top_k=5, seed=3, stop="zz",
+                stop_token_ids=[9], ignore_eos=True, user="someone")
+    assert _complete(client, **body).status_code == 200
+    params = engine.calls[0].params
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.7, 0.9, 5, 3)
+    assert (params.stop, params.stop_token_ids, params.ignore_eos) == (["zz"], [9], True)
+
+
+def test_logprobs(client: TestClient) -> None:
+    data = _complete(client, prompt="x", max_tokens=2, logprobs=1).json()
+    logprobs = data["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["a", "b"] and logprobs["token_logprobs"] == [-0.5, -0.5]
+    assert logprobs["top_logprobs"][0] == {"a": -0.5, "b": -1.5} and logprobs["text_offset"] == [0, 1]
+
+
+def test_chat_completion(client: TestClient, engine: FakeEngine) -> None:
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    reply = client.post("/v1/chat/completions", json={"messages": messages, "max_completion_tokens": 2,
+                                                      "logprobs": True, "top_logprobs": 1})
+    assert reply.status_code == 200
+    data = reply.json()
+    assert data["object"] == "chat.completion"
+    assert data["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+    assert data["choices"][0]["logprobs"]["content"][0]["token"] == "a"
+    expected = list(b"<system>s\n<user>hi\n<assistant>")  # add_special_tokens=False: no BOS
+    assert engine.calls[0].prompt_token_ids == expected
+    assert data["usage"]["prompt_tokens"] == len(expected)
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "x", "temperature": 3.0}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_k": -5}, "top_k"),
+    ({"prompt": "x", "model": "gpt-4"}, "model"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": [5, 999]}, "prompt"),
+    ({"prompt": [True]}, "prompt"),
+    ({"prompt": "x" * 60, "max_tokens": 10}, "max_tokens"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS)
+def test_bad_completion_gets_400_and_server_keeps_serving(client: TestClient, body: dict, param: str) -> None:
+    reply = client.post("/v1/completions", json=body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["message"]
+    assert _complete(client, prompt="ok", max_tokens=1).status_code == 200
+
+
+def test_error_messages_say_what_is_wrong(client: TestClient) -> None:
+    too_long = _complete(client, prompt="x" * 60, max_tokens=10).json()["error"]["message"]
+    assert "64" in too_long and "61" in too_long and "10" in too_long
+    unknown = _complete(client, prompt="x", model="gpt-4").json()["error"]["message"]
+    assert "gpt-4" in unknown and "fake-model" in unknown
+
+
+@pytest.mark.parametrize(
+    "raw", [b"{not json", b"[1, 2]", b'{"messages": "hi"}', b'{"messages": [{"role": "alien", "content": "x"}]}']
+)
+def test_malformed_chat_bodies_get_400(client: TestClient, raw: bytes) -> None:
+    reply = client.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_chat_template_error_and_empty_messages_get_400(client: TestClient) -> None:
+    tool = client.post("/v1/chat/completions", json={"messages": [{"role": "tool", "content": "x"}]})
+    assert tool.status_code == 400 and "chat template" in tool.json()["error"]["message"]
+    empty = client.post("/v1/chat/completions", json={"messages": []})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
+
+
+def test_engine_error_is_502_with_its_message(engine: FakeEngine, client: TestClient) -> None:
+    engine.error = "KV transfer from 10.0.0.1:14579 timed out"
+    reply = _complete(client, prompt="x", max_tokens=4)
+    assert reply.status_code == 502
+    assert reply.json()["error"]["message"] == "KV transfer from 10.0.0.1:14579 timed out"
+
+
+def test_unexpected_exception_is_500_without_traceback(engine: FakeEngine, client: TestClient) -> None:
+    def explode(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("secret internals")
+
+    engine.generate = explode  # type: ignore[method-assign]
+    reply = client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "req-500"})
+    assert reply.status_code == 500
+    assert "secret" not in reply.text and "Traceback" not in reply.text
+    assert "req-500" in reply.json()["error"]["message"]
+    assert reply.headers["X-Request-Id"] == "req-500"
