@@ -1,0 +1,83 @@
+"""The proxy's one configuration object (CLI flags > PDSERVE_* env > TOML file)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from common.registry_client import RegistrationMessage
+
+
+class ProxyConfig(BaseModel):
+    """Everything the proxy process reads at start."""
+
+    model_config = {"extra": "forbid"}
+
+    host: str = Field("127.0.0.1", description="Address the OpenAI HTTP server binds.")
+    port: int = Field(10001, ge=0, le=65535, description="Port of the OpenAI HTTP server.")
+    registry_host: str = Field("127.0.0.1", description="Address the ZMQ registration ROUTER binds.")
+    registry_port: int = Field(
+        30001, ge=0, le=65535, description="Port of the ZMQ registration ROUTER (0 picks a free port)."
+    )
+    policy: Literal["round_robin", "least_loaded"] = Field(
+        "round_robin", description="How a prefill node and a decode node are each chosen."
+    )
+    dispatch: Literal["concurrent", "prefill_first"] = Field(
+        "concurrent",
+        description="Send both legs at once, or wait for the prefill leg first (vLLM's order).",
+    )
+    heartbeat_timeout_s: float = Field(
+        6.0, gt=0, description="A node silent this long is evicted (about three 2 s heartbeats)."
+    )
+    sweep_interval_s: float = Field(1.0, gt=0, description="How often silent nodes are looked for.")
+    static_prefill: list[str] = Field(
+        default_factory=list,
+        description="Prefill nodes that need no registration: 'HTTP_HOST:PORT@KV_HOST:PORT[@MODEL[@FINGERPRINT]]'.",
+    )
+    static_decode: list[str] = Field(
+        default_factory=list,
+        description="Decode nodes that need no registration, same format as static_prefill.",
+    )
+    api_key: str | None = Field(None, description="If set, clients must send 'Authorization: Bearer KEY'.")
+    connect_timeout_s: float = Field(5.0, gt=0, description="Opening a connection to a node.")
+    prefill_timeout_s: float = Field(300.0, gt=0, description="The whole prefill leg.")
+    first_token_timeout_s: float = Field(
+        300.0, gt=0, description="From dispatch to the decode node's first bytes."
+    )
+    total_timeout_s: float = Field(3600.0, gt=0, description="A whole request, stream included.")
+    max_connections: int = Field(1000, gt=0, description="Pooled connections to all nodes together.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_file: str | None = Field(None, description="Also write logs to this file.")
+
+    @field_validator("static_prefill", "static_decode")
+    @classmethod
+    def _check_entries(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            parse_static_node(entry, "P")
+        return value
+
+    def static_nodes(self) -> list[RegistrationMessage]:
+        """The static node lists as registration messages."""
+        return [parse_static_node(e, "P") for e in self.static_prefill] + [
+            parse_static_node(e, "D") for e in self.static_decode
+        ]
+
+
+def parse_static_node(entry: str, node_type: str) -> RegistrationMessage:
+    """'HTTP_HOST:PORT@KV_HOST:PORT[@MODEL[@FINGERPRINT]]' -> a registration message."""
+    parts = [p.strip() for p in entry.split("@")]
+    if not 2 <= len(parts) <= 4 or not all(_is_host_port(p) for p in parts[:2]):
+        raise ValueError(
+            f"static node {entry!r}: expected 'HTTP_HOST:PORT@KV_HOST:PORT[@MODEL[@FINGERPRINT]]'"
+        )
+    model = parts[2] if len(parts) > 2 and parts[2] else None
+    fingerprint = parts[3] if len(parts) > 3 and parts[3] else None
+    return RegistrationMessage(
+        type=node_type, http_address=parts[0], zmq_address=parts[1], model=model, kv_fingerprint=fingerprint
+    )
+
+
+def _is_host_port(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit()

@@ -1,0 +1,150 @@
+"""Fake prefill/decode nodes and a uvicorn-in-a-thread server for the proxy tests.
+
+A fake node is a tiny FastAPI app that records what it received (headers, body,
+arrival and finish times, whether the caller went away) and answers as its
+``behavior`` says: status, delay, SSE chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from starlette.responses import Response, StreamingResponse
+
+SSE_CHUNKS = [
+    b'data: {"id":"x","object":"text_completion","choices":[{"index":0,"text":"Hel"}]}\n\n',
+    b'data: {"id":"x","object":"text_completion","choices":[{"index":0,"text":"lo \\u00e9"}]}\n\n',
+    b'data: {"id":"x","object":"text_completion","choices":[{"index":0,"text":"!","finish_reason":"stop"}]}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+@dataclass
+class Seen:
+    request_id: str | None
+    body: dict
+    arrived: float
+    finished: float | None = None
+    cancelled: bool = False
+
+
+@dataclass
+class Behavior:
+    status: int = 200
+    delay_s: float = 0.0  # before answering (P: the whole leg; D: before the first chunk)
+    chunk_delay_s: float = 0.0
+    chunks: list[bytes] = field(default_factory=lambda: list(SSE_CHUNKS))
+    error_body: bytes = b'{"error":{"message":"fake failure","type":"server_error","param":null,"code":500}}'
+
+
+class FakeNode:
+    """A fake node; ``role`` is 'P' or 'D'."""
+
+    def __init__(self, role: str, name: str = "fake"):
+        self.role, self.name = role, name
+        self.behavior = Behavior()
+        self.seen: list[Seen] = []
+        self.app = self._build()
+
+    def _build(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/v1/completions")
+        @app.post("/v1/chat/completions")
+        async def complete(request: Request) -> Response:
+            seen = Seen(request.headers.get("x-request-id"), json.loads(await request.body()), time.monotonic())
+            self.seen.append(seen)
+            b = self.behavior
+            if await _sleep_unless_gone(request, b.delay_s):
+                seen.cancelled = True
+                return Response(status_code=499)
+            if b.status != 200:
+                seen.finished = time.monotonic()
+                return Response(b.error_body, status_code=b.status, media_type="application/json")
+            if seen.body.get("stream"):
+                return StreamingResponse(self._stream(seen), media_type="text/event-stream")
+            seen.finished = time.monotonic()
+            return Response(self._json(seen), media_type="application/json")
+
+        return app
+
+    def _json(self, seen: Seen) -> bytes:
+        return json.dumps({"id": seen.request_id, "object": "text_completion", "node": self.name,
+                           "choices": [{"index": 0, "text": "Hello", "finish_reason": "stop"}]}).encode()
+
+    async def _stream(self, seen: Seen):
+        try:
+            for chunk in self.behavior.chunks:
+                yield chunk
+                await asyncio.sleep(self.behavior.chunk_delay_s)
+            seen.finished = time.monotonic()
+        except asyncio.CancelledError:
+            seen.cancelled = True
+            raise
+
+
+async def _sleep_unless_gone(request: Request, seconds: float) -> bool:
+    """Sleep, polling for the caller's disconnect; True when it went away."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if await request.is_disconnected():
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+class ServerThread:
+    """A real uvicorn server on a free loopback port, in a daemon thread."""
+
+    def __init__(self, app, port: int = 0):
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                                lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float = 5.0, step: float = 0.01) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()
