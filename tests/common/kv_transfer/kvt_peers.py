@@ -58,8 +58,10 @@ def serve_engine(conn, layout: dict, config: dict, address: str = "127.0.0.1:0")
             conn.send("ok")
         elif cmd == "freeable":
             deadline = time.monotonic() + args[0]
-            while time.monotonic() < deadline and not set(args[1]) <= freeable:
+            while True:  # polling is what enforces leases, so poll at least once
                 freeable |= engine.producer.poll_freeable()
+                if time.monotonic() >= deadline or (args[1] and set(args[1]) <= freeable):
+                    break
                 time.sleep(0.02)
             conn.send(sorted(freeable))
         elif cmd == "request":

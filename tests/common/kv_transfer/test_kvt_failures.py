@@ -1,0 +1,149 @@
+"""Failure cases, each across real processes: dead peers, leases, aborts, refusals, garbage."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import zmq
+
+from common.kv_transfer.config import TransferConfig
+from common.kv_transfer.engine import KVTransferEngine
+from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
+from kvt_peers import Peer, make_kv, peer, same_bytes
+from test_kvt_engine import P_BLOCKS, assert_landed, d_cache, wait_finished
+
+
+def _wait(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_producer_killed_mid_transfer_fails_fast_then_restarted_producer_works(no_thread_leak):
+    p = Peer(LAYOUT, FAST)
+    try:
+        with KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+            kv = d_cache()
+            d.consumer.request("r1", p.address, [0, 1, 2], 12, kv)
+            time.sleep(0.4)
+            p.conn.send(("prefill", "r1", 1, P_BLOCKS, [3, 4, 5], 12, 7, True, 0.4))
+            assert _wait(lambda: d.stats.bytes_received > 0, 10)
+            p.kill()
+            t0 = time.monotonic()
+            done, failed = wait_finished(d, {"r1"}, timeout=10)
+            assert done == {} and "r1" in failed
+            assert time.monotonic() - t0 < FAST["timeout_s"] + 1.5, failed
+            # Same address, new process: the consumer reconnects and builds a new pair.
+            p = Peer(LAYOUT, FAST, address=p.address)
+            d.consumer.request("r2", p.address, [6, 7], 8, kv)
+            p.call("prefill", "r2", 2, P_BLOCKS, [1, 2], 8, 8, True, 0.0)
+            assert wait_finished(d, {"r2"}) == ({"r2": 8}, {})
+            assert_landed(kv, [6, 7], 2, [1, 2], 8)
+            p.stop()
+    finally:
+        p.kill()
+
+
+def test_consumer_killed_mid_transfer_frees_producer_blocks(no_thread_leak):
+    cfg = TransferConfig(**FAST)
+    with KVTransferEngine("127.0.0.1:0", LAYOUT, cfg) as prod:
+        p_kv = make_kv(LAYOUT, P_BLOCKS, 3)
+        with peer(LAYOUT, FAST) as d:
+            d.call("request", "r1", prod.address, [0, 1], 8, 4)
+            assert _wait(lambda: "r1" in prod.producer._requests, 5)
+            prod.producer.save_layer("r1", 0, p_kv[0], [1, 2])
+            assert _wait(lambda: prod.stats.bytes_sent > 0, 5)
+            d.kill()
+            for layer in range(1, LAYOUT.num_layers):
+                prod.producer.save_layer("r1", layer, p_kv[layer], [1, 2])
+            prod.producer.finish("r1", 5, p_kv, [1, 2], 8)
+            t0 = time.monotonic()
+            freed: set[str] = set()
+            assert _wait(lambda: "r1" in (freed.update(prod.producer.poll_freeable()) or freed), 10)
+            assert time.monotonic() - t0 < FAST["timeout_s"] + 1.5
+            assert prod.stats.failures == 1 and prod.producer._budget.in_flight == 0
+        with peer(LAYOUT, FAST) as d2:  # a new consumer gets a fresh pair
+            prod.producer.finish("r2", 6, p_kv, [3, 4], 8)
+            d2.call("request", "r2", prod.address, [0, 1], 8, 4)
+            assert d2.call("poll", 10, ["r2"]) == ({"r2": 6}, {})
+            got = d2.call("fetch", "r2")
+            assert all(same_bytes(got[i][:, [0, 1]], p_kv[i][:, [3, 4]]) for i in range(LAYOUT.num_layers))
+            d2.stop()
+
+
+def test_lease_expiry_frees_and_late_consumer_gets_an_error(no_thread_leak):
+    with peer(LAYOUT, dict(FAST, lease_s=0.5)) as p, \
+            KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+        p.call("prefill", "late", 1, P_BLOCKS, [0, 1], 8, 3, True, 0.0)
+        assert p.call("freeable", 5, ["late"]) == ["late"]
+        assert p.call("stats")["leases_expired"] == 1
+        d.consumer.request("late", p.address, [0, 1], 8, d_cache())
+        done, failed = wait_finished(d, {"late"})
+        assert done == {} and "lease expired" in failed["late"]
+        p.stop()
+
+
+def test_pull_for_a_request_the_producer_never_runs_expires(no_thread_leak):
+    with peer(LAYOUT, dict(FAST, lease_s=0.5)) as p, \
+            KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+        d.consumer.request("ghost", p.address, [0, 1], 8, d_cache())
+        time.sleep(0.7)
+        p.call("freeable", 0.3, [])  # the producer's engine loop polls, which enforces leases
+        done, failed = wait_finished(d, {"ghost"})
+        assert done == {} and "lease expired" in failed["ghost"]
+        p.stop()
+
+
+def test_consumer_abort_drops_request_at_producer(no_thread_leak):
+    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+        d.consumer.request("ab", p.address, [0, 1], 8, d_cache())
+        time.sleep(0.4)
+        d.consumer.abort("ab")
+        time.sleep(0.3)
+        p.call("prefill", "ab", 1, P_BLOCKS, [0, 1], 8, 3, True, 0.0)
+        assert p.call("freeable", 5, ["ab"]) == ["ab"]  # freed at finish, nothing sent
+        assert d.consumer.poll_finished() == ({}, {})
+        # the pair still works for the next request
+        kv = d_cache()
+        d.consumer.request("ok", p.address, [2, 3], 8, kv)
+        p.call("prefill", "ok", 4, P_BLOCKS, [5, 9], 8, 4, True, 0.0)
+        assert wait_finished(d, {"ok"}) == ({"ok": 4}, {})
+        assert_landed(kv, [2, 3], 4, [5, 9], 8)
+        p.stop()
+
+
+def test_layout_mismatch_refused_at_handshake_naming_differences(no_thread_leak):
+    other = dataclasses.replace(LAYOUT, num_kv_heads=4, head_dim=8, dtype="float16")
+    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", other, TransferConfig(**FAST)) as d:
+        kv = [torch.zeros(other.layer_shape(4), dtype=other.torch_dtype) for _ in range(other.num_layers)]
+        d.consumer.request("mm", p.address, [0, 1], 8, kv)
+        done, failed = wait_finished(d, {"mm"})
+        assert done == {}
+        msg = failed["mm"]
+        assert "layout mismatch" in msg and "num_kv_heads: 2 != 4" in msg
+        assert "head_dim: 16 != 8" in msg and "dtype: bfloat16 != float16" in msg
+        p.stop()
+
+
+def test_garbage_control_frames_dropped_engine_keeps_serving(no_thread_leak):
+    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+        ctx = zmq.Context()
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        try:
+            raw.connect(f"tcp://{p.address}")
+            for frame in (b"junk", b"\x81\xa3cmd\xa4nope", b"\x83\xa1v\x01\xa3cmd\xa3ack\xa2id\x00"):
+                raw.send(frame)
+        finally:
+            raw.close()
+            ctx.term()
+        kv = d_cache()
+        d.consumer.request("g", p.address, [0], 4, kv)
+        p.call("prefill", "g", 9, P_BLOCKS, [3], 4, 1, True, 0.0)
+        assert wait_finished(d, {"g"}) == ({"g": 1}, {})
+        p.stop()
