@@ -127,10 +127,14 @@ class ServiceRegistry:
     def _bind(self, ctx: zmq.Context) -> zmq.Socket:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        if self.port == 0:
-            self.port = sock.bind_to_random_port(zmq_endpoint(self.host))
-        else:
-            sock.bind(zmq_endpoint(self.address))
+        try:
+            if self.port == 0:
+                self.port = sock.bind_to_random_port(zmq_endpoint(self.host))
+            else:
+                sock.bind(zmq_endpoint(self.address))
+        except zmq.ZMQError:
+            sock.close()  # else ctx.term() waits for it forever
+            raise
         return sock
 
     def _run(self) -> None:

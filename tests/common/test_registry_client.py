@@ -1,0 +1,96 @@
+"""The registration message and the Heartbeater against a real ROUTER (restarted midway)."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from common.registry_client import (PROTOCOL_VERSION, Heartbeater, RegistrationError, RegistrationMessage,
+                                    decode, encode)
+
+
+def test_round_trip_and_minimal_vllm_map():
+    msg = RegistrationMessage("P", "h:1", "h:2", model="m", kv_fingerprint="f", version=1, num_running=2)
+    assert decode(encode(msg)) == msg
+    plain = RegistrationMessage("D", "h:1", "h:2")
+    assert msgpack.unpackb(encode(plain)) == {"type": "D", "http_address": "h:1", "zmq_address": "h:2",
+                                              "num_running": 0, "num_waiting": 0}
+    # vLLM's own three-key map, and unknown keys from a newer sender, both parse.
+    assert decode(msgpack.packb({"type": "P", "http_address": "a:1", "zmq_address": "a:2", "future": 1})).model is None
+
+
+@pytest.mark.parametrize("frame", [
+    b"\xc1",
+    msgpack.packb([1]),
+    msgpack.packb({"type": "Q", "http_address": "a:1", "zmq_address": "a:2"}),
+    msgpack.packb({"type": "P", "http_address": "a:1"}),
+])
+def test_bad_frames_raise(frame):
+    with pytest.raises(RegistrationError):
+        decode(frame)
+
+
+def _router(port: int | None = None) -> tuple[zmq.Context, zmq.Socket, int]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if port is None:
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+    else:
+        sock.bind(f"tcp://127.0.0.1:{port}")
+    return ctx, sock, port
+
+
+def _recv(sock: zmq.Socket, timeout_s: float = 3.0) -> RegistrationMessage:
+    assert sock.poll(int(timeout_s * 1000)), "no heartbeat arrived"
+    return decode(sock.recv_multipart()[-1])
+
+
+def test_heartbeater_sends_at_once_then_every_interval_and_survives_restart():
+    ctx, sock, port = _router()
+    load = {"n": 0}
+
+    def info() -> dict:
+        load["n"] += 1
+        return {"type": "D", "http_address": "h:1", "zmq_address": "h:2", "model": "m", "num_running": load["n"]}
+
+    beat = Heartbeater(f"127.0.0.1:{port}", info, interval_s=0.1)
+    started = time.monotonic()
+    beat.start()
+    try:
+        first = _recv(sock)
+        assert time.monotonic() - started < 1.0
+        assert first.version == PROTOCOL_VERSION and first.heartbeat_interval_s == 0.1 and first.model == "m"
+        assert _recv(sock).num_running > first.num_running  # info() is called for every beat
+        sock.close()
+        ctx.term()
+        time.sleep(0.3)  # the proxy is down; beats are dropped, the thread lives
+        ctx, sock, _ = _router(port)
+        assert _recv(sock).type == "D"
+    finally:
+        beat.stop()
+        sock.close()
+        ctx.term()
+
+
+def test_heartbeater_survives_a_failing_info():
+    ctx, sock, port = _router()
+    calls = {"n": 0}
+
+    def info() -> dict:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("engine not ready")
+        return {"type": "P", "http_address": "h:1", "zmq_address": "h:2"}
+
+    beat = Heartbeater(f"127.0.0.1:{port}", info, interval_s=0.05)
+    beat.start()
+    try:
+        assert _recv(sock).type == "P"
+    finally:
+        beat.stop()
+        sock.close()
+        ctx.term()

@@ -1,0 +1,80 @@
+"""Pair choice: round-robin, least-loaded, compatibility, and the errors when none fits."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from common.registry_client import RegistrationMessage
+from proxy.errors import ModelNotFound, NoNodeAvailable
+from proxy.registry import ServiceRegistry
+from proxy.routing import Router
+
+
+def node(kind: str, port: int, model: str | None = "m", fp: str | None = "fp", **load) -> RegistrationMessage:
+    return RegistrationMessage(kind, f"127.0.0.1:{port}", f"127.0.0.1:{port + 1000}", model=model,
+                               kv_fingerprint=fp, **load)
+
+
+def router_with(*nodes: RegistrationMessage, policy: str = "round_robin") -> Router:
+    registry = ServiceRegistry(port=0)  # never started: the table is enough here
+    for n in nodes:
+        registry.register(n)
+    return Router(registry, policy)
+
+
+def test_round_robin_alternates_each_role_independently():
+    r = router_with(node("P", 1), node("P", 2), node("D", 11), node("D", 12), node("D", 13))
+    pairs = [r.pick("m") for _ in range(6)]
+    assert Counter(p.prefill.http_address for p in pairs) == {"127.0.0.1:1": 3, "127.0.0.1:2": 3}
+    assert Counter(p.decode.http_address for p in pairs) == {f"127.0.0.1:{i}": 2 for i in (11, 12, 13)}
+
+
+def test_least_loaded_uses_heartbeat_load_then_inflight():
+    r = router_with(node("P", 1, num_running=4), node("P", 2, num_waiting=1),
+                    node("D", 11, num_running=1), node("D", 12, num_running=1, num_free_blocks=50),
+                    policy="least_loaded")
+    first = r.pick("m")
+    assert first.prefill.http_address == "127.0.0.1:2"
+    assert first.decode.http_address == "127.0.0.1:12"  # equal load: more free KV blocks wins
+    r.begin(first)  # in flight now: the next pick sees it before any heartbeat does
+    second = r.pick("m")
+    assert second.decode.http_address == "127.0.0.1:11"
+    r.end(first)
+    assert r.pick("m").decode.http_address == "127.0.0.1:12"
+
+
+def test_incompatible_fingerprints_are_never_paired():
+    r = router_with(node("P", 1, fp="A"), node("P", 2, fp="B"), node("D", 11, fp="B"))
+    for _ in range(5):
+        assert r.pick("m").prefill.http_address == "127.0.0.1:2"
+    r2 = router_with(node("P", 1, fp="A"), node("D", 11, fp="B"))
+    with pytest.raises(NoNodeAvailable, match="no compatible prefill/decode pair"):
+        r2.pick("m")
+    assert not r2.has_pair()
+
+
+def test_vllm_format_nodes_pair_only_with_each_other():
+    r = router_with(node("P", 1, model=None, fp=None), node("D", 11, model=None, fp=None), node("D", 12))
+    for _ in range(4):
+        assert r.pick("anything").decode.http_address == "127.0.0.1:11"
+
+
+def test_model_selects_nodes():
+    r = router_with(node("P", 1, model="a"), node("D", 11, model="a"), node("P", 2, model="b"),
+                    node("D", 12, model="b"))
+    assert r.pick("b").decode.http_address == "127.0.0.1:12"
+    assert r.models() == ["a", "b"]
+    with pytest.raises(ModelNotFound):
+        r.pick("c")
+
+
+def test_no_nodes_messages():
+    with pytest.raises(NoNodeAvailable, match="no prefill node"):
+        router_with(node("D", 11)).pick("m")
+    with pytest.raises(NoNodeAvailable, match="no decode node"):
+        router_with(node("P", 1)).pick("m")
+    r = router_with(node("P", 1), node("D", 11))
+    with pytest.raises(NoNodeAvailable, match="besides ones that just failed"):
+        r.pick("m", frozenset({"127.0.0.1:1"}))
