@@ -37,7 +37,7 @@ class AttentionPlan:
     block_size: int
     num_tokens: int
     decode_token_idx: torch.Tensor | None = None  # None with decode-only batches: all tokens
-    decode_block_ids: torch.Tensor | None = None  # [B, blocks]
+    decode_block_ids: torch.Tensor | None = None  # [B * blocks], row-major: sequence, then block
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, blocks * block_size]
     prefills: list[PrefillSlice] = field(default_factory=list)
 
@@ -55,7 +55,8 @@ def build_plan(meta: AttentionMetadata, group: int, device: torch.device) -> Att
         lens = [meta.seq_lens[i] for i in decode_rows]
         num_blocks = -(-max(lens) // bs)
         rows = torch.tensor(decode_rows, device=device)
-        plan.decode_block_ids = block_tables[rows, :num_blocks] if len(decode_rows) < meta.num_seqs else block_tables[:, :num_blocks]
+        tables = block_tables[rows] if len(decode_rows) < meta.num_seqs else block_tables
+        plan.decode_block_ids = tables[:, :num_blocks].flatten()
         seq_lens = torch.tensor(lens, device=device)
         plan.decode_mask = (torch.arange(num_blocks * bs, device=device) < seq_lens[:, None])[:, None, None, :]
         if len(decode_rows) < meta.num_seqs:
@@ -111,18 +112,24 @@ def paged_attention(
     return out
 
 
+def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # index_select on each contiguous half: one row copy per block (advanced indexing
+    # over kv_cache[:, ids] was 10-50x slower on CPU).
+    return kv_cache[0].index_select(0, block_ids), kv_cache[1].index_select(0, block_ids)
+
+
 def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    kv = kv_cache[:, block_ids].flatten(1, 2)[:, :seq_len]  # [2, seq_len, kv_heads, d]
-    return kv[0], kv[1]
+    k, v = _gather_blocks(kv_cache, block_ids)  # [blocks, bs, kv_heads, d]
+    return k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len]
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
     """One query token per sequence; returns [B, heads, d]."""
     b, heads, d = q.shape
     kv_heads = kv_cache.shape[-2]
-    kv = kv_cache[:, plan.decode_block_ids].flatten(2, 3)  # [2, B, L, kv_heads, d]
-    keys = kv[0].transpose(1, 2).to(q.dtype)  # [B, kv_heads, L, d]
-    values = kv[1].transpose(1, 2).to(q.dtype)
+    k, v = _gather_blocks(kv_cache, plan.decode_block_ids)  # [B * blocks, bs, kv_heads, d]
+    keys = k.view(b, -1, kv_heads, d).transpose(1, 2).to(q.dtype)  # [B, kv_heads, L, d]
+    values = v.view(b, -1, kv_heads, d).transpose(1, 2).to(q.dtype)
     qs = q.view(b, kv_heads, heads // kv_heads, d)  # the group's heads share one key row
     o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=plan.decode_mask, scale=scale)
     return o.view(b, heads, d)

@@ -58,7 +58,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half rotary embedding with a cos/sin table precomputed for every position."""
+    """Rotate-half rotary embedding: a cos/sin table for every position, shared by all layers."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
@@ -78,13 +78,14 @@ class RotaryEmbedding(nn.Module):
         """Recompute the table on ``device`` (it is not in the checkpoint, so meta-built models need this)."""
         self.cos_sin = self._table(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` [n, heads, d] and ``k`` [n, kv_heads, d] by their token positions."""
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [n, 1, d / 2] for the tokens at ``positions``; see ``apply_rotary``."""
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [n, heads, d] (first half / second half pairs), computing in float32."""
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return out.to(x.dtype)

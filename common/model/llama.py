@@ -8,6 +8,7 @@ loader where each checkpoint tensor goes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -15,7 +16,17 @@ from torch import nn
 from common.model.attention import AttentionPlan, build_plan, paged_attention, write_kv
 from common.model.attention_metadata import AttentionMetadata
 from common.model.config import ModelConfig
-from common.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from common.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+
+
+@dataclass
+class StepInputs:
+    """What every layer of one forward shares: the attention plan, cache slots, rotary angles."""
+
+    plan: AttentionPlan
+    slots: torch.Tensor  # [n] flat cache slot of each new token
+    cos: torch.Tensor  # [n, 1, head_dim / 2]
+    sin: torch.Tensor
 
 
 class Attention(nn.Module):
@@ -32,7 +43,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary = RotaryEmbedding(d, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
         self.bind_weight_loaders()
 
     def bind_weight_loaders(self) -> None:
@@ -45,9 +55,7 @@ class Attention(nn.Module):
         offset = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard]
         param.data[offset : offset + loaded.shape[0]].copy_(loaded)
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, slots: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, step: StepInputs) -> torch.Tensor:
         n = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -55,9 +63,9 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        write_kv(kv_cache, k, v, slots)
-        return self.o_proj(paged_attention(q, k, v, kv_cache, plan, self.scale))
+        q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
+        write_kv(kv_cache, k, v, step.slots)
+        return self.o_proj(paged_attention(q, k, v, kv_cache, step.plan, self.scale))
 
 
 class DecoderLayer(nn.Module):
@@ -68,10 +76,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, slots: torch.Tensor
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, plan, slots)
+    def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), kv_cache, step)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -81,6 +87,9 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
 
 
 class CausalLM(nn.Module):
@@ -113,7 +122,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.bind_weight_loaders()
             layer.mlp.bind_weight_loaders()
-            layer.self_attn.rotary.reset_table(device)
+        self.model.rotary_emb.reset_table(device)
 
     def forward(
         self,
@@ -129,11 +138,12 @@ class CausalLM(nn.Module):
         ``on_layer_done(i, kv_caches[i])`` runs once that layer's KV is in the cache.
         """
         group = self.config.num_heads // self.config.num_kv_heads
-        plan = build_plan(attn_metadata, group, input_ids.device)
-        slots = attn_metadata.slot_mapping.to(input_ids.device)
+        device = input_ids.device
+        cos, sin = self.model.rotary_emb(positions)
+        step = StepInputs(build_plan(attn_metadata, group, device), attn_metadata.slot_mapping.to(device), cos, sin)
         hidden = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
-            hidden = layer(positions, hidden, kv_caches[i], plan, slots)
+            hidden = layer(hidden, kv_caches[i], step)
             if on_layer_done is not None:
                 on_layer_done(i, kv_caches[i])
         return self.model.norm(hidden)

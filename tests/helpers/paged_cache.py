@@ -7,6 +7,7 @@ scattered (non-contiguous, reversed) block ids.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +31,13 @@ class PagedCache:
         cfg = model.config
         self.model = model
         self.block_size = block_size
-        layout = cfg.kv_layout(block_size, "float32")
-        self.kv_caches = [torch.zeros(layout.layer_shape(num_blocks)) for _ in range(cfg.num_layers)]
+        weight = model.lm_head.weight
+        self.device = weight.device
+        layout = cfg.kv_layout(block_size, str(weight.dtype).removeprefix("torch."))
+        self.kv_caches = [
+            torch.zeros(layout.layer_shape(num_blocks), dtype=weight.dtype, device=self.device)
+            for _ in range(cfg.num_layers)
+        ]
         self.free = list(range(num_blocks - 1, 0, -1))  # handed out high ids first; block 0 unused
 
     def new_seq(self, token_ids: list[int]) -> PagedSeq:
@@ -39,7 +45,7 @@ class PagedCache:
         blocks = [self.free.pop(i % 2 - 1) for i in range(blocks_needed)]  # alternate ends: scattered
         return PagedSeq(list(token_ids), blocks)
 
-    def step(self, work: list[tuple[PagedSeq, int]]) -> None:
+    def step(self, work: list[tuple[PagedSeq, int]], on_layer_done: Callable[[int, torch.Tensor], None] | None = None) -> None:
         """One forward: each ``(seq, n)`` computes its next ``n`` uncached tokens; logits are appended."""
         ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
         for seq, n in work:
@@ -53,13 +59,14 @@ class PagedCache:
         width = max(len(seq.block_ids) for seq, _ in work)
         tables = torch.tensor([seq.block_ids + [0] * (width - len(seq.block_ids)) for seq, _ in work])
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots), query_lens=query_lens, seq_lens=seq_lens,
-            block_tables=tables, block_size=self.block_size,
+            slot_mapping=torch.tensor(slots, device=self.device), query_lens=query_lens, seq_lens=seq_lens,
+            block_tables=tables.to(self.device), block_size=self.block_size,
         )
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)
+        ids_t = torch.tensor(ids, device=self.device)
+        hidden = self.model(ids_t, torch.tensor(positions, device=self.device), self.kv_caches, meta, on_layer_done)
         logits = self.model.compute_logits(hidden)
         offset = 0
         for seq, n in work:
-            seq.outputs.extend(logits[offset : offset + n])
+            seq.outputs.extend(logits[offset : offset + n].cpu())
             seq.num_cached += n
             offset += n

@@ -76,3 +76,18 @@ def test_mixed_batch_matches_transformers(models):
         cache.step([(s, 1) for s in seqs if s.num_cached < len(s.token_ids)])
     for s in seqs:
         assert_close(torch.stack(s.outputs), reference_logits(hf, s.token_ids))
+
+
+def test_on_layer_done_sees_each_layers_new_kv(models):
+    ours, _ = models
+    cache = PagedCache(ours)
+    seq = cache.new_seq(prompt(9, 5))
+    seen: list[tuple[int, bool]] = []
+    slot = seq.block_ids[8 // cache.block_size] * cache.block_size + 8 % cache.block_size
+
+    def on_layer_done(i: int, kv: torch.Tensor) -> None:
+        written = kv.view(2, -1, *kv.shape[-2:])[:, slot].abs().sum().item() > 0
+        seen.append((i, kv is cache.kv_caches[i] and written))
+
+    cache.step([(seq, 9)], on_layer_done)
+    assert seen == [(i, True) for i in range(ours.config.num_layers)]
