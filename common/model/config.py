@@ -82,6 +82,9 @@ class ModelConfig:
             raise ModelFilesError(f"model directory {directory} does not exist")
         raw = read_json(directory, "config.json")
         architecture = _architecture(raw, directory)
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r} in {directory / 'config.json'}; pdserve supports silu")
         generation = {}
         if (directory / "generation_config.json").is_file():
             generation = read_json(directory, "generation_config.json")
