@@ -23,6 +23,8 @@ def chat_prompt_token_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[i
     """Render the template (it adds any BOS itself), then encode without special tokens."""
     if not body.messages:
         raise OpenAIError("messages is empty", param="messages")
+    if tokenizer is None:
+        raise OpenAIError("this model has no tokenizer, so no chat template; use /v1/completions", param="messages")
     messages = [m.as_template_input() for m in body.messages]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -32,6 +32,8 @@ def prompt_token_ids(tokenizer: Any, prompt: Prompt) -> list[list[int]]:
         if isinstance(item, str):
             if not item:
                 raise OpenAIError("prompt is empty", param="prompt")
+            if tokenizer is None:
+                raise OpenAIError("this model has no tokenizer; send the prompt as token ids", param="prompt")
             prompts.append(list(tokenizer.encode(item, add_special_tokens=True)))
         else:
             prompts.append(list(item))

@@ -21,6 +21,7 @@ from fastapi import Request
 from common.config import NodeConfig
 from common.engine.protocol import EngineClient
 from common.engine.sampling_params import SamplingParams, SamplingParamsError
+from common.logging_setup import current_request_id
 from common.metrics import NodeMetrics
 from common.request_id import Tags, parse_tags
 from common.serving.errors import REQUEST_ID_HEADER, OpenAIError
@@ -135,14 +136,12 @@ class ServingContext:
 
 def request_id_of(request: Request) -> str:
     """The client's ``X-Request-Id`` exactly as received, else a fresh ``cmpl-<uuid hex>``."""
-    received = request.headers.get(REQUEST_ID_HEADER)
-    if received:
-        return received
-    cached = getattr(request.state, "pdserve_request_id", None)
-    if cached is None:
-        cached = f"cmpl-{uuid.uuid4().hex}"
-        request.state.pdserve_request_id = cached
-    return cached
+    request_id = getattr(request.state, "pdserve_request_id", None)
+    if request_id is None:
+        request_id = request.headers.get(REQUEST_ID_HEADER) or f"cmpl-{uuid.uuid4().hex}"
+        request.state.pdserve_request_id = request_id
+        current_request_id.set(request_id)  # log lines of this request carry it
+    return request_id
 
 
 def get_context(request: Request) -> ServingContext:

@@ -1,0 +1,59 @@
+"""``pdserve``: one console script, a subcommand per process.
+
+    pdserve serve|prefill|decode|proxy [flags]   one process (see ``pdserve <cmd> --help``)
+    pdserve up|down                              the three on loopback, and stop them
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+
+# command -> (module, what it starts); each module's ``main(argv)`` parses its own flags.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("common.node", "a colocated node (prefill and decode in one process): the baseline"),
+    "prefill": ("prefill_node.__main__", "a prefill daemon"),
+    "decode": ("decode_node.__main__", "a decode daemon"),
+    "proxy": ("proxy.__main__", "the proxy: OpenAI front, registry, P/D pairing"),
+    "up": ("common.launcher", "proxy + prefill + decode on loopback with the embedded model"),
+    "down": ("common.launcher", "stop what 'pdserve up' started"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: pdserve <command> [flags]   (pdserve <command> --help for its flags)", "", "commands:"]
+    lines += [f"  {name:<9} {what}" for name, (_, what) in COMMANDS.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _entry(command: str) -> Callable[[list[str]], None]:
+    module_name = COMMANDS[command][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not module_name.startswith(exc.name):
+            raise  # a dependency of the module is missing: show the real error
+        sys.exit(f"pdserve {command}: not available in this build ({module_name} is missing)")
+    if command == "serve":
+        return lambda rest: module.main(rest, role="both")
+    if module_name == "common.launcher":
+        return lambda rest: module.main([command, *rest])
+    return module.main
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Dispatch ``pdserve <command> [flags]``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        sys.stdout.write(usage())
+        return
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        sys.stderr.write(f"pdserve: error: unknown command '{command}' (choose from {', '.join(COMMANDS)})\n")
+        sys.exit(2)
+    _entry(command)(rest)
+
+
+if __name__ == "__main__":
+    main()

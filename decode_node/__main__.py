@@ -1,0 +1,13 @@
+"""``python -m decode_node`` / ``pdserve decode``: a decode daemon (same flags)."""
+
+from __future__ import annotations
+
+from common.node import main as node_main
+
+
+def main(argv: list[str] | None = None) -> None:
+    node_main(argv, role="decode")
+
+
+if __name__ == "__main__":
+    main()
