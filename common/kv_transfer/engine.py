@@ -16,15 +16,18 @@ from common.kv_transfer.producer import KVProducer
 
 
 class KVTransferEngine:
-    """Binds a ROUTER at ``zmq_address`` ("host:port", port 0 = any free port)."""
+    """Binds a ROUTER at ``zmq_address`` ("host:port", port 0 = any free port).
+
+    ``device`` is where this process's KV cache lives ("cpu" -> gloo pairs, "cuda:N" -> NCCL).
+    """
 
     def __init__(self, zmq_address: str, layout: KVLayout, config: TransferConfig | None = None,
-                 stats: TransferStats | None = None) -> None:
+                 stats: TransferStats | None = None, device: str = "cpu") -> None:
         self.layout = layout
         self.config = config or TransferConfig()
         self.stats = stats or TransferStats()
         host, _ = split_address(zmq_address)
-        self.producer = KVProducer(layout, self.config, self.stats, host)
+        self.producer = KVProducer(layout, self.config, self.stats, host, device)
         self.consumer = KVConsumer(layout, self.config, self.stats)
         self.control = ControlPlane(zmq_address, self._on_router, self._on_dealer)
         self.producer.control = self.consumer.control = self.control

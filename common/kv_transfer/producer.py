@@ -24,7 +24,7 @@ import torch
 from common.kv_layout import KVLayout
 from common.kv_transfer.config import PairBrokenError, TransferConfig, TransferStats
 from common.kv_transfer.messages import Abort, Ack, Done, Error, Handshake, HandshakeOk, LayerNotice, Message, Ok, Ping, Pull
-from common.kv_transfer.p2p_group import PairGroup, dtype_name, host_store
+from common.kv_transfer.p2p_group import PairGroup, backend_for, dtype_name, host_store
 from common.kv_transfer.paged import ByteBudget, StagingBuffer, gather_blocks
 
 if TYPE_CHECKING:
@@ -63,8 +63,10 @@ class _Link:
 class KVProducer:
     """The producer half of :class:`~common.kv_transfer.engine.KVTransferEngine`."""
 
-    def __init__(self, layout: KVLayout, config: TransferConfig, stats: TransferStats, host: str) -> None:
+    def __init__(self, layout: KVLayout, config: TransferConfig, stats: TransferStats, host: str,
+                 device: str = "cpu") -> None:
         self.layout, self.config, self.stats, self._host = layout, config, stats, host
+        self.device = device  # where the KV cache lives: picks gloo or NCCL for the pairs
         self.control: ControlPlane | None = None  # set by the engine once bound
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
@@ -134,6 +136,8 @@ class KVProducer:
             self._reply(identity, Error(id=msg.id, reason=f"bad layout in handshake: {e}"))
             return
         diff = self.layout.diff(theirs)
+        if msg.backend != backend_for(self.device):
+            diff.append(f"backend: {backend_for(self.device)} != {msg.backend}")
         if diff:
             reason = "KV layout mismatch (producer vs consumer): " + "; ".join(diff)
             self._reply(identity, Error(id=msg.id, reason=reason))
@@ -220,9 +224,10 @@ class KVProducer:
 
     # ---- sender thread (one per pair) -------------------------------------------------
     def _run_link(self, link: _Link, store, backend: str) -> None:
-        staging = StagingBuffer()
+        staging = StagingBuffer(self.device)
         try:
-            link.pair = PairGroup(backend, 0, self._host, store.port, self.config.handshake_timeout_s, store=store)
+            link.pair = PairGroup(backend, 0, self._host, store.port, self.config.handshake_timeout_s, store=store,
+                                  device=self.device)
             while True:
                 job = link.jobs.get()
                 if job is None:

@@ -37,9 +37,11 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def serve_engine(conn, layout: dict, config: dict, address: str = "127.0.0.1:0") -> None:
+def serve_engine(conn, layout: dict, config: dict, address: str = "127.0.0.1:0", device: str = "cpu") -> None:
     kvl = KVLayout.from_dict(layout)
-    engine = KVTransferEngine(address, kvl, TransferConfig(**config))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    engine = KVTransferEngine(address, kvl, TransferConfig(**config), device=device)
     conn.send(engine.address)
     freeable: set[str] = set()
     caches: dict[str, list[torch.Tensor]] = {}
@@ -49,7 +51,7 @@ def serve_engine(conn, layout: dict, config: dict, address: str = "127.0.0.1:0")
         cmd, *args = conn.recv()
         if cmd == "prefill":
             rid, seed, num_blocks, block_ids, num_tokens, first_token, save, delay = args
-            kv = make_kv(kvl, num_blocks, seed)
+            kv = [t.to(device) for t in make_kv(kvl, num_blocks, seed)]
             for layer in range(kvl.num_layers):
                 time.sleep(delay)
                 if save:
@@ -66,7 +68,7 @@ def serve_engine(conn, layout: dict, config: dict, address: str = "127.0.0.1:0")
             conn.send(sorted(freeable))
         elif cmd == "request":
             rid, addr, block_ids, num_tokens, num_blocks = args
-            caches[rid] = [torch.zeros(kvl.layer_shape(num_blocks), dtype=kvl.torch_dtype)
+            caches[rid] = [torch.zeros(kvl.layer_shape(num_blocks), dtype=kvl.torch_dtype, device=device)
                            for _ in range(kvl.num_layers)]
             engine.consumer.request(rid, addr, block_ids, num_tokens, caches[rid])
             conn.send("ok")
@@ -79,7 +81,7 @@ def serve_engine(conn, layout: dict, config: dict, address: str = "127.0.0.1:0")
                 time.sleep(0.02)
             conn.send((dict(done), dict(failed)))
         elif cmd == "fetch":
-            conn.send(caches[args[0]])
+            conn.send([t.cpu() for t in caches[args[0]]])
         elif cmd == "stats":
             conn.send(engine.stats.snapshot())
         elif cmd == "stop":
@@ -91,10 +93,10 @@ def serve_engine(conn, layout: dict, config: dict, address: str = "127.0.0.1:0")
 class Peer:
     """Parent-side handle of a ``serve_engine`` child."""
 
-    def __init__(self, layout: KVLayout, config: dict, address: str = "127.0.0.1:0") -> None:
+    def __init__(self, layout: KVLayout, config: dict, address: str = "127.0.0.1:0", device: str = "cpu") -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve_engine, args=(child, layout.to_dict(), config, address), daemon=True)
+        self.proc = ctx.Process(target=serve_engine, args=(child, layout.to_dict(), config, address, device), daemon=True)
         self.proc.start()
         if not self.conn.poll(30):
             self.kill()
@@ -121,8 +123,8 @@ class Peer:
 
 
 @contextmanager
-def peer(layout: KVLayout, config: dict, address: str = "127.0.0.1:0"):
-    p = Peer(layout, config, address)
+def peer(layout: KVLayout, config: dict, address: str = "127.0.0.1:0", device: str = "cpu"):
+    p = Peer(layout, config, address, device)
     try:
         yield p
     finally:
