@@ -9,6 +9,8 @@ ends any stream still open with "abort".
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,10 +84,36 @@ def run_node(
         server = uvicorn.Server(
             uvicorn.Config(app, host=config.host, port=config.port, log_config=None, timeout_graceful_shutdown=30)
         )
-        server.run()
+        _serve_until_signal(server)
     finally:
         engine.shutdown()
         logger.info("stopped")
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived; uvicorn already drained, now the engine may stop."""
+
+
+def _serve_until_signal(server: uvicorn.Server) -> None:
+    """Run uvicorn; return normally after a graceful SIGTERM / SIGINT.
+
+    uvicorn re-raises the signal it caught once it has drained; with the default SIGTERM
+    action that would kill the process before the engine is shut down, so a handler of
+    ours turns it into an exception here.
+    """
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise _Terminated()
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
+    try:
+        server.run()
+    except (_Terminated, KeyboardInterrupt):
+        logger.info("signal received; in-flight requests drained")
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _build(
