@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from common.engine.outputs import RequestOutput
 from common.serving.context import PreparedRequest, ServingContext
+from common.serving.errors import OpenAIError
 
 
 @dataclass
@@ -83,19 +84,24 @@ class GenerationRun:
         engine, prepared = self.ctx.engine, self.prepared
         engine_id = prepared.engine_request_id(index)
         stream = engine.generate(engine_id, prepared.prompts[index], prepared.params, prepared.kv_transfer_params)
-        finished = False
+        outputs = _refusals_as_400(stream)
+        finished = refused = False
         try:
-            async for out in stream:
+            async for out in outputs:
                 finished = out.finished
                 self._observe(index, out)
                 yield out
                 if finished:
                     return
+        except OpenAIError:
+            refused = True  # never admitted: aborting would hit another request with this id
+            raise
         finally:
+            await outputs.aclose()
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
-            if not finished:
+            if not finished and not refused:
                 await engine.abort(engine_id)
                 self.ctx.metrics.observe_error("aborted")
 
@@ -150,3 +156,18 @@ class GenerationRun:
             else:
                 num_prompt = out.num_prompt_tokens or len(self.prepared.prompts[index])
                 metrics.observe_finished(out.finish_reason or "stop", num_prompt, now - self.prepared.arrival_time)
+
+
+async def _refusals_as_400(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """The engine refuses a request (duplicate id, prompt too long) with ValueError on its
+    first step; that is the client's request, not a server fault."""
+    iterator = aiter(stream)
+    try:
+        first = await anext(iterator)
+    except StopAsyncIteration:
+        return
+    except ValueError as exc:
+        raise OpenAIError(f"the engine refused the request: {exc}") from exc
+    yield first
+    async for out in iterator:
+        yield out

@@ -18,7 +18,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from common.engine.outputs import RequestOutput
-from common.serving.errors import engine_error, internal_error
+from common.serving.errors import OpenAIError, engine_error, internal_error
 from common.serving.generation import GenerationRun
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,9 @@ async def sse_stream(
                     yield sse_event(formatter.finish(index, out.finish_reason or "stop"))
         if include_usage and not failed:
             yield sse_event(formatter.usage(run.usage()))
+    except OpenAIError as exc:
+        run.ctx.metrics.observe_error("invalid_request")
+        yield sse_event(exc.body())
     except Exception:
         logger.exception("stream failed (request id %s)", request_id)
         run.ctx.metrics.observe_error("internal")

@@ -71,6 +71,8 @@ class FakeEngine:
         kv_transfer_params: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.calls.append(GenerateCall(request_id, list(prompt_token_ids), params, kv_transfer_params))
+        if request_id in self.running:  # as AsyncLLMEngine does
+            raise ValueError(f"request id {request_id!r} is already running")
         self.running.add(request_id)
         try:
             for i in range(params.max_tokens):

@@ -126,3 +126,14 @@ def test_client_disconnect_aborts_the_request(
     text = httpx.get(url + "/metrics").text
     assert 'pdserve:num_requests_running{role="both"} 0.0' in text
     assert 'pdserve:request_errors_total{kind="aborted",role="both"} 1.0' in text
+
+
+def test_engine_refusal_is_a_400_not_a_500(engine: FakeEngine, client: TestClient) -> None:
+    engine.running.add("dup")  # the id is already running in the engine
+    headers = {"X-Request-Id": "dup"}
+    reply = client.post("/v1/completions", json={"prompt": "x"}, headers=headers)
+    assert reply.status_code == 400 and "already running" in reply.json()["error"]["message"]
+    streamed = client.post("/v1/completions", json={"prompt": "x", "stream": True}, headers=headers)
+    (event,) = _events(streamed.text)
+    assert "already running" in event["error"]["message"]
+    assert engine.aborted == [] and "dup" in engine.running  # the running request was left alone
