@@ -122,3 +122,11 @@ def test_parked_request_resumes_when_the_connector_reports():
     finally:
         e.shutdown()
     assert not e._thread.is_alive()
+
+
+def test_idle_engine_thread_sleeps(engine):
+    collect(engine, "warm", [5, 6], SamplingParams(max_tokens=2))
+    time.sleep(0.05)
+    before = time.process_time()
+    time.sleep(0.5)
+    assert time.process_time() - before < 0.1  # a busy loop would burn ~0.5 s of CPU
