@@ -31,27 +31,20 @@ def make_prompts(n: int, vocab: int, seed: int = 0, lo: int = 24, hi: int = 64) 
     return [[rng.randrange(4, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def best_of(fn, repeats: int) -> float:
-    """Fastest wall time of ``repeats`` runs (after one warm-up), in seconds."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def best_of_interleaved(fns, repeats: int) -> list[float]:
+    """Fastest wall time (s) of each function over ``repeats`` alternating rounds, after a warm-up.
+
+    Alternating and keeping the minimum makes the comparison fair on a shared, noisy machine.
+    """
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def ours(path, prompts, max_tokens: int, repeats: int, device: str) -> float:
-    engine = LLMEngine(EngineConfig(model=str(path), device=device, max_num_seqs=64))
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return best_of(lambda: engine.generate(prompts, params), repeats)
-
-
-def ours_ttft(path, prompt, repeats: int, device: str) -> float:
-    engine = LLMEngine(EngineConfig(model=str(path), device=device))
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    return best_of(lambda: engine.generate([prompt], params), repeats)
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
 
 
 def hf_model(path, device: str):
@@ -75,7 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     if args.threads:
@@ -83,15 +76,22 @@ def main() -> None:
     path = ensure_embedded_model()
     vocab = 2048
     model = hf_model(path, args.device)
+    engine = LLMEngine(EngineConfig(model=str(path), device=args.device, max_num_seqs=64))
     n, rows = args.max_tokens, []
+    greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     for conc in (1, 16):
         prompts = make_prompts(conc, vocab, seed=conc)
-        t_ours = ours(path, prompts, n, args.repeats, args.device)
-        t_hf = best_of(lambda: hf_generate(model, prompts, n, args.device), args.repeats)
+        t_ours, t_hf = best_of_interleaved(
+            [lambda: engine.generate(prompts, greedy), lambda: hf_generate(model, prompts, n, args.device)],
+            args.repeats,
+        )
         rows.append((f"output tokens/s, concurrency {conc}", conc * n / t_ours, conc * n / t_hf))
     long_prompt = make_prompts(1, vocab, seed=512, lo=512, hi=512)
-    t_ours = ours_ttft(path, long_prompt[0], args.repeats + 1, args.device)
-    t_hf = best_of(lambda: hf_generate(model, long_prompt, 1, args.device), args.repeats + 1)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    t_ours, t_hf = best_of_interleaved(
+        [lambda: engine.generate(long_prompt, one), lambda: hf_generate(model, long_prompt, 1, args.device)],
+        args.repeats + 2,
+    )
     rows.append(("TTFT ms, 512-token prompt (lower is better)", t_ours * 1e3, t_hf * 1e3))
 
     print(f"\nembedded model, {args.device}, torch threads {torch.get_num_threads()}, max_tokens {n}\n")

@@ -21,7 +21,8 @@ from common.engine.protocol import EngineStats
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.sequence import Sequence
-from common.kv_layout import KVLayout
+from common.kv_layout import DTYPES, KVLayout
+from common.model.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
 from common.model.loader import load_model
 
 
@@ -31,9 +32,9 @@ class LLMEngine:
         self.connector = connector or KVConnectorBase()
         self.device = config.resolved_device()
         dtype = config.resolved_dtype()
-        model_dir = Path(config.model) if config.model else _embedded_model_dir()
-        model, self.model_config = load_model(model_dir, self.device, KVLayout(1, 1, 1, 1, dtype).torch_dtype)
-        self.model_name = config.served_model_name or (model_dir.name if config.model else "pdserve-tiny")
+        model_dir = Path(config.model) if config.model else Path(ensure_embedded_model())
+        model, self.model_config = load_model(model_dir, self.device, DTYPES[dtype])
+        self.model_name = config.served_model_name or (model_dir.name if config.model else EMBEDDED_MODEL_NAME)
         self.tokenizer = _load_tokenizer(model_dir)
         self.kv_layout: KVLayout = self.model_config.kv_layout(config.block_size, dtype)
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
@@ -184,12 +185,6 @@ class LLMEngine:
                 if out.request_id in tokens:
                     tokens[out.request_id] += out.new_token_ids
         return [tokens[rid] for rid in ids]
-
-
-def _embedded_model_dir() -> Path:
-    from common.model.embedded import ensure_embedded_model
-
-    return Path(ensure_embedded_model())
 
 
 def _load_tokenizer(model_dir: Path):
