@@ -1,6 +1,6 @@
 """The proxy's FastAPI app: the OpenAI routes users call, plus health, readiness, metrics.
 
-``build_app`` wires the pieces; its lifespan owns the one pooled ``httpx.AsyncClient``
+``build_app`` wires the pieces; its lifespan owns the one pooled httpx transport
 and the registry's listener thread, so nothing outlives the app.
 """
 
@@ -11,7 +11,6 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
@@ -22,6 +21,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.registry import ServiceRegistry
 from proxy.relay import Dispatcher
 from proxy.routing import Router
+from proxy.transport import PooledTransport
 
 
 def registry_from_config(config: ProxyConfig) -> ServiceRegistry:
@@ -42,13 +42,9 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=config.max_connections,
-                              max_keepalive_connections=config.max_connections)
-        # Phase deadlines are enforced per leg (proxy.legs); httpx only bounds the connect.
-        timeout = httpx.Timeout(None, connect=config.connect_timeout_s)
         registry.start()
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-            app.state.dispatcher = Dispatcher(Legs(client, config, metrics), router, config, metrics)
+        async with PooledTransport(max_idle_per_origin=config.max_idle_connections) as transport:
+            app.state.dispatcher = Dispatcher(Legs(transport, config, metrics), router, config, metrics)
             try:
                 yield
             finally:

@@ -46,7 +46,7 @@ class ProxyConfig(BaseModel):
         300.0, gt=0, description="From dispatch to the decode node's first bytes."
     )
     total_timeout_s: float = Field(3600.0, gt=0, description="A whole request, stream included.")
-    max_connections: int = Field(1000, gt=0, description="Pooled connections to all nodes together.")
+    max_idle_connections: int = Field(256, gt=0, description="Keep-alive connections kept open to each node.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_file: str | None = Field(None, description="Also write logs to this file.")
 

@@ -31,6 +31,7 @@ class Seen:
     request_id: str | None
     body: dict
     arrived: float
+    client_port: int = 0  # tells pooled (reused) connections from new ones
     finished: float | None = None
     cancelled: bool = False
 
@@ -59,7 +60,8 @@ class FakeNode:
         @app.post("/v1/completions")
         @app.post("/v1/chat/completions")
         async def complete(request: Request) -> Response:
-            seen = Seen(request.headers.get("x-request-id"), json.loads(await request.body()), time.monotonic())
+            seen = Seen(request.headers.get("x-request-id"), json.loads(await request.body()), time.monotonic(),
+                        request.client.port)
             self.seen.append(seen)
             b = self.behavior
             if await _sleep_unless_gone(request, b.delay_s):
