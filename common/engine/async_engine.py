@@ -8,8 +8,8 @@ yields. Closing or cancelling the generator (client gone) posts "abort", which f
 the request's blocks.
 
 The thread steps while there is work, polls the connector every ``POLL_INTERVAL_S``
-while sequences are parked for remote KV or held for a send, and otherwise sleeps on
-an event until a command arrives.
+while sequences are parked for remote KV or held for a send (or when nothing can run
+until they release blocks), and otherwise sleeps on an event until a command arrives.
 """
 
 from __future__ import annotations
@@ -142,8 +142,9 @@ class AsyncLLMEngine:
                     return
                 self._stats = engine.stats()
                 self._dispatch(outputs)
-                if not engine.has_schedulable_work():
-                    self._wake.wait(POLL_INTERVAL_S)  # only transfers pending: poll, do not spin
+                if not outputs and engine.last_step_num_tokens == 0:
+                    # nothing could run (transfers pending, or waiting for blocks they hold): poll, do not spin
+                    self._wake.wait(POLL_INTERVAL_S)
             else:
                 self._stats = engine.stats()
                 self._wake.wait()

@@ -62,6 +62,7 @@ class LLMEngine:
         overrides_save = type(self.connector).save_kv_layer is not KVConnectorBase.save_kv_layer
         self._save_kv_layer = self.connector.save_kv_layer if overrides_save else None
         self._ids = itertools.count()
+        self.last_step_num_tokens = 0  # tokens computed by the latest step (0: it only polled)
 
     def _default_num_blocks(self) -> int:
         per_block = self.kv_layout.bytes_per_block_per_layer() * self.kv_layout.num_layers
@@ -133,6 +134,7 @@ class LLMEngine:
         touched += self._finished_unreported
         self._finished_unreported = []
         batch = self.scheduler.schedule()
+        self.last_step_num_tokens = batch.num_tokens
         if batch:
             result = self.runner.run(batch, self._save_kv_layer)
             for seq, n in zip(batch.seqs, batch.num_new_tokens):

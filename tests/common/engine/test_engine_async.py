@@ -130,3 +130,37 @@ def test_idle_engine_thread_sleeps(engine):
     before = time.process_time()
     time.sleep(0.5)
     assert time.process_time() - before < 0.1  # a busy loop would burn ~0.5 s of CPU
+
+
+class NeverConsumer(KVConnectorBase):
+    """Requests tagged remote wait forever (until aborted)."""
+
+    def num_external_tokens(self, seq):
+        return len(seq.prompt_token_ids) if seq.kv_transfer_params.get("remote") else 0
+
+
+def test_no_spin_while_blocks_are_held_by_parked_requests():
+    e = AsyncLLMEngine(EngineConfig(device="cpu", num_kv_blocks=4), NeverConsumer())
+
+    async def go():
+        async def run(rid, n, remote):
+            gen = e.generate(rid, [5] * n, SamplingParams(max_tokens=4), {"remote": remote})
+            return [o async for o in gen]
+
+        parked = asyncio.create_task(run("parked", 40, True))  # 3 of 4 blocks, held forever
+        await asyncio.sleep(0.05)
+        local = asyncio.create_task(run("local", 30, False))  # needs 2 blocks: must wait
+        await asyncio.sleep(0.05)
+        before = time.process_time()
+        await asyncio.sleep(0.5)
+        busy = time.process_time() - before
+        await e.abort("parked")
+        return busy, await parked, await local
+
+    try:
+        busy, parked, local = asyncio.run(go())
+        assert busy < 0.25  # polling every 5 ms, not spinning
+        assert parked[-1].finish_reason == "abort" and local[-1].finish_reason == "length"
+        wait_all_free(e)
+    finally:
+        e.shutdown()
