@@ -3,8 +3,8 @@
 A listener thread owns a ROUTER socket. Each frame is a registration message
 (vLLM's three keys or our richer heartbeat, see common.registry_client); it adds or
 refreshes the node keyed by (type, http_address). The same thread sweeps every
-``sweep_interval_s``: a node silent for ``heartbeat_timeout_s`` is evicted even when
-no other node is sending. Static nodes from config are never evicted.
+``sweep_interval_s``: a node silent for ``heartbeat_timeout_s`` (or three of its own
+heartbeat intervals, if longer) is evicted even when no other node is sending. Static nodes from config are never evicted.
 """
 
 from __future__ import annotations
@@ -74,16 +74,21 @@ class ServiceRegistry:
                             msg.zmq_address, msg.model)
             self._nodes[key] = Node(msg, now, static or (old is not None and old.static))
 
+    def timeout_for(self, node: Node) -> float:
+        """Silence allowed: the configured timeout, or three of the node's own intervals if longer
+        (a node beating slower than the proxy expects must not flap in and out)."""
+        return max(self.heartbeat_timeout_s, 3.0 * (node.info.heartbeat_interval_s or 0.0))
+
     def sweep(self) -> list[Node]:
-        """Evict nodes silent longer than the heartbeat timeout; returns the evicted."""
-        deadline = self._clock() - self.heartbeat_timeout_s
+        """Evict nodes silent longer than their timeout; returns the evicted."""
+        now = self._clock()
         with self._lock:
-            dead = [n for n in self._nodes.values() if not n.static and n.last_seen < deadline]
+            dead = [n for n in self._nodes.values() if not n.static and now - n.last_seen > self.timeout_for(n)]
             for node in dead:
                 del self._nodes[node.key]
         for node in dead:
             logger.warning("node evicted after %.1f s without heartbeat: %s %s",
-                           self.heartbeat_timeout_s, node.info.type, node.info.http_address)
+                           self.timeout_for(node), node.info.type, node.info.http_address)
         return dead
 
     def nodes(self, node_type: str | None = None) -> list[Node]:

@@ -69,7 +69,7 @@ class Call:
 
 
 class Dispatcher:
-    """Runs requests; one per app, sharing the legs' pooled client."""
+    """Runs requests; one per app, sharing the legs' pooled transport."""
 
     def __init__(self, legs: Legs, router: Router, config: ProxyConfig, metrics: ProxyMetrics):
         self.legs, self.router, self.config, self.metrics = legs, router, config, metrics
@@ -161,9 +161,14 @@ class Dispatcher:
             yield first
             self.metrics.observe_ttft(time.perf_counter() - call.start)
             try:
-                async with asyncio.timeout_at(deadline):
-                    while (chunk := await self._next_relayed(call, chunks)) is not None:
-                        yield chunk
+                # The deadline wraps each read, never a yield: a timeout armed across a yield
+                # would fire inside Starlette's send, outside this generator.
+                while True:
+                    async with asyncio.timeout_at(deadline):
+                        chunk = await self._next_relayed(call, chunks)
+                    if chunk is None:
+                        break
+                    yield chunk
                 status = 200
             except TimeoutError:
                 exc = RequestTimeout(f"request exceeded {self.config.total_timeout_s:g} s")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import msgpack
 import zmq
@@ -74,3 +76,30 @@ def test_streaming_ttft_is_observed(make_cluster):
         r.read()
     metrics = httpx.get(f"{c.url}/metrics").text
     assert 'pdserve:time_to_first_token_seconds_count{role="proxy"} 1.0' in metrics
+
+
+def test_python_m_proxy_serves_and_rejects_bad_flags():
+    import subprocess
+    import sys
+
+    from proxy_fakes import free_port
+
+    root = Path(__file__).resolve().parents[2]
+    bad = subprocess.run([sys.executable, "-m", "proxy", "--policy", "random"], capture_output=True, text=True,
+                         timeout=30, cwd=root)
+    assert bad.returncode == 2 and "--policy" in bad.stderr
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "proxy", "--port", str(port), "--registry-port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root)
+    try:
+        assert wait_for(lambda: _get_ok(f"http://127.0.0.1:{port}/health"), timeout=20, step=0.1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        return httpx.get(url).status_code == 200
+    except httpx.TransportError:
+        return False

@@ -97,3 +97,11 @@ def test_taken_port_raises():
             ServiceRegistry(port=first.port).start()
     finally:
         first.stop()
+
+
+def test_slow_beating_node_gets_three_of_its_intervals(registry, dealer):
+    dealer.send(encode(RegistrationMessage("P", "h:1", "h:2", heartbeat_interval_s=0.3)))
+    assert wait_for(lambda: registry.counts()["P"] == 1)
+    wait_for(lambda: False, timeout=0.6)  # past the registry's 0.4 s, within 3 x 0.3 s
+    assert registry.counts()["P"] == 1
+    assert wait_for(lambda: registry.counts()["P"] == 0, timeout=2)

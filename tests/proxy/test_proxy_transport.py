@@ -56,3 +56,13 @@ def test_first_token_timeout_on_a_stream_is_504(make_cluster):
     r = httpx.post(f"{c.url}/v1/completions", json={**BODY, "stream": True}, timeout=10)
     assert r.status_code == 504
     assert wait_for(lambda: c.decodes[0].seen and c.decodes[0].seen[0].cancelled, timeout=3)
+
+
+def test_total_timeout_mid_stream_ends_with_an_sse_error(make_cluster):
+    c = make_cluster(total_timeout_s=0.5)
+    c.decodes[0].behavior.chunk_delay_s = 0.4  # the whole answer would take 1.6 s
+    with httpx.stream("POST", f"{c.url}/v1/completions", json={**BODY, "stream": True}, timeout=10) as r:
+        assert r.status_code == 200
+        text = r.read().decode()
+    assert '"type": "gateway_timeout"' in text and text.endswith("data: [DONE]\n\n")
+    assert wait_for(lambda: c.decodes[0].seen[0].cancelled, timeout=3)
