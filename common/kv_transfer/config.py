@@ -28,6 +28,7 @@ class TransferConfig:
     handshake_timeout_s: float = 10.0  # control handshake plus building the data-plane pair
     max_bytes_in_flight: int = 256 << 20  # staged (gathered, not yet sent) bytes on the producer
     heartbeat_s: float = 1.0  # consumer pings a producer it waits on this often
+    coalesce_bytes: int = 16 << 20  # layers gathered after prefill travel in messages up to this size
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "lease_s", "handshake_timeout_s", "heartbeat_s"):

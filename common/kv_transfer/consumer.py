@@ -10,6 +10,7 @@ token; the link ACKs and the request shows up in ``poll_finished``. A dead produ
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -24,8 +25,8 @@ import torch
 from common.kv_layout import KVLayout
 from common.kv_transfer.config import PairBrokenError, TransferConfig, TransferError, TransferStats
 from common.kv_transfer.messages import Abort, Ack, Done, Error, Handshake, HandshakeOk, LayerNotice, Message, Ping, Pull
-from common.kv_transfer.p2p_group import DTYPE_NAMES, PairGroup, backend_for
-from common.kv_transfer.paged import StagingBuffer, scatter_blocks
+from common.kv_transfer.p2p_group import DTYPE_NAMES, PairGroup, backend_for, dtype_name
+from common.kv_transfer.paged import StagingBuffer, block_run, scatter_blocks
 
 if TYPE_CHECKING:
     from common.kv_transfer.control import ControlPlane
@@ -53,7 +54,8 @@ class _Link:
         self.transfers: dict[str, _Transfer] = {}
         self.pair: PairGroup | None = None
         self.pair_id = ""
-        self.staging: StagingBuffer | None = None
+        self.staging: list[StagingBuffer] = []
+        self._pushback: collections.deque = collections.deque()  # events read ahead, not yet handled
         self._ping: Future | None = None
         self._last_ping = 0.0
         self.thread = threading.Thread(target=self._run, name=f"kv-recv-{address}", daemon=True)
@@ -63,7 +65,7 @@ class _Link:
         cfg = self.owner.config
         while True:
             try:
-                event = self.events.get(timeout=cfg.heartbeat_s / 4)
+                event = self._pushback.popleft() if self._pushback else self.events.get(timeout=cfg.heartbeat_s / 4)
             except queue.Empty:
                 event = ("tick",)
             if event is None:
@@ -71,8 +73,9 @@ class _Link:
             try:
                 getattr(self, "_on_" + event[0])(*event[1:])
                 self._heartbeat()
-            except TransferError as e:
-                logger.warning("consumer: link to %s failed: %s", self.address, e)
+            except Exception as e:  # TransferError, or a bad notice: fail what waits, rebuild later
+                logger.warning("consumer: link to %s failed: %s", self.address, e,
+                               exc_info=not isinstance(e, TransferError))
                 self._fail_all(str(e))
         self._close_pair()
 
@@ -113,26 +116,73 @@ class _Link:
         elif getattr(msg, "pair_id", None) != self.pair_id or self.pair is None:
             return  # a notice from a pair already torn down
         elif isinstance(msg, LayerNotice):
-            self._receive_layer(msg)
+            self._receive_layers(msg)
         elif isinstance(msg, Done):
             self._finish(msg)
 
-    def _receive_layer(self, msg: LayerNotice) -> None:
-        assert self.pair is not None and self.staging is not None
-        buf = self.staging.view(DTYPE_NAMES[msg.dtype], msg.shape)
-        self.pair.recv_into(buf, self.owner.config.timeout_s)  # always: keeps the FIFO in step
-        self.owner.stats.add(bytes_received=buf.numel() * buf.element_size())
+    def _receive_layers(self, first: LayerNotice) -> None:
+        """Receive ``first`` and the layer notices queued behind it, two staging buffers deep:
+        the next receive is posted before a landed layer is scattered into its blocks."""
+        assert self.pair is not None
+        timeout = self.owner.config.timeout_s
+        posted = collections.deque([self._post_recv(first)])
+        while posted:
+            if len(posted) < 2:
+                self._look_ahead(posted)
+            msg, buf, works = posted.popleft()
+            for work in works:  # always wait: keeps the FIFO in step
+                self.pair.wait(work, timeout)
+            if not posted:  # the other buffer is free: post the next before scattering this one
+                self._look_ahead(posted)
+            self._land(msg, buf)
+
+    def _look_ahead(self, posted: collections.deque) -> None:
+        if self._pushback:
+            return  # something else is due first, in order
+        try:
+            nxt = self.events.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(nxt, tuple) and nxt[0] == "notice" and isinstance(nxt[1], LayerNotice) \
+                and nxt[1].pair_id == self.pair_id:
+            posted.append(self._post_recv(nxt[1]))
+        else:
+            self._pushback.append(nxt)
+
+    def _post_recv(self, msg: LayerNotice) -> tuple[LayerNotice, torch.Tensor | None, list]:
+        """Post the receive(s) for one layer: straight into the blocks when they are a run and
+        the producer sends keys and values apart, else into a staging buffer. The sizes
+        always come from the notice: gloo aborts the process on a size mismatch."""
+        assert self.pair is not None
+        t = self.transfers.get(msg.request_id)
+        ids = t.block_ids[: msg.shape[1]] if t is not None else []
+        run = block_run(ids) if len(ids) == msg.shape[1] else None
+        kv = t.kv_caches[msg.layers[0]] if t is not None else None
+        if msg.parts == 2 and run is not None and kv is not None and list(kv[:, run].shape) == msg.shape \
+                and dtype_name(kv.dtype) == msg.dtype:
+            return msg, None, [self.pair.recv_async(kv[0, run]), self.pair.recv_async(kv[1, run])]
+        self.staging.reverse()  # two buffers: one being received, one being scattered
+        buf = self.staging[0].view(DTYPE_NAMES[msg.dtype], (len(msg.layers), *msg.shape))
+        parts = [buf[0, 0], buf[0, 1]] if msg.parts == 2 else [buf]
+        return msg, buf, [self.pair.recv_async(part) for part in parts]
+
+    def _land(self, msg: LayerNotice, buf: torch.Tensor | None) -> None:
+        nbytes = len(msg.layers) * torch.empty((), dtype=DTYPE_NAMES[msg.dtype]).element_size()
+        for d in msg.shape:
+            nbytes *= d
+        self.owner.stats.add(bytes_received=nbytes)
         t = self.transfers.get(msg.request_id)
         if t is None:
             return  # aborted meanwhile: bytes discarded
-        ids = t.block_ids[: msg.shape[1]]
-        kv = t.kv_caches[msg.layer]
-        if tuple(msg.shape[2:]) != tuple(kv.shape[2:]) or len(ids) != msg.shape[1]:
-            self.owner._fail(self.transfers.pop(t.request_id), f"layer {msg.layer}: unexpected shape {msg.shape}")
-            return
-        scatter_blocks(kv, ids, buf)
-        t.layers.add(msg.layer)
-        t.nbytes += buf.numel() * buf.element_size()
+        if buf is not None:
+            ids = t.block_ids[: msg.shape[1]]
+            if tuple(msg.shape[2:]) != tuple(t.kv_caches[0].shape[2:]) or len(ids) != msg.shape[1]:
+                self.owner._fail(self.transfers.pop(t.request_id), f"layers {msg.layers}: unexpected shape {msg.shape}")
+                return
+            for j, layer in enumerate(msg.layers):
+                scatter_blocks(t.kv_caches[layer], ids, buf[j])
+        t.layers.update(msg.layers)
+        t.nbytes += nbytes
 
     def _finish(self, msg: Done) -> None:
         t = self.transfers.pop(msg.request_id, None)
@@ -162,7 +212,7 @@ class _Link:
             raise TransferError(f"unexpected handshake reply {reply.CMD}")
         self.pair = PairGroup(backend, 1, reply.store_host, reply.store_port, cfg.handshake_timeout_s,
                               device=str(device))
-        self.pair_id, self.staging = pair_id, StagingBuffer(device)
+        self.pair_id, self.staging = pair_id, [StagingBuffer(device), StagingBuffer(device)]
 
     def _heartbeat(self) -> None:
         cfg = self.owner.config

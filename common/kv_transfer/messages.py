@@ -70,14 +70,21 @@ class Error(Message):
 
 @dataclass
 class LayerNotice(Message):
-    """Producer -> consumer: the next tensor on the pair is this layer (metadata out of band)."""
+    """Producer -> consumer: the next tensor(s) on the pair hold these layers (metadata out
+    of band). ``shape`` is one layer's ``[2, blocks, block_size, heads, head_dim]``.
+
+    ``parts`` = 1: one tensor ``[len(layers), *shape]`` (several layers coalesced so each
+    message is big enough to be efficient); 2: one layer as keys then values, each
+    ``shape[1:]`` (sent straight from a contiguous run of blocks, no gather).
+    """
 
     CMD: ClassVar[str] = "layer"
     request_id: str = ""
     pair_id: str = ""
-    layer: int = 0
+    layers: list = field(default_factory=list)
     dtype: str = ""
     shape: list = field(default_factory=list)
+    parts: int = 1
 
 
 @dataclass

@@ -73,24 +73,38 @@ class PairGroup:
             raise PairBrokenError(f"building the {backend} pair failed: {e}") from e
 
     def send(self, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
-        self._run(self._pg.send, tensor, timeout_s)
+        self.wait(self.send_async(tensor), timeout_s)
 
     def recv_into(self, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
         """Receive into ``tensor`` (contiguous, right dtype/shape) in place."""
-        self._run(self._pg.recv, tensor, timeout_s)
+        self.wait(self.recv_async(tensor), timeout_s)
 
-    def _run(self, op, tensor: torch.Tensor, timeout_s: float | None) -> None:
+    def send_async(self, tensor: torch.Tensor):
+        """Post a send and return its work handle; keep ``tensor`` alive until :meth:`wait`."""
+        return self._post(self._pg.send, tensor)
+
+    def recv_async(self, tensor: torch.Tensor):
+        """Post a receive into ``tensor`` and return its work handle."""
+        return self._post(self._pg.recv, tensor)
+
+    def wait(self, work, timeout_s: float | None = None) -> None:
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else self._timeout
+        try:
+            work.wait(timeout)
+        except Exception as e:
+            self.broken = True
+            raise PairBrokenError(f"{self.backend} transfer failed: {e}") from e
+
+    def _post(self, op, tensor: torch.Tensor):
         if self.broken:
             raise PairBrokenError("pair is broken; rebuild it")
         if not tensor.is_contiguous():
             raise ValueError("data-plane tensors must be contiguous")
-        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else self._timeout
         try:
-            work = op([tensor], self.peer, 0)
-            work.wait(timeout)
+            return op([tensor], self.peer, 0)
         except Exception as e:
             self.broken = True
-            raise PairBrokenError(f"{self.backend} {op.__name__} failed: {e}") from e
+            raise PairBrokenError(f"{self.backend} transfer failed: {e}") from e
 
     def close(self) -> None:
         """Drop the group and store; pending operations on the peer fail."""

@@ -12,7 +12,8 @@ import threading
 import torch
 
 
-def _as_run(block_ids: list[int]) -> slice | None:
+def block_run(block_ids: list[int]) -> slice | None:
+    """The ids as a slice when they are one ascending contiguous run, else None."""
     if block_ids and block_ids == list(range(block_ids[0], block_ids[0] + len(block_ids))):
         return slice(block_ids[0], block_ids[0] + len(block_ids))
     return None
@@ -20,19 +21,21 @@ def _as_run(block_ids: list[int]) -> slice | None:
 
 def gather_blocks(kv_layer: torch.Tensor, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
     """``kv_layer[:, block_ids]`` as a contiguous tensor (into ``out`` when given)."""
-    run = _as_run(block_ids)
+    run = block_run(block_ids)
     if out is None:
         if run is not None:
             return kv_layer[:, run].contiguous()
         return kv_layer.index_select(1, torch.tensor(block_ids, device=kv_layer.device))
-    src = kv_layer[:, run] if run is not None else kv_layer[:, block_ids]
-    out.copy_(src)
+    if run is not None:
+        out.copy_(kv_layer[:, run])
+    else:  # index_select into ``out`` copies once; ``out.copy_(kv[:, ids])`` would copy twice
+        torch.index_select(kv_layer, 1, torch.tensor(block_ids, device=kv_layer.device), out=out)
     return out
 
 
 def scatter_blocks(kv_layer: torch.Tensor, block_ids: list[int], src: torch.Tensor) -> None:
     """``kv_layer[:, block_ids] = src`` in place."""
-    run = _as_run(block_ids)
+    run = block_run(block_ids)
     if run is not None:
         kv_layer[:, run].copy_(src)
     else:

@@ -25,7 +25,7 @@ from common.kv_layout import KVLayout
 from common.kv_transfer.config import PairBrokenError, TransferConfig, TransferStats
 from common.kv_transfer.messages import Abort, Ack, Done, Error, Handshake, HandshakeOk, LayerNotice, Message, Ok, Ping, Pull
 from common.kv_transfer.p2p_group import PairGroup, backend_for, dtype_name, host_store
-from common.kv_transfer.paged import ByteBudget, StagingBuffer, gather_blocks
+from common.kv_transfer.paged import ByteBudget, StagingBuffer, block_run, gather_blocks
 
 if TYPE_CHECKING:
     from common.kv_transfer.control import ControlPlane
@@ -46,6 +46,32 @@ class _Request:
     queued_layers: set[int] = field(default_factory=set)
     dropped: bool = False
     done_queued: bool = False
+
+
+@dataclass
+class _Job:
+    """Send ``layers`` of ``req`` (gathered later unless ``staged``), or its DONE."""
+
+    kind: str  # "layers" | "done"
+    req: _Request
+    layers: list[int] = field(default_factory=list)
+    staged: torch.Tensor | None = None  # [len(layers), 2, blocks, ...] gathered by save_layer
+    announced: bool = False  # its notice is out: the bytes must follow, dropped or not
+
+    @property
+    def budget(self) -> int:
+        return self.staged.numel() * self.staged.element_size() if self.staged is not None else 0
+
+
+class _KeepAlive:
+    """A layer's send handles plus the tensors they read from (must outlive the sends)."""
+
+    def __init__(self, works: list, tensors: list[torch.Tensor]) -> None:
+        self.works, self.tensors = works, tensors
+
+    def wait(self, timeout) -> None:
+        for work in self.works:
+            work.wait(timeout)
 
 
 @dataclass
@@ -91,7 +117,7 @@ class KVProducer:
             req.queued_layers.add(layer_idx)
             link = req.link
         staged = gather_blocks(kv_layer, ids)
-        link.jobs.put(("layer", req, layer_idx, staged))
+        link.jobs.put(_Job("layers", req, [layer_idx], staged.unsqueeze(0)))
 
     def finish(self, request_id: str, first_token: int, kv_caches: list[torch.Tensor],
                block_ids: list[int], num_tokens: int) -> None:
@@ -189,11 +215,16 @@ class KVProducer:
         if len(req.block_ids) < req.num_blocks:
             self._fail_request(req, f"producer has {len(req.block_ids)} blocks, consumer wants {req.num_blocks}")
             return
-        for layer in range(self.layout.num_layers):
-            if layer not in req.queued_layers:
-                req.queued_layers.add(layer)
-                req.link.jobs.put(("layer", req, layer, None))
-        req.link.jobs.put(("done", req, 0, None))
+        rest = [layer for layer in range(self.layout.num_layers) if layer not in req.queued_layers]
+        req.queued_layers.update(rest)
+        ids = req.block_ids[: req.num_blocks]
+        # A contiguous run is sent in place layer by layer; anything else is gathered, and
+        # small layers are coalesced because every data-plane message has a fixed cost.
+        per_msg = 1 if block_run(ids) else max(1, self.config.coalesce_bytes // max(
+            1, len(ids) * self.layout.bytes_per_block_per_layer()))
+        for i in range(0, len(rest), per_msg):
+            req.link.jobs.put(_Job("layers", req, rest[i:i + per_msg]))
+        req.link.jobs.put(_Job("done", req))
         req.done_queued, req.deadline = True, None
 
     def _fail_request(self, req: _Request, reason: str) -> None:
@@ -224,46 +255,110 @@ class KVProducer:
 
     # ---- sender thread (one per pair) -------------------------------------------------
     def _run_link(self, link: _Link, store, backend: str) -> None:
-        staging = StagingBuffer(self.device)
+        # Two sends in flight: layer i+1 is gathered and announced while layer i is on the
+        # wire. The next job's notice goes out before this job's bytes, so the consumer can
+        # post its receive early. Gathered layers alternate between two staging buffers.
+        staging = [StagingBuffer(self.device), StagingBuffer(self.device)]
+        inflight: collections.deque[tuple[_KeepAlive, int]] = collections.deque()
+        ahead: _Job | None = None
         try:
             link.pair = PairGroup(backend, 0, self._host, store.port, self.config.handshake_timeout_s, store=store,
                                   device=self.device)
             while True:
-                job = link.jobs.get()
+                if ahead is not None:
+                    job, ahead = ahead, None
+                else:
+                    try:
+                        job = link.jobs.get(block=not inflight)
+                    except queue.Empty:
+                        self._retire(link, inflight)  # nothing new: let the oldest send finish
+                        continue
                 if job is None:
+                    while inflight:
+                        self._retire(link, inflight)
                     break
-                self._run_job(link, job, staging)
-        except PairBrokenError as e:
-            logger.warning("producer: pair %s failed: %s", link.pair_id, e)
+                if len(inflight) >= 2:
+                    self._retire(link, inflight)
+                try:
+                    ahead = link.jobs.get_nowait()
+                except queue.Empty:
+                    pass
+                sent = self._run_job(link, job, staging[0], ahead)
+                if sent is not None:
+                    inflight.append(sent)
+                    staging.reverse()
+        except Exception as e:  # PairBrokenError, or a bug: either way this pair is done
+            logger.warning("producer: pair %s failed: %s", link.pair_id, e, exc_info=not isinstance(e, PairBrokenError))
+            for _, nbytes in inflight:
+                self._budget.release(nbytes)
+            if ahead is not None:
+                self._budget.release(ahead.budget)
             self._link_failed(link, str(e))
         finally:
             if link.pair is not None:
                 link.pair.close()
 
-    def _run_job(self, link: _Link, job: tuple, staging: StagingBuffer) -> None:
-        kind, req, layer, staged = job
-        nbytes_budget = staged.numel() * staged.element_size() if staged is not None else 0
+    def _retire(self, link: _Link, inflight: collections.deque) -> None:
+        work, nbytes = inflight[0]
+        link.pair.wait(work, self.config.timeout_s)
+        inflight.popleft()
+        self._budget.release(nbytes)
+
+    def _run_job(self, link: _Link, job: _Job, staging: StagingBuffer, ahead: _Job | None) -> tuple | None:
+        """Announce (unless done already) and post one job; returns (sends, budget bytes)."""
+        req = job.req
+        if req.dropped and not job.announced:
+            self._budget.release(job.budget)
+            return None
+        assert self.control is not None and link.pair is not None
+        if job.kind == "done":
+            self.control.reply(link.identity, Done(request_id=req.request_id, pair_id=link.pair_id,
+                                                   first_token=req.first_token))
+            with self._lock:
+                req.deadline = time.monotonic() + self.config.lease_s  # now waiting for the ACK
+            return None
+        if not job.announced:
+            self._announce(link, job)
+        if ahead is not None and ahead.kind == "layers" and not ahead.req.dropped and not ahead.announced:
+            self._announce(link, ahead)  # before gathering: the consumer posts both receives now
+        parts = self._parts(job, staging)
         try:
-            if req.dropped:
-                return
-            assert self.control is not None and link.pair is not None
-            if kind == "done":
-                self.control.reply(link.identity, Done(request_id=req.request_id, pair_id=link.pair_id,
-                                                       first_token=req.first_token))
-                with self._lock:
-                    req.deadline = time.monotonic() + self.config.lease_s  # now waiting for the ACK
-                return
-            if staged is None:
-                ids = req.block_ids[: req.num_blocks]
-                kv = req.kv_caches[layer]
-                staged = gather_blocks(kv, ids, staging.view(kv.dtype, (2, len(ids), *kv.shape[2:])))
-            self.control.reply(link.identity, LayerNotice(request_id=req.request_id, pair_id=link.pair_id, layer=layer,
-                                                          dtype=dtype_name(staged.dtype), shape=list(staged.shape)))
-            link.pair.send(staged, self.config.timeout_s)
-            self.stats.add(bytes_sent=staged.numel() * staged.element_size())
-        finally:
-            if nbytes_budget:
-                self._budget.release(nbytes_budget)
+            works = [link.pair.send_async(part) for part in parts]
+        except PairBrokenError:
+            self._budget.release(job.budget)
+            raise
+        self.stats.add(bytes_sent=sum(p.numel() * p.element_size() for p in parts))
+        return (_KeepAlive(works, parts), job.budget)
+
+    def _announce(self, link: _Link, job: _Job) -> None:
+        req = job.req
+        if job.staged is not None:  # staged during prefill: block_ids are not known yet
+            kv, shape, parts = job.staged, list(job.staged.shape[1:]), 1
+        else:
+            ids = req.block_ids[: req.num_blocks]
+            kv = req.kv_caches[job.layers[0]]
+            shape = [2, len(ids), *kv.shape[2:]]
+            parts = 2 if len(job.layers) == 1 and block_run(ids) else 1
+        self.control.reply(link.identity, LayerNotice(request_id=req.request_id, pair_id=link.pair_id,
+                                                      layers=job.layers, dtype=dtype_name(kv.dtype),
+                                                      shape=shape, parts=parts))
+        job.announced = True
+
+    def _parts(self, job: _Job, staging: StagingBuffer) -> list[torch.Tensor]:
+        """The tensor(s) to put on the wire, matching what :meth:`_announce` said."""
+        if job.staged is not None:
+            return [job.staged]
+        req = job.req
+        ids = req.block_ids[: req.num_blocks]
+        run = block_run(ids)
+        if run is not None and len(job.layers) == 1:  # keys and values of a run are contiguous: no gather
+            kv = req.kv_caches[job.layers[0]]
+            return [kv[0, run], kv[1, run]]
+        kv0 = req.kv_caches[job.layers[0]]
+        out = staging.view(kv0.dtype, (len(job.layers), 2, len(ids), *kv0.shape[2:]))
+        for j, layer in enumerate(job.layers):
+            gather_blocks(req.kv_caches[layer], ids, out[j])
+        return [out]
 
     def _link_failed(self, link: _Link, reason: str) -> None:
         with self._lock:
@@ -276,8 +371,8 @@ class KVProducer:
                 job = link.jobs.get_nowait()
             except queue.Empty:
                 return
-            if job is not None and job[3] is not None:
-                self._budget.release(job[3].numel() * job[3].element_size())
+            if job is not None:
+                self._budget.release(job.budget)
 
     def close(self) -> None:
         with self._lock:

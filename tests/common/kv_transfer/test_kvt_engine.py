@@ -90,11 +90,11 @@ def test_one_consumer_two_producers(no_thread_leak):
             KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
         kv = d_cache()
         d.consumer.request("a", p1.address, [0, 1], 8, kv)
-        d.consumer.request("b", p2.address, [2, 3], 8, kv)
+        d.consumer.request("b", p2.address, [3, 2], 8, kv)  # run on P, not on D: staged halves
         p1.call("prefill", "a", 1, P_BLOCKS, [5, 6], 8, 1, True, 0.0)
         p2.call("prefill", "b", 2, P_BLOCKS, [5, 6], 8, 2, True, 0.0)
         assert wait_finished(d, {"a", "b"}) == ({"a": 1, "b": 2}, {})
         assert_landed(kv, [0, 1], 1, [5, 6], 8)
-        assert_landed(kv, [2, 3], 2, [5, 6], 8)
+        assert_landed(kv, [3, 2], 2, [5, 6], 8)
         p1.stop()
         p2.stop()
