@@ -73,7 +73,8 @@ class Legs:
     async def decode_open(self, node: RegistrationMessage, path: str, body: bytes, request_id: str) -> httpx.Response:
         """Open the decode leg as a stream; its status is checked, its body not yet read."""
         self.metrics.count_leg("decode", node.http_address)
-        async with _guard("decode", node.http_address, "first token", self.config.first_token_timeout_s):
+        # The first-token deadline is the dispatcher's (it spans these headers and the first bytes).
+        async with _guard("decode", node.http_address, "total", self.config.total_timeout_s):
             resp = await self._send(self._request(node, path, body, request_id), stream=True)
             if resp.status_code >= 400:
                 try:

@@ -63,6 +63,9 @@ class Call:
         """Cancel whatever still runs and close the decode stream (the nodes see a disconnect)."""
         for task in self.tasks:
             task.cancel()
+        d = self.decode
+        if self.response is None and d is not None and d.done() and not d.cancelled() and d.exception() is None:
+            self.response = d.result()  # opened just as we gave up on it: must still be closed
         if self.response is not None:
             with anyio.CancelScope(shield=True):  # runs while our own task may be cancelled
                 await self.response.aclose()
@@ -139,10 +142,10 @@ class Dispatcher:
     async def _open_stream(self, call: Call, path: str, body_bytes: bytes, watcher: asyncio.Task) -> Response:
         decode = call.pair.decode
         call.decode = call.spawn(self.legs.decode_open(decode, path, body_bytes, call.request_id))
-        call.response = await _until(call.decode, call, watcher)
-        chunks = read_chunks(call.response, decode.http_address)
         try:
             async with asyncio.timeout(self.config.first_token_timeout_s):
+                call.response = await _until(call.decode, call, watcher)
+                chunks = read_chunks(call.response, decode.http_address)
                 first = await _until(call.spawn(_next(chunks)), call, watcher)
         except TimeoutError as exc:
             raise RequestTimeout(f"decode node {decode.http_address} sent nothing within the first-token "
