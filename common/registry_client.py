@@ -100,6 +100,15 @@ class Heartbeater:
     called for every beat so the load figures are fresh. The first beat goes out
     at once. The proxy may be down or restart: ZMQ reconnects by itself, and beats
     that cannot be delivered are dropped rather than queued (stale load is useless).
+
+        def info() -> dict:
+            s = engine.stats()
+            return {"type": "P", "http_address": "10.0.0.5:8100", "zmq_address": "10.0.0.5:14579",
+                    "model": "tiny", "kv_fingerprint": layout.fingerprint(), "node_id": "p-0",
+                    "num_running": s.num_running, "num_waiting": s.num_waiting,
+                    "num_free_blocks": s.num_free_blocks, "num_total_blocks": s.num_total_blocks}
+
+        beat = Heartbeater("10.0.0.1:30001", info); beat.start(); ...; beat.stop()
     """
 
     def __init__(self, proxy_address: str, info: Callable[[], dict], interval_s: float = 2.0):
