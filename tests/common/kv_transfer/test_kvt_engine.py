@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from common.kv_transfer.config import TransferConfig
+from common.kv_transfer.config import TransferConfig, TransferStats
 from common.kv_transfer.engine import KVTransferEngine
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
 from kvt_peers import make_kv, peer, same_bytes
@@ -52,6 +52,39 @@ def test_consumer_asks_first_layers_pushed_during_prefill(no_thread_leak):
         stats = p.call("stats")
         assert stats["bytes_sent"] == LAYOUT.num_layers * 5 * LAYOUT.bytes_per_block_per_layer()
         assert d.stats.bytes_received == stats["bytes_sent"] and d.stats.transfers_received == 1
+        p.stop()
+
+
+def test_staging_budget_bounds_eager_sends_rest_follows_from_blocks(no_thread_leak):
+    # P in this process so its budget can be inspected; D in a child.
+    tiny = TransferConfig(**dict(FAST, max_bytes_in_flight=LAYOUT.bytes_per_block_per_layer() * 3))
+    with KVTransferEngine("127.0.0.1:0", LAYOUT, tiny) as prod, peer(LAYOUT, FAST) as d:
+        kv = make_kv(LAYOUT, P_BLOCKS, 21)
+        p_ids = [8, 2, 6]
+        d.call("request", "bud", prod.address, [0, 1, 2], 12, 4)
+        deadline = time.monotonic() + 5
+        while "bud" not in prod.producer._requests and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for layer in range(LAYOUT.num_layers):  # 3 blocks per layer: only one layer fits at a time
+            prod.producer.save_layer("bud", layer, kv[layer], p_ids)
+            assert prod.producer._budget.in_flight <= tiny.max_bytes_in_flight
+        prod.producer.finish("bud", 3, kv, p_ids, 12)
+        assert d.call("poll", 10, ["bud"]) == ({"bud": 3}, {})
+        got = d.call("fetch", "bud")
+        assert all(same_bytes(got[i][:, [0, 1, 2]], kv[i][:, p_ids]) for i in range(LAYOUT.num_layers))
+        assert prod.producer._budget.in_flight == 0
+        d.stop()
+
+
+def test_transfer_stats_callback_reports_each_request(no_thread_leak):
+    seen: list[tuple[float, int]] = []
+    stats = TransferStats(on_transfer=lambda seconds, nbytes: seen.append((seconds, nbytes)))
+    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), stats) as d:
+        p.call("prefill", "s", 1, P_BLOCKS, [0, 1], 8, 1, True, 0.0)
+        d.consumer.request("s", p.address, [0, 1], 8, d_cache())
+        assert wait_finished(d, {"s"}) == ({"s": 1}, {})
+        assert len(seen) == 1 and seen[0][0] > 0
+        assert seen[0][1] == LAYOUT.num_layers * 2 * LAYOUT.bytes_per_block_per_layer()
         p.stop()
 
 
