@@ -3,12 +3,16 @@
 Every step first writes the new tokens' K/V at ``slot_mapping``, then attends:
 - decode tokens (one new token per sequence) of the whole batch together: their blocks are
   gathered into one padded tensor and one SDPA call runs with a padding mask;
-- prefill sequences (a whole prompt or a chunk continuing an earlier one) one by one, with
-  a causal mask offset by the tokens already cached.
+- prefill sequences (a whole prompt or a chunk continuing an earlier one) one by one: a
+  fresh prompt with ``is_causal`` (no mask), a chunk with a causal mask offset by the
+  tokens already cached.
 
-Grouped-query attention folds the query heads of a group into the query-length axis
-(``[kv_heads, group * q_len, d]``) so keys and values are never copied per query head.
-``AttentionPlan`` holds what every layer shares (indices, masks), built once per forward.
+Every SDPA call gets 4-D inputs: PyTorch's CPU flash kernel only takes 4-D tensors, and a
+3-D call silently falls back to the math path (a full score matrix, ~10x slower at 512
+tokens). Grouped-query attention never copies K/V per query head: decode folds a group's
+query heads into the query axis (``[B, kv_heads, group, d]``, all at one position),
+prefill passes ``enable_gqa``. ``AttentionPlan`` holds what every layer shares (indices,
+masks), built once per forward.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ class PrefillSlice:
     end: int
     seq_len: int
     block_ids: torch.Tensor | None  # blocks to gather; None when the prompt is all new
-    mask: torch.Tensor  # [group * q_len, seq_len] bool, True = may attend
+    mask: torch.Tensor | None  # [q_len, seq_len] bool, True = may attend; None: plain causal
 
 
 @dataclass
@@ -66,10 +70,13 @@ def build_plan(meta: AttentionMetadata, group: int, device: torch.device) -> Att
             continue
         seq_len = meta.seq_lens[i]
         context = seq_len - q
+        if context == 0:  # the whole prompt is new: is_causal lets the kernel skip masked tiles
+            plan.prefills.append(PrefillSlice(starts[i], starts[i + 1], seq_len, None, None))
+            continue
         keys = torch.arange(seq_len, device=device)
         queries = torch.arange(context, seq_len, device=device)
-        mask = (keys[None, :] <= queries[:, None]).repeat(group, 1)
-        block_ids = block_tables[i, : -(-seq_len // bs)] if context > 0 else None
+        mask = keys[None, :] <= queries[:, None]
+        block_ids = block_tables[i, : -(-seq_len // bs)]
         plan.prefills.append(PrefillSlice(starts[i], starts[i + 1], seq_len, block_ids, mask))
     return plan
 
@@ -103,12 +110,16 @@ def paged_attention(
         else:
             keys, values = _gather(kv_cache, p.block_ids, p.seq_len)
         q_len = p.end - p.start
-        # [q_len, heads, d] -> [kv_heads, group * q_len, d]
-        qs = q[p.start : p.end].transpose(0, 1).reshape(kv_heads, group * q_len, d)
         o = F.scaled_dot_product_attention(
-            qs, keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype), attn_mask=p.mask, scale=scale
+            q[p.start : p.end].transpose(0, 1)[None],  # [1, heads, q_len, d]
+            keys.transpose(0, 1)[None].to(q.dtype),
+            values.transpose(0, 1)[None].to(q.dtype),
+            attn_mask=p.mask,
+            is_causal=p.mask is None,
+            scale=scale,
+            enable_gqa=group > 1,
         )
-        out[p.start : p.end] = o.reshape(heads, q_len, d).transpose(0, 1).reshape(q_len, heads * d)
+        out[p.start : p.end] = o[0].transpose(0, 1).reshape(q_len, heads * d)
     return out
 
 
