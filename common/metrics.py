@@ -28,6 +28,7 @@ class NodeMetrics:
         self.role = role
         self.registry = CollectorRegistry(auto_describe=True)
         self._stats_source: Callable[[], EngineStats] | None = None
+        self._scrape_hooks: list[Callable[[], None]] = []
         labels = ["role"]
 
         # Role-only series are created up front so a fresh node exports zeros, not nothing.
@@ -78,7 +79,13 @@ class NodeMetrics:
         """Read queue and KV gauges from ``source`` at every scrape."""
         self._stats_source = source
 
+    def add_scrape_hook(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` at every scrape (e.g. turn another component's counters into metrics)."""
+        self._scrape_hooks.append(hook)
+
     def refresh(self) -> None:
+        for hook in self._scrape_hooks:
+            hook()
         if self._stats_source is None:
             return
         stats = self._stats_source()

@@ -126,9 +126,9 @@ def _build(
                      prepare_request=prepare)
 
 
-def main(argv: list[str] | None = None, role: str = "both", **run_kwargs: Any) -> None:
-    """``pdserve serve|prefill|decode``: parse flags (role fixed by the command) and serve."""
-    config = load_config(
+def parse_config(argv: list[str] | None, role: str) -> NodeConfig:
+    """``pdserve serve|prefill|decode`` flags (env, TOML) with the role fixed by the command."""
+    return load_config(
         NodeConfig,
         argv,
         prog=f"pdserve {COMMANDS[role]}",
@@ -136,4 +136,8 @@ def main(argv: list[str] | None = None, role: str = "both", **run_kwargs: Any) -
         fixed={"role": role},
         defaults={"port": ROLE_HTTP_PORTS[role], "kv_port": ROLE_KV_PORTS[role]},
     )
-    run_node(config, **run_kwargs)
+
+
+def main(argv: list[str] | None = None, role: str = "both", **run_kwargs: Any) -> None:
+    """``pdserve serve``: parse flags and serve colocated."""
+    run_node(parse_config(argv, role), **run_kwargs)

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from common.node import main as node_main
-
-
-def main(argv: list[str] | None = None) -> None:
-    node_main(argv, role="prefill")
-
+from prefill_node.daemon import main
 
 if __name__ == "__main__":
     main()

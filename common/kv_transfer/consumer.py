@@ -39,6 +39,7 @@ class KVConsumer:
         self._owner_of: dict[str, PairReceiver] = {}
         self._finished: dict[str, int] = {}
         self._failed: dict[str, str] = {}
+        self._aborted: set[str] = set()
         self._closed = False
 
     def request(self, request_id: str, prefill_addr: str, block_ids: list[int], num_tokens: int,
@@ -67,13 +68,22 @@ class KVConsumer:
         return done, failed
 
     def abort(self, request_id: str) -> None:
-        """Stop waiting for ``request_id`` and tell its producer to drop it."""
+        """Stop waiting for ``request_id`` and tell its producer to drop it. Its blocks may be
+        reused once :meth:`poll_aborted` names it (a receive into them may still be running)."""
         with self._lock:
             link = self._owner_of.pop(request_id, None)
             self._finished.pop(request_id, None)
             self._failed.pop(request_id, None)
+            if link is None:
+                self._aborted.add(request_id)
         if link is not None:
             link.events.put(("abort", request_id))
+
+    def poll_aborted(self) -> set[str]:
+        """Aborted requests whose receive has stopped: nothing writes into their blocks any more."""
+        with self._lock:
+            out, self._aborted = self._aborted, set()
+        return out
 
     def handle(self, address: str, msg: Message) -> None:
         """Control thread: an unsolicited message from a producer."""
@@ -102,6 +112,10 @@ class KVConsumer:
         with self._lock:
             if self._owner_of.pop(t.request_id, None) is not None:
                 self._finished[t.request_id] = first_token
+
+    def _abort_stopped(self, request_id: str) -> None:
+        with self._lock:
+            self._aborted.add(request_id)
 
     def _fail(self, t: Transfer, reason: str) -> None:
         self.stats.add(failures=1)

@@ -18,16 +18,18 @@ from common.kv_transfer.producer import KVProducer
 class KVTransferEngine:
     """Binds a ROUTER at ``zmq_address`` ("host:port", port 0 = any free port).
 
-    ``device`` is where this process's KV cache lives ("cpu" -> gloo pairs, "cuda:N" -> NCCL).
+    ``device`` is where this process's KV cache lives ("cpu" -> gloo pairs, "cuda:N" -> NCCL);
+    ``advertise_host`` is the address peers use to reach this process (default: the bind host).
     """
 
     def __init__(self, zmq_address: str, layout: KVLayout, config: TransferConfig | None = None,
-                 stats: TransferStats | None = None, device: str = "cpu") -> None:
+                 stats: TransferStats | None = None, device: str = "cpu", advertise_host: str | None = None) -> None:
         self.layout = layout
         self.config = config or TransferConfig()
         self.stats = stats or TransferStats()
         host, _ = split_address(zmq_address)
-        self.producer = KVProducer(layout, self.config, self.stats, host, device)
+        # peers reach the pair's store here: the bind host may be 0.0.0.0, which they cannot dial
+        self.producer = KVProducer(layout, self.config, self.stats, advertise_host or host, device)
         self.consumer = KVConsumer(layout, self.config, self.stats)
         self.control = ControlPlane(zmq_address, self._on_router, self._on_dealer)
         self.producer.control = self.consumer.control = self.control

@@ -95,6 +95,15 @@ class KVProducer:
             req.deadline = time.monotonic() + self.config.lease_s
             self._queue_rest(req)
 
+    def discard(self, request_id: str, why: str) -> None:
+        """The engine dropped the request before ``finish`` (aborted, failed): forget it, and
+        tell a consumer that already asked. The caller frees the blocks itself."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is not None and req.link is not None and self.control is not None:
+                self.control.reply(req.link.identity, Error(reason=why, request_id=request_id))
+            self._drop(request_id, why)
+
     def poll_freeable(self) -> set[str]:
         """Requests whose blocks may be freed now. Also enforces leases: call every step."""
         self._expire_leases()

@@ -103,8 +103,10 @@ class PairReceiver:
             self.owner._fail(self.transfers.pop(request_id), f"producer refused: {reply.reason}")
 
     def _on_abort(self, request_id: str) -> None:
+        # on this thread, between events: no receive into the request's blocks is posted now
         if self.transfers.pop(request_id, None) is not None:
             self.owner.control.send(self.address, Abort(request_id=request_id))
+        self.owner._abort_stopped(request_id)
 
     def _on_notice(self, msg: Message) -> None:
         if isinstance(msg, Error):

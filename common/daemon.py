@@ -1,0 +1,126 @@
+"""What the prefill and decode daemons share: a serving node plus a KV transfer endpoint,
+registration with the proxy, and transfer metrics.
+
+Start-up order: the engine (model, KV cache) -> the transfer engine bound at
+``kv_host:kv_port`` and handed to the connector -> heartbeats to the proxy -> HTTP.
+Shut-down runs the other way: HTTP drains, the engine stops calling the connector,
+then heartbeats stop and the transfer engine closes its threads and sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import uuid
+from typing import TYPE_CHECKING, Protocol
+
+from fastapi import FastAPI
+
+from common.config import NodeConfig
+from common.node import run_node
+from common.serving.context import PrepareHook
+
+if TYPE_CHECKING:
+    import torch
+
+    from common.engine.async_engine import AsyncLLMEngine
+    from common.kv_transfer.engine import KVTransferEngine
+    from common.metrics import NodeMetrics
+    from common.registry_client import Heartbeater
+
+logger = logging.getLogger(__name__)
+
+NODE_TYPES = {"prefill": "P", "decode": "D"}
+
+
+class TransferConnector(Protocol):
+    def bind(self, transfer: KVTransferEngine, kv_caches: list[torch.Tensor]) -> None: ...
+
+
+class Daemon:
+    """The parts a daemon adds around ``run_node``; ``close`` undoes ``attach``."""
+
+    def __init__(self, config: NodeConfig, connector: TransferConnector) -> None:
+        self.config = config
+        self.connector = connector
+        self.node_id = f"{NODE_TYPES[config.role]}-{socket.gethostname()}-{config.port}-{uuid.uuid4().hex[:6]}"
+        self.transfer: KVTransferEngine | None = None
+        self.heartbeater: Heartbeater | None = None
+        self._seen = {"failures": 0, "leases_expired": 0, "bytes_sent": 0}
+
+    # ---- start ----------------------------------------------------------------------
+    def attach(self, app: FastAPI, engine: AsyncLLMEngine) -> None:
+        """``run_node``'s ``on_app``: the engine exists, HTTP is not serving yet."""
+        from common.kv_transfer.config import TransferConfig, TransferStats
+        from common.kv_transfer.engine import KVTransferEngine
+        from common.registry_client import Heartbeater
+
+        cfg = self.config
+        metrics: NodeMetrics = app.state.serving.metrics
+        stats = TransferStats(on_transfer=metrics.observe_transfer)
+        transfer_config = TransferConfig(timeout_s=cfg.kv_timeout_s, lease_s=cfg.kv_lease_s)
+        self.transfer = KVTransferEngine(
+            f"{cfg.host}:{cfg.kv_port}", engine.kv_layout, transfer_config, stats,
+            device=str(engine.engine.device), advertise_host=cfg.kv_host,
+        )
+        self.connector.bind(self.transfer, engine.engine.kv_caches)
+        metrics.add_scrape_hook(lambda: self._export_transfer_stats(metrics))
+        logger.info("KV endpoint %s (layout %s, fingerprint %s)", self.kv_address,
+                    engine.kv_layout, engine.kv_layout.fingerprint())
+        if cfg.proxy:
+            self.heartbeater = Heartbeater(cfg.proxy, lambda: self._registration(engine), cfg.heartbeat_interval_s)
+            self.heartbeater.start()
+            logger.info("registering with the proxy at %s as %s", cfg.proxy, self.node_id)
+
+    @property
+    def kv_address(self) -> str:
+        return f"{self.config.kv_host}:{self.config.kv_port}"
+
+    def ready(self) -> bool:
+        return self.transfer is not None and (self.heartbeater is None or self.heartbeater.beats_sent > 0)
+
+    def _registration(self, engine: AsyncLLMEngine) -> dict:
+        s = engine.stats()
+        return {
+            "type": NODE_TYPES[self.config.role],
+            "http_address": f"{self.config.kv_host}:{self.config.port}",
+            "zmq_address": self.kv_address,
+            "model": engine.model_name,
+            "kv_fingerprint": engine.kv_layout.fingerprint(),
+            "node_id": self.node_id,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_free_blocks": s.num_free_blocks,
+            "num_total_blocks": s.num_total_blocks,
+        }
+
+    def _export_transfer_stats(self, metrics: NodeMetrics) -> None:
+        """Counters the transfer engine keeps, turned into Prometheus increments at scrape."""
+        assert self.transfer is not None
+        snap = self.transfer.stats.snapshot()
+        deltas = {k: snap[k] - self._seen[k] for k in self._seen}
+        self._seen.update({k: snap[k] for k in self._seen})
+        for _ in range(int(deltas["failures"])):
+            metrics.observe_transfer_failure()
+        for _ in range(int(deltas["leases_expired"])):
+            metrics.observe_lease_expired()
+        if deltas["bytes_sent"]:
+            metrics.kv_transfer_bytes.labels(metrics.role).inc(deltas["bytes_sent"])
+
+    # ---- stop -----------------------------------------------------------------------
+    def close(self) -> None:
+        if self.heartbeater is not None:
+            self.heartbeater.stop()
+        if self.transfer is not None:
+            self.transfer.close()
+        logger.info("KV endpoint closed")
+
+
+def run_daemon(config: NodeConfig, connector: TransferConnector, prepare_request: PrepareHook | None = None) -> None:
+    """Serve ``config.role`` (prefill or decode) until SIGTERM / SIGINT."""
+    daemon = Daemon(config, connector)
+    try:
+        run_node(config, connector=connector, ready=daemon.ready, on_app=daemon.attach,
+                 prepare_request=prepare_request)
+    finally:
+        daemon.close()

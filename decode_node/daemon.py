@@ -1,0 +1,34 @@
+"""The decode daemon: KV in from the prefill daemon, tokens streamed out.
+
+A request's life here, as queues (SGLang's picture):
+
+1. **arrive** — the proxy POSTs the client's body with a tagged ``X-Request-Id``; the
+   daemon tokenizes it exactly as the prefill daemon does (same model, same template).
+   Untagged requests get a 400. The id is used exactly as received.
+2. **prealloc** — the scheduler allocates blocks for the whole prompt and parks the
+   request: it holds blocks but no running slot, so other requests keep decoding.
+3. **transfer** — the consumer connector asks the prefill daemon named in the id for
+   the KV (block ids, token count, KV layout fingerprint over ZMQ); each layer lands
+   straight in the parked request's blocks over the pair's gloo/NCCL group.
+4. **running** — DONE carries the prefill daemon's first token: it is appended and
+   streamed, and decoding goes on from there (the last prompt token is not recomputed).
+5. **failure** — a dead or unreachable prefill daemon, a refused layout or a timeout
+   (``--kv-timeout-s``) ends the request with an error and frees its blocks; a client
+   that disconnects mid-transfer aborts it (blocks held until the receive has stopped).
+"""
+
+from __future__ import annotations
+
+from common.config import NodeConfig
+from common.daemon import run_daemon
+from common.node import parse_config
+from decode_node.connector import ConsumerConnector
+
+
+def serve(config: NodeConfig) -> None:
+    run_daemon(config, ConsumerConnector())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``pdserve decode`` / ``python -m decode_node``."""
+    serve(parse_config(argv, "decode"))

@@ -1,0 +1,129 @@
+"""Real pdserve processes for tests: start a node or proxy, wait until ready, stop it.
+
+Each process logs to a file under the test's tmp dir; a process that dies or never
+gets ready fails the test with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+MODULES = {"both": "common.cli", "prefill": "prefill_node", "decode": "decode_node", "proxy": "proxy"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    port: int
+    log: Path
+    kv_port: int | None = None
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def kv_addr(self) -> str:
+        return f"127.0.0.1:{self.kv_port}"
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} not ready after {timeout} s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(timeout=10)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start(role: str, tmp: Path, *args: str, name: str | None = None, wait: bool = True) -> Proc:
+    """Start ``role`` (both | prefill | decode | proxy) on free ports with ``args`` appended."""
+    name = name or role
+    port = free_port()
+    log = tmp / f"{name}.log"
+    kv_port = None
+    cmd = [sys.executable, "-m", MODULES[role]]
+    if role == "both":
+        cmd.append("serve")
+    cmd += ["--port", str(port)]
+    if role in ("prefill", "decode"):
+        kv_port = free_port()
+        cmd += ["--kv-port", str(kv_port)]
+    if role == "proxy":
+        cmd += ["--registry-port", str(kv_port := free_port())]
+    cmd += list(args)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    with open(log, "wb") as out:
+        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    proc = Proc(name, popen, port, log, kv_port, list(args))
+    if wait:
+        try:
+            proc.wait_ready()
+        except BaseException:
+            proc.kill()
+            raise
+    return proc
+
+
+def metric(base_url: str, name: str) -> float:
+    """The value of one un-labelled-by-extra-keys series, e.g. ``pdserve:kv_cache_usage_perc``."""
+    text = httpx.get(base_url + "/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"{name} not in /metrics of {base_url}")
+
+
+def wait_idle(base_url: str, timeout: float = 30.0) -> None:
+    """Until the node reports no running request and no used KV block."""
+    deadline = time.monotonic() + timeout
+    while True:
+        usage = metric(base_url, "pdserve:kv_cache_usage_perc")
+        running = metric(base_url, "pdserve:num_requests_running")
+        waiting = metric(base_url, "pdserve:num_requests_waiting")
+        if usage == 0 and running == 0 and waiting == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{base_url} not idle: usage {usage}, running {running}, waiting {waiting}")
+        time.sleep(0.1)
