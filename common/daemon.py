@@ -58,7 +58,9 @@ class Daemon:
         cfg = self.config
         metrics: NodeMetrics = app.state.serving.metrics
         stats = TransferStats(on_transfer=metrics.observe_transfer)
-        transfer_config = TransferConfig(timeout_s=cfg.kv_timeout_s, lease_s=cfg.kv_lease_s)
+        # the handshake shares the operation deadline: an unreachable prefill node fails fast
+        transfer_config = TransferConfig(timeout_s=cfg.kv_timeout_s, lease_s=cfg.kv_lease_s,
+                                         handshake_timeout_s=cfg.kv_timeout_s)
         self.transfer = KVTransferEngine(
             f"{cfg.host}:{cfg.kv_port}", engine.kv_layout, transfer_config, stats,
             device=str(engine.engine.device), advertise_host=cfg.kv_host,

@@ -1,0 +1,132 @@
+"""A dead or unreachable peer ends a request with a clear error and frees its blocks.
+
+Each case starts a victim daemon, kills it at the worst moment with SIGKILL, and checks
+that the survivor answers within its deadline, frees every block, and keeps serving.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from disagg_client import disaggregated, post, prefill_body
+
+from common.request_id import make_request_id
+from helpers.cluster import free_port, metric, start, wait_idle
+
+TIMEOUT_S = 2.0
+LEASE_S = 3.0
+ARGS = ("--kv-timeout-s", str(TIMEOUT_S), "--kv-lease-s", str(LEASE_S))
+BODY = {"prompt": list(range(10, 90)), "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("failures")
+    procs = []
+    try:
+        procs.append(start("prefill", tmp, *ARGS))
+        procs.append(start("decode", tmp, *ARGS))
+        yield tmp, procs[0], procs[1]
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _still_serves(prefill, decode) -> None:
+    text, n = disaggregated(prefill, decode, "/v1/completions", BODY)
+    assert n == 8 and text
+    wait_idle(prefill.url)
+    wait_idle(decode.url)
+
+
+def test_prefill_killed_after_decode_allocated(pair) -> None:
+    tmp, prefill, decode = pair
+    victim = start("prefill", tmp, *ARGS, name="prefill-victim")
+    try:
+        rid = make_request_id(victim.kv_addr, decode.kv_addr)
+        with ThreadPoolExecutor(1) as pool:
+            leg = pool.submit(post, decode.url, "/v1/completions", BODY, rid)
+            deadline = time.monotonic() + 20
+            while metric(decode.url, "pdserve:kv_cache_usage_perc") == 0:  # D allocated and asked
+                assert time.monotonic() < deadline, "decode never allocated blocks"
+                time.sleep(0.02)
+            victim.kill()
+            killed_at = time.monotonic()
+            r = leg.result()
+        elapsed = time.monotonic() - killed_at
+    finally:
+        victim.kill()
+    assert r.status_code >= 500
+    assert "producer" in r.json()["error"]["message"] or "prefill" in r.json()["error"]["message"]
+    assert elapsed < TIMEOUT_S + 3, f"decode noticed the dead prefill node only after {elapsed:.1f} s"
+    wait_idle(decode.url, timeout=5)
+    assert metric(decode.url, "pdserve:kv_transfer_failures_total") >= 1
+    _still_serves(prefill, decode)
+
+
+def test_decode_killed_mid_transfer_frees_prefill_blocks(pair) -> None:
+    tmp, prefill, decode = pair
+    victim = start("decode", tmp, *ARGS, name="decode-victim")
+    try:
+        rid = make_request_id(prefill.kv_addr, victim.kv_addr)
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(post, victim.url, "/v1/completions", BODY, rid, 30)
+            deadline = time.monotonic() + 20
+            while metric(victim.url, "pdserve:kv_cache_usage_perc") == 0:  # D asked P for the KV
+                assert time.monotonic() < deadline, "decode never allocated blocks"
+                time.sleep(0.02)
+            victim.kill()
+        p = post(prefill.url, "/v1/completions", prefill_body(BODY), rid)
+        assert p.status_code == 200, p.text  # prefill itself succeeded; only the push had nowhere to go
+    finally:
+        victim.kill()
+    wait_idle(prefill.url, timeout=LEASE_S + TIMEOUT_S + 5)
+    _still_serves(prefill, decode)
+
+
+def test_unclaimed_kv_is_freed_when_the_lease_expires(pair) -> None:
+    _, prefill, decode = pair
+    before = metric(prefill.url, "pdserve:kv_leases_expired_total")
+    rid = make_request_id(prefill.kv_addr, decode.kv_addr)  # the decode leg never comes
+    p = post(prefill.url, "/v1/completions", prefill_body(BODY), rid)
+    assert p.status_code == 200
+    assert metric(prefill.url, "pdserve:kv_cache_usage_perc") > 0  # held for the decode node
+    wait_idle(prefill.url, timeout=LEASE_S + 5)
+    assert metric(prefill.url, "pdserve:kv_leases_expired_total") == before + 1
+    # a decode leg arriving after the lease gets a clear error, not a hang
+    t0 = time.monotonic()
+    r = post(decode.url, "/v1/completions", BODY, rid)
+    assert r.status_code >= 500 and "lease" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < TIMEOUT_S + 3
+    wait_idle(decode.url)
+
+
+def test_unreachable_prefill_node_fails_fast(pair) -> None:
+    _, prefill, decode = pair
+    rid = make_request_id(f"127.0.0.1:{free_port()}", decode.kv_addr)
+    t0 = time.monotonic()
+    r = post(decode.url, "/v1/completions", BODY, rid)
+    elapsed = time.monotonic() - t0
+    assert r.status_code >= 500
+    assert "127.0.0.1" in r.json()["error"]["message"]
+    assert elapsed < TIMEOUT_S + 3
+    wait_idle(decode.url)
+    _still_serves(prefill, decode)
+
+
+def test_client_disconnect_while_waiting_for_kv_frees_decode_blocks(pair) -> None:
+    _, prefill, decode = pair
+    import httpx
+
+    rid = make_request_id(prefill.kv_addr, decode.kv_addr)  # prefill leg never sent: D waits
+    with httpx.stream("POST", decode.url + "/v1/completions", json={**BODY, "stream": True},
+                      headers={"X-Request-Id": rid}, timeout=30) as r:
+        deadline = time.monotonic() + 20
+        while metric(decode.url, "pdserve:kv_cache_usage_perc") == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    # the client is gone: D aborts, tells P, and frees the blocks once the receive stopped
+    wait_idle(decode.url, timeout=TIMEOUT_S + 5)
+    _still_serves(prefill, decode)
