@@ -27,7 +27,7 @@ def usage() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _entry(command: str) -> Callable[[list[str]], None]:
+def _entry(command: str) -> Callable[[list[str]], int | None]:
     module_name = COMMANDS[command][0]
     try:
         module = importlib.import_module(module_name)
@@ -43,7 +43,7 @@ def _entry(command: str) -> Callable[[list[str]], None]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Dispatch ``pdserve <command> [flags]``."""
+    """Dispatch ``pdserve <command> [flags]``; a command's integer result is the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         sys.stdout.write(usage())
@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     if command not in COMMANDS:
         sys.stderr.write(f"pdserve: error: unknown command '{command}' (choose from {', '.join(COMMANDS)})\n")
         sys.exit(2)
-    _entry(command)(rest)
+    code = _entry(command)(rest)
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

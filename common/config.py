@@ -135,7 +135,8 @@ def _read_toml(
     except (OSError, tomllib.TOMLDecodeError) as exc:
         parser.exit(2, f"{prog}: error: --config: cannot read {path}: {exc}\n")
     section_names = {prog, prog.split()[-1]}
-    top = {k: v for k, v in data.items() if not (isinstance(v, dict) and k not in cls.model_fields)}
+    # every table is a command's section (no option is a table): `[proxy]` is not the `proxy` option
+    top = {k: v for k, v in data.items() if not isinstance(v, dict)}
     for key, value in data.items():
         if key in section_names and isinstance(value, dict):
             top.update(value)

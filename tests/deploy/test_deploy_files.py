@@ -250,9 +250,7 @@ def test_example_toml_tables_use_the_default_ports(example_toml):
 
 @pytest.mark.parametrize("cmd, role", [
     ("proxy", None), ("prefill", "prefill"), ("decode", "decode"),
-    pytest.param("serve", "both", marks=pytest.mark.xfail(
-        reason="common.config._read_toml keeps the [proxy] table as the node's `proxy` "
-               "option when the command's own table does not set proxy", strict=False)),
+    ("serve", "both"),
 ])
 def test_example_toml_loads_for_every_command(cmd, role):
     node_config, proxy_config = config_models()
