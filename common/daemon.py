@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from fastapi import FastAPI
@@ -118,11 +119,19 @@ class Daemon:
         logger.info("KV endpoint closed")
 
 
-def run_daemon(config: NodeConfig, connector: TransferConnector, prepare_request: PrepareHook | None = None) -> None:
-    """Serve ``config.role`` (prefill or decode) until SIGTERM / SIGINT."""
+def run_daemon(config: NodeConfig, connector: TransferConnector, prepare_request: PrepareHook | None = None,
+               on_app: Callable[[FastAPI, Daemon], None] | None = None) -> None:
+    """Serve ``config.role`` (prefill or decode) until SIGTERM / SIGINT.
+
+    ``on_app(app, daemon)`` lets the role add to the app once the transfer engine exists."""
     daemon = Daemon(config, connector)
+
+    def attach(app: FastAPI, engine: AsyncLLMEngine) -> None:
+        daemon.attach(app, engine)
+        if on_app is not None:
+            on_app(app, daemon)
+
     try:
-        run_node(config, connector=connector, ready=daemon.ready, on_app=daemon.attach,
-                 prepare_request=prepare_request)
+        run_node(config, connector=connector, ready=daemon.ready, on_app=attach, prepare_request=prepare_request)
     finally:
         daemon.close()

@@ -15,18 +15,28 @@ A request's life here, as queues (SGLang's picture):
 5. **failure** — a dead or unreachable prefill daemon, a refused layout or a timeout
    (``--kv-timeout-s``) ends the request with an error and frees its blocks; a client
    that disconnects mid-transfer aborts it (blocks held until the receive has stopped).
+   A request refused here (a 4xx: bad input, prompt too long) never asks for its KV, so
+   the prefill node is told to drop it at once instead of holding it until its lease ends.
 """
 
 from __future__ import annotations
 
+from fastapi import FastAPI
+
 from common.config import NodeConfig
-from common.daemon import run_daemon
+from common.daemon import Daemon, run_daemon
 from common.node import parse_config
 from decode_node.connector import ConsumerConnector
+from decode_node.release import ReleaseRefusedKV
+
+
+def add_release_on_refusal(app: FastAPI, daemon: Daemon) -> None:
+    assert daemon.transfer is not None
+    app.add_middleware(ReleaseRefusedKV, release=daemon.transfer.consumer.release_remote)
 
 
 def serve(config: NodeConfig) -> None:
-    run_daemon(config, ConsumerConnector())
+    run_daemon(config, ConsumerConnector(), on_app=add_release_on_refusal)
 
 
 def main(argv: list[str] | None = None) -> None:

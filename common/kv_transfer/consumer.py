@@ -19,7 +19,7 @@ import torch
 
 from common.kv_layout import KVLayout
 from common.kv_transfer.config import TransferConfig, TransferError, TransferStats
-from common.kv_transfer.messages import Message
+from common.kv_transfer.messages import Abort, Message
 from common.kv_transfer.receiver import PairReceiver, Transfer
 
 if TYPE_CHECKING:
@@ -78,6 +78,11 @@ class KVConsumer:
                 self._aborted.add(request_id)
         if link is not None:
             link.events.put(("abort", request_id))
+
+    def release_remote(self, request_id: str, prefill_addr: str) -> None:
+        """Tell the producer at ``prefill_addr`` to drop ``request_id`` that this side will never
+        ask for (e.g. the decode node refused the request): its KV is freed now, not at lease end."""
+        self.control.send(prefill_addr, Abort(request_id=request_id))
 
     def poll_aborted(self) -> set[str]:
         """Aborted requests whose receive has stopped: nothing writes into their blocks any more."""

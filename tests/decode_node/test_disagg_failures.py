@@ -130,3 +130,16 @@ def test_client_disconnect_while_waiting_for_kv_frees_decode_blocks(pair) -> Non
     # the client is gone: D aborts, tells P, and frees the blocks once the receive stopped
     wait_idle(decode.url, timeout=TIMEOUT_S + 5)
     _still_serves(prefill, decode)
+
+
+def test_request_refused_by_decode_releases_prefill_kv_at_once(pair) -> None:
+    """The prefill leg (max_tokens 1) succeeds, the decode node refuses the real body: the
+    prefill node must drop the KV now, not hold it until its lease ends."""
+    _, prefill, decode = pair
+    rid = make_request_id(prefill.kv_addr, decode.kv_addr)
+    p = post(prefill.url, "/v1/completions", prefill_body(BODY), rid)
+    assert p.status_code == 200
+    assert metric(prefill.url, "pdserve:kv_cache_usage_perc") > 0
+    r = post(decode.url, "/v1/completions", {**BODY, "max_tokens": -1}, rid)
+    assert r.status_code == 400
+    wait_idle(prefill.url, timeout=LEASE_S / 2)

@@ -1,0 +1,44 @@
+"""Release the prefill node's KV for tagged requests the decode node refuses.
+
+The proxy's prefill leg runs with ``max_tokens: 1``, so a body the decode node rejects
+(bad ``max_tokens``, prompt too long for this node…) may still have been prefilled; the
+prefill node would hold that KV until its lease ends. An ASGI middleware (not Starlette's
+BaseHTTPMiddleware, which would buffer and re-wrap every streamed response) watches the
+status and, on a 4xx for a tagged id, tells the prefill node to drop the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from common.request_id import parse_tags
+
+logger = logging.getLogger(__name__)
+
+
+class ReleaseRefusedKV:
+    def __init__(self, app: ASGIApp, release: Callable[[str, str], None]) -> None:
+        self.app, self.release = app, release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+
+        async def watch(message: Message) -> None:
+            if message["type"] == "http.response.start" and 400 <= message["status"] < 500:
+                self._release(scope)
+            await send(message)
+
+        await self.app(scope, receive, watch)
+
+    def _release(self, scope: Scope) -> None:
+        request_id = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
+        tags = parse_tags(request_id)
+        if tags is None or request_id is None:
+            return
+        logger.info("request %s refused here: telling %s to drop its KV", request_id, tags.prefill_addr)
+        self.release(request_id, tags.prefill_addr)
