@@ -1,0 +1,122 @@
+"""Time to first token for a long prompt: disaggregated (prefill -> decode) vs colocated.
+
+Starts a colocated node, a prefill daemon and a decode daemon (real processes, embedded
+model, CPU, gloo) and sends a 2,000-token prompt. Breakdown for the prefill-first order:
+
+- prefill compute: the prefill leg's latency (HTTP + tokenize + prefill + first token);
+- transfer: the decode node's ``kv_transfer_seconds`` for the request (PULL to DONE);
+- handoff: the rest of the decode leg's time to first token (HTTP, allocation,
+  handshake, appending the first token, streaming it).
+
+Also the concurrent order (both legs at once, the proxy's default) end to end.
+
+    python bench/ttft_breakdown.py [--prompt-tokens 2000] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from common.request_id import make_request_id  # noqa: E402
+from helpers.cluster import Proc, metric, start  # noqa: E402
+
+
+def first_token_s(url: str, body: dict, request_id: str | None = None) -> float:
+    """Seconds from sending a streaming request to its first token event."""
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    t0 = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=headers,
+                      timeout=120) as r:
+        r.raise_for_status()
+        first = None
+        for line in r.iter_lines():  # read to the end: the request must finish before the next
+            if first is None and line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                first = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError("no token")
+    return first
+
+
+def prefill_leg_s(prefill: Proc, body: dict, rid: str) -> float:
+    t0 = time.perf_counter()
+    r = httpx.post(prefill.url + "/v1/completions", json={**body, "max_tokens": 1, "stream": False},
+                   headers={"X-Request-Id": rid}, timeout=120)
+    r.raise_for_status()
+    return time.perf_counter() - t0
+
+
+def transfer_sum(decode: Proc) -> float:
+    return metric(decode.url, "pdserve:kv_transfer_seconds_sum")
+
+
+def run(prompt_tokens: int, repeats: int) -> None:
+    rng = random.Random(0)
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-ttft-"))
+    procs = [start(role, tmp) for role in ("both", "prefill", "decode")]
+    both, prefill, decode = procs
+    rows: dict[str, list[float]] = {k: [] for k in
+                                    ("colocated", "prefill", "transfer", "handoff", "pf_total", "concurrent")}
+    try:
+        for i in range(repeats + 1):  # the first round warms up every process
+            body = {"prompt": [rng.randrange(4, 2048) for _ in range(prompt_tokens)], "max_tokens": 2,
+                    "temperature": 0, "ignore_eos": True}
+            colocated = first_token_s(both.url, body)
+            rid = make_request_id(prefill.kv_addr, decode.kv_addr)
+            p = prefill_leg_s(prefill, body, rid)
+            before = transfer_sum(decode)
+            d = first_token_s(decode.url, body, rid)
+            transfer = transfer_sum(decode) - before
+            rid = make_request_id(prefill.kv_addr, decode.kv_addr)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(1) as pool:
+                leg = pool.submit(prefill_leg_s, prefill, body, rid)
+                first_token_s(decode.url, body, rid)
+                concurrent = time.perf_counter() - t0
+                leg.result()
+            if i == 0:
+                continue
+            for key, value in (("colocated", colocated), ("prefill", p), ("transfer", transfer),
+                               ("handoff", d - transfer), ("pf_total", p + d), ("concurrent", concurrent)):
+                rows[key].append(value * 1000)
+    finally:
+        for proc in procs:
+            proc.stop()
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    kv_mb = 4 * 2 * prompt_tokens * 2 * 64 * 4 / 1e6  # embedded model: 4 layers, 2 KV heads, head_dim 64, fp32
+    print(f"\nTTFT for a {prompt_tokens}-token prompt (embedded model, CPU fp32, gloo on loopback; "
+          f"KV {kv_mb:.1f} MB; median of {repeats})\n")
+    print("| path | part | ms |")
+    print("|---|---|---:|")
+    print(f"| colocated | prefill + first token | {med['colocated']:.1f} |")
+    print(f"| disaggregated, prefill first | prefill compute (prefill leg) | {med['prefill']:.1f} |")
+    print(f"| | KV transfer (PULL to DONE) | {med['transfer']:.1f} |")
+    print(f"| | handoff (decode leg minus transfer) | {med['handoff']:.1f} |")
+    print(f"| | total | {med['pf_total']:.1f} |")
+    print(f"| disaggregated, concurrent legs | total | {med['concurrent']:.1f} |")
+    print(f"\noverhead vs colocated: prefill-first {med['pf_total'] - med['colocated']:+.1f} ms, "
+          f"concurrent {med['concurrent'] - med['colocated']:+.1f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    run(args.prompt_tokens, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
