@@ -231,7 +231,7 @@ class NodeConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1, description="Prompt + output limit; unset = model's")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps")
     seed: int = Field(0, description="Engine random seed (per-request seeds override it)")
-    kv_host: str | None = Field(None, description="Address peers use for this node's KV endpoint; unset = host")
+    kv_host: str | None = Field(None, description="Address other processes use to reach this node (KV endpoint and the address registered with the proxy); unset = host")
     kv_port: int | None = Field(
         None, ge=1, le=65535, description="KV transfer (ZMQ) port (role default: 14579 prefill, 14580 decode)"
     )

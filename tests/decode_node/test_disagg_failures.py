@@ -34,6 +34,14 @@ def pair(tmp_path_factory: pytest.TempPathFactory):
             p.stop()
 
 
+def _wait_until_allocated(node, timeout: float = 20.0) -> None:
+    """Until ``node`` holds KV blocks (a decode node: allocated and asked its prefill node)."""
+    deadline = time.monotonic() + timeout
+    while metric(node.url, "pdserve:kv_cache_usage_perc") == 0:
+        assert time.monotonic() < deadline, f"{node.name} never allocated blocks"
+        time.sleep(0.02)
+
+
 def _still_serves(prefill, decode) -> None:
     text, n = disaggregated(prefill, decode, "/v1/completions", BODY)
     assert n == 8 and text
@@ -48,10 +56,7 @@ def test_prefill_killed_after_decode_allocated(pair) -> None:
         rid = make_request_id(victim.kv_addr, decode.kv_addr)
         with ThreadPoolExecutor(1) as pool:
             leg = pool.submit(post, decode.url, "/v1/completions", BODY, rid)
-            deadline = time.monotonic() + 20
-            while metric(decode.url, "pdserve:kv_cache_usage_perc") == 0:  # D allocated and asked
-                assert time.monotonic() < deadline, "decode never allocated blocks"
-                time.sleep(0.02)
+            _wait_until_allocated(decode)  # D allocated blocks and asked P for the KV
             victim.kill()
             killed_at = time.monotonic()
             r = leg.result()
@@ -73,10 +78,7 @@ def test_decode_killed_mid_transfer_frees_prefill_blocks(pair) -> None:
         rid = make_request_id(prefill.kv_addr, victim.kv_addr)
         with ThreadPoolExecutor(1) as pool:
             pool.submit(post, victim.url, "/v1/completions", BODY, rid, 30)
-            deadline = time.monotonic() + 20
-            while metric(victim.url, "pdserve:kv_cache_usage_perc") == 0:  # D asked P for the KV
-                assert time.monotonic() < deadline, "decode never allocated blocks"
-                time.sleep(0.02)
+            _wait_until_allocated(victim)
             victim.kill()
         p = post(prefill.url, "/v1/completions", prefill_body(BODY), rid)
         assert p.status_code == 200, p.text  # prefill itself succeeded; only the push had nowhere to go
@@ -123,10 +125,7 @@ def test_client_disconnect_while_waiting_for_kv_frees_decode_blocks(pair) -> Non
     rid = make_request_id(prefill.kv_addr, decode.kv_addr)  # prefill leg never sent: D waits
     with httpx.stream("POST", decode.url + "/v1/completions", json={**BODY, "stream": True},
                       headers={"X-Request-Id": rid}, timeout=30) as r:
-        deadline = time.monotonic() + 20
-        while metric(decode.url, "pdserve:kv_cache_usage_perc") == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        _wait_until_allocated(decode)
     # the client is gone: D aborts, tells P, and frees the blocks once the receive stopped
     wait_idle(decode.url, timeout=TIMEOUT_S + 5)
     _still_serves(prefill, decode)
