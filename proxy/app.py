@@ -1,6 +1,6 @@
 """The proxy's FastAPI app: the OpenAI routes users call, plus health, readiness, metrics.
 
-``build_app`` wires the pieces; its lifespan owns the one pooled httpx transport
+``build_app`` wires the pieces; its lifespan owns the one pooled HTTP transport
 and the registry's listener thread, so nothing outlives the app.
 """
 
@@ -43,7 +43,8 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         registry.start()
-        async with PooledTransport(max_idle_per_origin=config.max_idle_connections) as transport:
+        async with PooledTransport(max_idle_per_origin=config.max_idle_connections,
+                                   connect_timeout_s=config.connect_timeout_s) as transport:
             app.state.dispatcher = Dispatcher(Legs(transport, config, metrics), router, config, metrics)
             try:
                 yield

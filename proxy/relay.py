@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
-import httpx
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -35,6 +34,7 @@ from proxy.errors import (BadRequest, ClientDisconnected, ProxyError, RequestTim
 from proxy.legs import Legs, prefill_body, read_chunks
 from proxy.metrics import ProxyMetrics
 from proxy.routing import Pair, Router
+from proxy.transport import Response as NodeResponse
 
 logger = logging.getLogger(__name__)
 _CLIENT_CLOSED = 499  # nginx's status for "client closed request": logged, never sent
@@ -49,7 +49,7 @@ class Call:
     start: float
     prefill: asyncio.Task | None = None
     decode: asyncio.Task | None = None
-    response: httpx.Response | None = None  # the open decode stream
+    response: NodeResponse | None = None  # the open decode stream
     tasks: list[asyncio.Task] = field(default_factory=list)
     closed: bool = False
 

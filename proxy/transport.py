@@ -1,143 +1,107 @@
-"""An httpx transport whose keep-alive pool costs O(1) per request.
+"""The proxy's keep-alive pool to its nodes: a stack of idle connections per node.
 
-httpcore's ``AsyncConnectionPool`` rescans every connection on each request and each
-response close, and for every idle one it recounts the idle ones: O(connections^2)
-per request. Measured here with 32 clients (64 pooled connections, P and D), the proxy
-spent most of its time in that scan and fell below 50 requests/s. This pool keeps a
-stack of idle connections per origin instead; everything else (HTTP/1.1, timeouts from
-the request's extensions, error mapping) is still httpx's and httpcore's.
+Taking and returning a connection is O(1) (httpcore's pool rescanned every connection
+per request, quadratic in the pool's size). A connection goes back only when its
+response was read to the end and the node kept it open; any other close (an error, a
+cancelled leg) closes the socket, so the node sees the disconnect and aborts.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 
-import anyio
-import httpcore
-import httpx
-
-_ORIGIN = tuple[bytes, bytes, int]
+from proxy.http_client import Connection, TransportError, open_connection, request_bytes
 
 
-class _CoalescingStream(httpcore.AsyncNetworkStream):
-    """Holds writes until the next read, so a request's headers and body leave in one send.
+class Response:
+    """A node's answer: status and headers at once, the body read whole or piece by piece."""
 
-    httpcore writes them separately; on loopback each send is a syscall plus a wakeup
-    of the node, which is a large part of what a request costs the proxy.
-    """
+    def __init__(self, pool: PooledTransport, address: str, conn: Connection, status: int, headers: dict[str, str]):
+        self._pool, self._address, self._conn = pool, address, conn
+        self.status_code = status
+        self.headers = headers
+        self.content = b""
+        self._done = False
 
-    def __init__(self, inner: httpcore.AsyncNetworkStream):
-        self._inner = inner
-        self._pending: list[bytes] = []
+    async def aread(self) -> bytes:
+        """The whole body (also kept in ``content``); the connection is released after."""
+        try:
+            self.content = b"".join([piece async for piece in self.aiter_raw()])
+        finally:
+            await self.aclose()
+        return self.content
 
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        if buffer:
-            self._pending.append(buffer)
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        if self._pending:
-            data = b"".join(self._pending)
-            self._pending.clear()
-            await self._inner.write(data, timeout)
-        return await self._inner.read(max_bytes, timeout)
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """Body pieces as they arrive, de-chunked but otherwise untouched."""
+        while (piece := await self._conn.next_piece()) is not None:
+            yield piece
 
     async def aclose(self) -> None:
-        self._pending.clear()
-        await self._inner.aclose()
-
-    async def start_tls(self, ssl_context, server_hostname=None, timeout=None) -> httpcore.AsyncNetworkStream:
-        raise NotImplementedError("the proxy talks plain HTTP to its nodes")
-
-    def get_extra_info(self, info: str):
-        return self._inner.get_extra_info(info)
+        """Release the connection: back to the pool if reusable, closed otherwise."""
+        if not self._done:
+            self._done = True
+            self._pool._give_back(self._address, self._conn)
 
 
-class _CoalescingBackend(httpcore.AsyncNetworkBackend):
-    def __init__(self) -> None:
-        self._inner = httpcore.AnyIOBackend()
+class PooledTransport:
+    """POSTs to nodes over pooled HTTP/1.1 keep-alive connections."""
 
-    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
-        stream = await self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
-        return _CoalescingStream(stream)
-
-    async def sleep(self, seconds: float) -> None:
-        await self._inner.sleep(seconds)
-
-
-class _StackPool:
-    """Idle connections per origin, most recently used first (the warmest socket)."""
-
-    def __init__(self, max_idle_per_origin: int, keepalive_expiry_s: float):
+    def __init__(self, max_idle_per_origin: int = 256, keepalive_expiry_s: float = 4.0,
+                 connect_timeout_s: float = 5.0):
         self.max_idle = max_idle_per_origin
+        # Below uvicorn's 5 s keep-alive, so we drop an idle socket before the node does.
         self.keepalive_expiry_s = keepalive_expiry_s
-        self._backend = _CoalescingBackend()
-        self._idle: defaultdict[_ORIGIN, list[httpcore.AsyncHTTPConnection]] = defaultdict(list)
+        self.connect_timeout_s = connect_timeout_s
+        self._idle: defaultdict[str, list[Connection]] = defaultdict(list)
 
-    def _take(self, origin: httpcore.Origin) -> httpcore.AsyncHTTPConnection:
-        idle = self._idle[(origin.scheme, origin.host, origin.port)]
+    async def post(self, address: str, path: str, body: bytes, headers: list[tuple[str, str]]) -> Response:
+        """Send a JSON POST to ``host:port``; returns once the response's headers are in.
+
+        Raises TransportError (ConnectError / ConnectTimeout when nothing was sent). If the
+        caller is cancelled meanwhile, the connection is closed.
+        """
+        conn = await self._take(address)
+        try:
+            conn.send(request_bytes(address, path, body, headers))
+            status, response_headers = await conn.read_head()
+        except BaseException:
+            conn.close()
+            raise
+        return Response(self, address, conn, status, response_headers)
+
+    async def _take(self, address: str) -> Connection:
+        idle = self._idle[address]
+        now = time.monotonic()
         while idle:
             conn = idle.pop()
-            # has_expired also notices a socket the server closed while it sat idle.
-            if conn.is_idle() and not conn.has_expired():
+            if now - conn.idle_since < self.keepalive_expiry_s and conn.still_open():
                 return conn
-        return httpcore.AsyncHTTPConnection(origin=origin, keepalive_expiry=self.keepalive_expiry_s,
-                                            network_backend=self._backend)
+            conn.close()
+        host, _, port = address.rpartition(":")
+        return await open_connection(host.strip("[]"), int(port), self.connect_timeout_s)
 
-    def _give_back(self, conn: httpcore.AsyncHTTPConnection, origin: httpcore.Origin) -> bool:
-        idle = self._idle[(origin.scheme, origin.host, origin.port)]
-        if conn.is_idle() and len(idle) < self.max_idle:
+    def _give_back(self, address: str, conn: Connection) -> None:
+        idle = self._idle[address]
+        if conn.reusable() and len(idle) < self.max_idle:
+            conn.idle_since = time.monotonic()
             idle.append(conn)
-            return True
-        return False
-
-    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
-        origin = request.url.origin
-        conn = self._take(origin)
-        try:
-            response = await conn.handle_async_request(request)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await conn.aclose()
-            raise
-        stream = _ReturningStream(response.stream, self, conn, origin)
-        return httpcore.Response(response.status, headers=response.headers, content=stream,
-                                 extensions=response.extensions)
+        else:
+            conn.close()
 
     async def aclose(self) -> None:
         for idle in self._idle.values():
             for conn in idle:
-                await conn.aclose()
+                conn.close()
         self._idle.clear()
 
-    async def __aenter__(self) -> _StackPool:
+    async def __aenter__(self) -> PooledTransport:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
 
-class _ReturningStream:
-    """The response body; closing it puts the connection back when it can be reused."""
-
-    def __init__(self, inner, pool: _StackPool, conn: httpcore.AsyncHTTPConnection, origin: httpcore.Origin):
-        self._inner, self._pool, self._conn, self._origin = inner, pool, conn, origin
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._inner:
-            yield chunk
-
-    async def aclose(self) -> None:
-        with anyio.CancelScope(shield=True):  # a half-closed connection must never be reused
-            await self._inner.aclose()
-            if not self._pool._give_back(self._conn, self._origin):
-                await self._conn.aclose()
-
-
-class PooledTransport(httpx.AsyncHTTPTransport):
-    """``httpx.AsyncHTTPTransport`` (plain HTTP) with the O(1) pool above."""
-
-    def __init__(self, max_idle_per_origin: int = 256, keepalive_expiry_s: float = 4.0):
-        super().__init__()
-        # Below uvicorn's 5 s keep-alive, so we drop an idle socket before the node does.
-        self._pool = _StackPool(max_idle_per_origin, keepalive_expiry_s)
+__all__ = ["PooledTransport", "Response", "TransportError"]

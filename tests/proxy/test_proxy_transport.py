@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 from proxy_fakes import FakeNode, ServerThread, wait_for
@@ -12,11 +13,9 @@ from proxy.transport import PooledTransport
 BODY = {"model": "m", "prompt": "hi"}
 
 
-async def _post(transport: PooledTransport, url: str) -> int:
-    request = httpx.Request("POST", url, json=BODY)
-    resp = await transport.handle_async_request(request)
+async def _post(transport: PooledTransport, port: int) -> int:
+    resp = await transport.post(f"127.0.0.1:{port}", "/v1/completions", json.dumps(BODY).encode(), [])
     await resp.aread()
-    await resp.aclose()
     return resp.status_code
 
 
@@ -27,7 +26,7 @@ def test_connections_are_reused_and_a_restarted_node_is_reconnected():
 
         async def first_round(transport: PooledTransport) -> None:
             for _ in range(10):
-                assert await _post(transport, f"{server.url}/v1/completions") == 200
+                assert await _post(transport, port) == 200
 
         async def run() -> None:
             async with PooledTransport() as transport:
@@ -35,7 +34,7 @@ def test_connections_are_reused_and_a_restarted_node_is_reconnected():
                 assert len({s.client_port for s in node.seen}) == 1  # one keep-alive connection
                 server.__exit__(None, None, None)  # the node goes away with our idle socket open
                 with ServerThread(node.app, port=port):
-                    assert await _post(transport, f"http://127.0.0.1:{port}/v1/completions") == 200
+                    assert await _post(transport, port) == 200
 
         asyncio.run(run())
     assert len({s.client_port for s in node.seen}) == 2
