@@ -173,12 +173,13 @@ def start_process(spec: ProcessSpec, log_dir: Path) -> subprocess.Popen:
     """Start one detached process group whose output goes to its own log file."""
     log_path = log_dir / f"{spec.name}.log"
     log_path.write_bytes(b"")  # this run's log only, so a failure shows its own tail
-    cmd = [sys.executable, "-m", spec.module, *spec.args, "--log-file", str(log_path)]
+    # No --log-file: the process logs to stderr, which lands here with any traceback;
+    # both at once would write every line twice.
+    cmd = [sys.executable, "-m", spec.module, *spec.args]
     # Children import the same pdserve as this launcher, whatever the working directory.
     package_root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
-    # Append mode: the process's own --log-file handler writes to the same file.
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,

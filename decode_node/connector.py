@@ -52,6 +52,8 @@ class ConsumerConnector(KVConnectorBase):
         addr = prefill_addr(seq)
         assert addr is not None
         self._in_flight.add(seq.request_id)
+        logger.info("request %s: %d blocks allocated, asking %s for %d tokens of KV", seq.request_id,
+                    len(block_ids), addr, seq.num_prompt_tokens)
         self.transfer.consumer.request(seq.request_id, addr, block_ids, seq.num_prompt_tokens, self.kv_caches)
 
     def request_finished(self, seq: Sequence) -> bool:
@@ -61,6 +63,7 @@ class ConsumerConnector(KVConnectorBase):
         assert self.transfer is not None
         self._in_flight.discard(rid)
         self._aborting.add(rid)
+        logger.info("request %s: aborted while its KV was arriving; blocks held until the receive stops", rid)
         self.transfer.consumer.abort(rid)
         return True  # held until the transfer engine confirms nothing writes into the blocks
 
@@ -73,6 +76,8 @@ class ConsumerConnector(KVConnectorBase):
         done = {rid: tok for rid, tok in done.items() if rid in self._in_flight}
         failed = {rid: err for rid, err in failed.items() if rid in self._in_flight}
         self._in_flight -= done.keys() | failed.keys()
+        for rid in done:
+            logger.info("request %s: KV received, decoding", rid)
         for rid, err in failed.items():
             logger.warning("request %s: KV transfer failed: %s", rid, err)
         return FinishedTransfers(done_sending=stopped, done_recving=done, failed_recving=failed)

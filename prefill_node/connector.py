@@ -59,13 +59,17 @@ class ProducerConnector(KVConnectorBase):
         rid = seq.request_id
         if seq.output_token_ids and seq.finish_reason in ("length", "stop"):
             self._handed_over.add(rid)
+            logger.info("request %s: prefill done, KV held for %s (%d blocks)", rid,
+                        seq.kv_transfer_params.get("decode_addr"), len(seq.block_table))
             self.transfer.producer.finish(
                 rid, seq.output_token_ids[0], self.kv_caches, list(seq.block_table), seq.num_prompt_tokens
             )
             return True
         # ended before its first token (aborted, failed): nothing reads its blocks after the
         # layer pushes (those were copies), so they can go now; tell a waiting decode node
-        self.transfer.producer.discard(rid, f"prefill ended ({seq.finish_reason}) before the first token")
+        why = f"prefill ended ({seq.finish_reason}) before the first token"
+        logger.info("request %s: %s; KV dropped", rid, why)
+        self.transfer.producer.discard(rid, why)
         return False
 
     def get_finished(self) -> FinishedTransfers:
@@ -73,4 +77,6 @@ class ProducerConnector(KVConnectorBase):
             return FinishedTransfers()
         freeable = self.transfer.producer.poll_freeable()
         self._handed_over -= freeable
+        for rid in freeable:
+            logger.info("request %s: KV released", rid)
         return FinishedTransfers(done_sending=freeable)

@@ -23,8 +23,6 @@ def setup_logging(level: str, log_file: str | None) -> None:
     logging.basicConfig(
         level=level.upper(), handlers=handlers, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
-    # httpx logs every leg at INFO; our one line per request already names both nodes.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def main(argv: list[str] | None = None) -> None:

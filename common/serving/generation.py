@@ -6,6 +6,7 @@ stops listening (client gone, error, server shutdown).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from common.engine.outputs import RequestOutput
 from common.serving.context import PreparedRequest, ServingContext
 from common.serving.errors import OpenAIError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -151,11 +154,16 @@ class GenerationRun:
             metrics.observe_generated(num_new)
             self.num_output_tokens += num_new
         if out.finished:
+            elapsed = now - self.prepared.arrival_time
+            num_prompt = out.num_prompt_tokens or len(self.prepared.prompts[index])
             if out.finish_reason == "error":
                 metrics.observe_error("engine")
-            else:
-                num_prompt = out.num_prompt_tokens or len(self.prepared.prompts[index])
-                metrics.observe_finished(out.finish_reason or "stop", num_prompt, now - self.prepared.arrival_time)
+                logger.warning("request %s failed after %.1f ms: %s", out.request_id, elapsed * 1e3, out.error)
+                return
+            metrics.observe_finished(out.finish_reason or "stop", num_prompt, elapsed)
+            ttft = (timing.first_token_at or now) - self.prepared.arrival_time
+            logger.info("request %s finished (%s): %d prompt + %d output tokens, first token %.1f ms, total %.1f ms",
+                        out.request_id, out.finish_reason, num_prompt, out.num_output_tokens, ttft * 1e3, elapsed * 1e3)
 
 
 async def _refusals_as_400(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

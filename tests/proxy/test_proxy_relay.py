@@ -17,6 +17,7 @@ BODY = {"model": "m", "prompt": "hi", "max_tokens": 5}
 
 def test_tagged_id_reaches_both_legs_identically(make_cluster):
     c = make_cluster()
+    c.decodes[0].behavior.delay_s = 0.2  # a real D cannot answer before P's leg has arrived
     r = httpx.post(f"{c.url}/v1/completions", json=BODY)
     assert r.status_code == 200, r.text
     p_seen, d_seen = c.prefills[0].seen[0], c.decodes[0].seen[0]
@@ -31,6 +32,7 @@ def test_tagged_id_reaches_both_legs_identically(make_cluster):
 
 def test_chat_prefill_leg_limits_completion_tokens(make_cluster):
     c = make_cluster()
+    c.decodes[0].behavior.delay_s = 0.2  # else D may finish first and the P leg be cancelled unseen
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
             "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{c.url}/v1/chat/completions", json=body) as r:
