@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 
 from common.engine.config import EngineConfig
 from common.engine.kv_connector import KVConnectorBase
-from common.engine.llm_engine import LLMEngine
+from common.engine.llm_engine import LLMEngine, check_prompt
 from common.engine.outputs import RequestOutput
 from common.engine.protocol import EngineStats
 from common.engine.sampling_params import SamplingParams
@@ -114,13 +114,7 @@ class AsyncLLMEngine:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         params.validate()
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
-                f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})"
-            )
+        check_prompt(prompt_token_ids, self.max_model_len)
 
     def _post(self, command: tuple) -> None:
         self._commands.append(command)

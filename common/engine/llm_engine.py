@@ -86,13 +86,7 @@ class LLMEngine:
         """Queue a request; ValueError for a duplicate id, an empty or too long prompt, bad params."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
-                f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})"
-            )
+        check_prompt(prompt_token_ids, self.max_model_len)
         params.validate()
         seq = Sequence(request_id, list(prompt_token_ids), params, kv_transfer_params=dict(kv_transfer_params or {}))
         if params.seed is not None:
@@ -187,6 +181,17 @@ class LLMEngine:
                 if out.request_id in tokens:
                     tokens[out.request_id] += out.new_token_ids
         return [tokens[rid] for rid in ids]
+
+
+def check_prompt(prompt_token_ids: list[int], max_model_len: int) -> None:
+    """ValueError for an empty prompt or one that leaves no room for a token."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
+            f"{max_model_len - 1} prompt tokens (max_model_len {max_model_len})"
+        )
 
 
 def _load_tokenizer(model_dir: Path):
