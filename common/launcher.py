@@ -24,6 +24,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.config import ROLE_HTTP_PORTS, ROLE_KV_PORTS
+from proxy.config import ProxyConfig
+
 LOOPBACK = "127.0.0.1"
 PIDS_FILE = "pids.json"
 SERVED_MODEL_NAME = "pdserve-tiny"
@@ -35,15 +38,15 @@ class LaunchError(Exception):
 
 @dataclass(frozen=True)
 class UpOptions:
-    """Everything `pdserve up` needs; defaults are the CLI's default ports."""
+    """Everything `pdserve up` needs; the ports default to each command's own defaults."""
 
     run_dir: Path = Path(".pdserve")
-    proxy_port: int = 10001
-    prefill_port: int = 8100
-    decode_port: int = 8200
-    registry_port: int = 30001
-    prefill_kv_port: int = 14579
-    decode_kv_port: int = 14580
+    proxy_port: int = ProxyConfig.model_fields["port"].default
+    prefill_port: int = ROLE_HTTP_PORTS["prefill"]
+    decode_port: int = ROLE_HTTP_PORTS["decode"]
+    registry_port: int = ProxyConfig.model_fields["registry_port"].default
+    prefill_kv_port: int = ROLE_KV_PORTS["prefill"]
+    decode_kv_port: int = ROLE_KV_PORTS["decode"]
     model: str | None = None
     timeout: float = 120.0
 
@@ -311,10 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     up_p = sub.add_parser("up", help="start proxy + prefill + decode on loopback")
     up_p.add_argument("--run-dir", type=Path, default=UpOptions.run_dir,
                       help="where pids.json and logs/ go (default: .pdserve)")
-    for flag, default in (("--proxy-port", 10001), ("--prefill-port", 8100),
-                          ("--decode-port", 8200), ("--registry-port", 30001),
-                          ("--prefill-kv-port", 14579), ("--decode-kv-port", 14580)):
-        up_p.add_argument(flag, type=int, default=default, help=f"default: {default}")
+    for name in ("proxy_port", "prefill_port", "decode_port", "registry_port", "prefill_kv_port", "decode_kv_port"):
+        default = getattr(UpOptions, name)
+        up_p.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=f"default: {default}")
     up_p.add_argument("--model", default=None,
                       help="model directory (default: the embedded pdserve-tiny model)")
     up_p.add_argument("--timeout", type=float, default=120.0,
