@@ -1,8 +1,8 @@
 """What the prefill and decode daemons share: a serving node plus a KV transfer endpoint,
 registration with the proxy, and transfer metrics.
 
-Start-up order: the engine (model, KV cache) -> the transfer engine bound at
-``kv_host:kv_port`` and handed to the connector -> heartbeats to the proxy -> HTTP.
+Start-up order: the engine (model, KV cache) -> the transfer engine (bound at
+``host:kv_port``, reached by peers at ``kv_host:kv_port``) handed to the connector -> heartbeats to the proxy -> HTTP.
 Shut-down runs the other way: HTTP drains, the engine stops calling the connector,
 then heartbeats stop and the transfer engine closes its threads and sockets.
 """
@@ -47,7 +47,7 @@ class Daemon:
         self.node_id = f"{NODE_TYPES[config.role]}-{socket.gethostname()}-{config.port}-{uuid.uuid4().hex[:6]}"
         self.transfer: KVTransferEngine | None = None
         self.heartbeater: Heartbeater | None = None
-        self._seen = {"failures": 0, "leases_expired": 0, "bytes_sent": 0}
+        self._exported: dict[str, float] = {}  # transfer counters already turned into metrics
 
     # ---- start ----------------------------------------------------------------------
     def attach(self, app: FastAPI, engine: AsyncLLMEngine) -> None:
@@ -68,16 +68,12 @@ class Daemon:
         )
         self.connector.bind(self.transfer, engine.engine.kv_caches)
         metrics.add_scrape_hook(lambda: self._export_transfer_stats(metrics))
-        logger.info("KV endpoint %s (layout %s, fingerprint %s)", self.kv_address,
+        logger.info("KV endpoint %s (layout %s, fingerprint %s)", cfg.kv_addr,
                     engine.kv_layout, engine.kv_layout.fingerprint())
         if cfg.proxy:
             self.heartbeater = Heartbeater(cfg.proxy, lambda: self._registration(engine), cfg.heartbeat_interval_s)
             self.heartbeater.start()
             logger.info("registering with the proxy at %s as %s", cfg.proxy, self.node_id)
-
-    @property
-    def kv_address(self) -> str:
-        return f"{self.config.kv_host}:{self.config.kv_port}"
 
     def ready(self) -> bool:
         return self.transfer is not None and (self.heartbeater is None or self.heartbeater.beats_sent > 0)
@@ -87,7 +83,7 @@ class Daemon:
         return {
             "type": NODE_TYPES[self.config.role],
             "http_address": f"{self.config.kv_host}:{self.config.port}",
-            "zmq_address": self.kv_address,
+            "zmq_address": self.config.kv_addr,
             "model": engine.model_name,
             "kv_fingerprint": engine.kv_layout.fingerprint(),
             "node_id": self.node_id,
@@ -98,17 +94,17 @@ class Daemon:
         }
 
     def _export_transfer_stats(self, metrics: NodeMetrics) -> None:
-        """Counters the transfer engine keeps, turned into Prometheus increments at scrape."""
+        """Counters the transfer engine keeps, turned into Prometheus increments at scrape.
+        (Received bytes and transfer times arrive through ``TransferStats.on_transfer``.)"""
         assert self.transfer is not None
         snap = self.transfer.stats.snapshot()
-        deltas = {k: snap[k] - self._seen[k] for k in self._seen}
-        self._seen.update({k: snap[k] for k in self._seen})
-        for _ in range(int(deltas["failures"])):
-            metrics.observe_transfer_failure()
-        for _ in range(int(deltas["leases_expired"])):
-            metrics.observe_lease_expired()
-        if deltas["bytes_sent"]:
-            metrics.kv_transfer_bytes.labels(metrics.role).inc(deltas["bytes_sent"])
+        counters = {"failures": metrics.kv_transfer_failures, "leases_expired": metrics.kv_leases_expired,
+                    "bytes_sent": metrics.kv_transfer_bytes}
+        for name, counter in counters.items():
+            delta = snap[name] - self._exported.get(name, 0)
+            if delta > 0:
+                counter.labels(metrics.role).inc(delta)
+            self._exported[name] = snap[name]
 
     # ---- stop -----------------------------------------------------------------------
     def close(self) -> None:

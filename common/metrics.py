@@ -120,9 +120,3 @@ class NodeMetrics:
     def observe_transfer(self, seconds: float, num_bytes: int) -> None:
         self.kv_transfer_seconds.labels(self.role).observe(seconds)
         self.kv_transfer_bytes.labels(self.role).inc(num_bytes)
-
-    def observe_transfer_failure(self) -> None:
-        self.kv_transfer_failures.labels(self.role).inc()
-
-    def observe_lease_expired(self) -> None:
-        self.kv_leases_expired.labels(self.role).inc()
