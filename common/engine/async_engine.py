@@ -17,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 
 from common.engine.config import EngineConfig
-from common.engine.kv_connector import KVConnectorBase
+from common.engine.kv_connector import KVConnector
 from common.engine.llm_engine import LLMEngine, check_prompt
 from common.engine.outputs import RequestOutput
 from common.engine.protocol import EngineStats
@@ -38,8 +39,9 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig, connector: KVConnectorBase | None = None):
+    def __init__(self, config: EngineConfig, connector: KVConnector | None = None):
         self.engine = LLMEngine(config, connector)
+        self.engine.early_outputs = self._dispatch  # a peer's first token goes out before the next compute
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
         self.tokenizer = self.engine.tokenizer
@@ -52,6 +54,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: str | None = None
+        self._busy_since: float | None = None  # when the thread's current iteration with work began
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -110,6 +113,13 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self._stats  # a snapshot the engine thread refreshes every step
 
+    def stalled_for(self) -> float:
+        """Seconds the engine thread has spent in its current iteration (0 while it sleeps idle):
+        a stuck step (a hung kernel, a deadlock) grows it while the HTTP server and heartbeats
+        go on, which is how the proxy tells a stalled node from a busy one."""
+        since = self._busy_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
     def _check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -124,6 +134,7 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         engine = self.engine
         while not self._stopping:
+            self._busy_since = time.monotonic()
             self._wake.clear()
             self._apply_commands()
             if engine.has_schedulable_work() or engine.has_pending_transfers():
@@ -141,6 +152,7 @@ class AsyncLLMEngine:
                     self._wake.wait(POLL_INTERVAL_S)
             else:
                 self._stats = engine.stats()
+                self._busy_since = None
                 self._wake.wait()
 
     def _apply_commands(self) -> None:

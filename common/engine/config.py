@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 CPU_KV_CACHE_GB = 0.5  # default KV budget on CPU when num_kv_blocks is not given
-GPU_KV_CACHE_FRACTION = 0.85  # share of free GPU memory (after loading) given to the KV cache
 
 
 class EngineConfigError(ValueError):
@@ -22,12 +21,16 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb / free GPU memory
-    kv_cache_memory_gb: float | None = None  # None: 0.5 GB on CPU, 85% of free memory on GPU
+    kv_cache_memory_gb: float | None = None  # None: 0.5 GB on CPU, from gpu_memory_utilization on GPU
+    gpu_memory_utilization: float | None = None  # share of the GPU's total memory; None: 0.9 (gpu_memory.py)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # per-step token budget; longer prefills are chunked
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was seen before
     seed: int = 0
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    attention_backend: str = "auto"  # auto (triton on CUDA when installed, else sdpa) | sdpa | triton
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -37,8 +40,14 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise EngineConfigError(f"{name} must be >= 1")
+        if self.attention_backend not in ("auto", "sdpa", "triton"):
+            raise EngineConfigError(
+                f"attention_backend must be auto, sdpa or triton, not {self.attention_backend!r}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise EngineConfigError("num_kv_blocks must be >= 1")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise EngineConfigError("gpu_memory_utilization must be in (0, 1]")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

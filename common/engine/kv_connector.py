@@ -1,69 +1,229 @@
-"""Hooks that let a KV transfer plug into the engine (vLLM v1's connector split).
+"""How a KV transfer plugs into the engine: vLLM v1's connector split, our way.
 
-The engine owns one connector. Role ``both`` uses :class:`NoKVConnector` (no transfer).
-The prefill daemon's producer and the decode daemon's consumer subclass
-:class:`KVConnectorBase`. Every hook is called on the engine's own thread.
+A connector is two halves (:class:`KVConnector`) that share nothing but one metadata
+object per step:
 
-Scheduler side
-  * ``num_external_tokens(seq)``: prompt tokens whose KV arrives from a peer. When it is
-    > 0 the scheduler allocates blocks for the whole prompt, calls
-    ``on_blocks_allocated`` and parks the sequence (holding blocks, not a running slot)
-    until ``get_finished`` reports it received.
-  * ``request_finished(seq)``: called when a sequence finishes or is aborted; returning
-    True means "keep its blocks until ``get_finished`` lists it in done_sending".
+Scheduler side (:class:`KVConnectorScheduler`), inside the ``Scheduler``; pure bookkeeping,
+no transfer engine, no network. It decides, from the ``Sequence`` objects it sees:
+  * which requests load which blocks from which peer (``num_external_tokens`` > 0: the
+    scheduler allocates blocks for the whole prompt and calls ``on_blocks_allocated``; with
+    prefix caching only the blocks after ``first_block`` are asked for);
+  * which requests save KV in this step (their row in the batch, the peer, the blocks):
+    only the pass that completes the prompt saves, earlier chunks go out from the blocks;
+  * which finished requests are handed over (first token, its logprobs, blocks) or
+    discarded, and which loads are aborted;
+  * whether the scheduler holds a finished request's blocks (``request_finished``), read
+    from its one table of live transfers (``table``: request id -> :class:`ConnectorState`).
+Everything decided since the last metadata goes into the next :class:`KVConnectorMetadata`
+(``build_meta``): frozen dataclasses of ids, ints and strings, no ``Sequence``. The engine
+gives the workers the one built at schedule time before the forward, and what the step's
+postprocess decided (a first token to hand over) at the end of that same step, so a
+hand-over never waits for the next step or the async loop's poll interval.
 
-Worker side
-  * ``save_kv_layer(layer_idx, kv_layer, seqs, attn_metadata)``: after each attention
-    layer of a forward pass that contains prefill tokens (producer).
-  * ``get_finished()``: polled once per engine step.
+Worker side (:class:`KVConnectorWorker`), next to the model; the only half that touches
+the transfer engine. Per step: ``start_step(meta)`` before the forward (issues loads,
+hand-overs, discards, aborts), ``save_kv_layer(layer_idx, kv_layer, meta)`` after each
+attention layer when ``meta.saves`` is not empty, ``get_finished()`` polled at the start of
+every step. It keeps no table of live transfers: a request's state on the wire is the
+transfer engine's (``ProducerState`` / ``TransferState``), read there in one place.
+
+Tensor parallelism: each of N workers would get the same metadata (block ids are the same
+on every rank; each rank moves its own heads) and the scheduler side needs no change; only
+``get_finished`` would be aggregated (a request is done when every rank says so, as
+vLLM's ``KVOutputAggregator``).
+
+Role ``both`` uses :func:`no_connector` (no transfer).
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
-    from common.model.attention_metadata import AttentionMetadata
+    from common.engine.sequence import Sequence
+    from common.kv_transfer.engine import KVTransferEngine
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Consumer: land blocks ``first_block``.. of the peer's prompt KV in ``block_ids``."""
+
+    request_id: str
+    prefill_addr: str
+    block_ids: tuple[int, ...]
+    first_block: int  # the blocks before it are cached here already
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Producer: this step's pass completes the prompt of the request at ``row`` of the batch."""
+
+    request_id: str
+    row: int
+    decode_addr: str
+    block_ids: tuple[int, ...]  # the request's whole block table
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class HandoverSpec:
+    """Producer: the prompt is done; the peer gets the rest of the KV and the first token."""
+
+    request_id: str
+    decode_addr: str
+    first_token: int
+    first_logprobs: tuple[tuple[int, float], ...] | None
+    block_ids: tuple[int, ...]
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class DiscardSpec:
+    """Producer: the request ended before its first token; tell a waiting peer why."""
+
+    request_id: str
+    why: str
+
+
+@dataclass(frozen=True)
+class KVConnectorMetadata:
+    """One step's decisions, from the scheduler side to every worker."""
+
+    loads: tuple[LoadSpec, ...] = ()
+    saves: tuple[SaveSpec, ...] = ()
+    handovers: tuple[HandoverSpec, ...] = ()
+    discards: tuple[DiscardSpec, ...] = ()
+    aborts: tuple[str, ...] = ()  # consumer: request ids whose load stops
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.saves or self.handovers or self.discards or self.aborts)
+
+
+EMPTY_METADATA = KVConnectorMetadata()
 
 
 @dataclass
 class FinishedTransfers:
-    # producer: requests whose KV the peer acknowledged (or whose lease expired): free blocks now
+    """What the worker side reports each step (raw: the scheduler side checks it against its table)."""
+
+    # producer: requests whose KV the peer acknowledged (or whose lease expired): free blocks now;
+    # consumer: aborted requests whose receive has stopped
     done_sending: set[str] = field(default_factory=set)
     # consumer: requests whose whole prompt KV landed: request_id -> first token id from the producer
     done_recving: dict[str, int] = field(default_factory=dict)
+    # consumer: the first token's logprobs from the producer, for landed requests that asked
+    first_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     # consumer: requests whose transfer failed: request_id -> error message (request fails, blocks freed)
     failed_recving: dict[str, str] = field(default_factory=dict)
 
 
-class KVConnectorBase:
-    """No-op hooks; a subclass overrides what its role needs."""
+class ConnectorState(enum.Enum):
+    """A live transfer as the scheduler side sees it (absent from the table: none)."""
 
-    def num_external_tokens(self, seq: Any) -> int:
+    LOAD_PENDING = "load_pending"  # consumer: blocks allocated; the load goes out with the next metadata
+    LOADING = "loading"  # consumer: load handed to the worker; KV lands in the blocks
+    ABORTING = "aborting"  # consumer: aborted after hand-off; blocks held until the receive stops
+    SAVING = "saving"  # producer: the pass that completes the prompt saves each layer
+    HANDED_OVER = "handed_over"  # producer: first token handed over; blocks held until the peer is done
+
+
+class KVConnectorScheduler:
+    """Scheduler side with no transfer (role ``both``); the roles override the decisions.
+
+    Holds no transfer engine: every decision lands in ``table`` and in the pending lists
+    that ``build_meta`` drains."""
+
+    def __init__(self) -> None:
+        self.table: dict[str, ConnectorState] = {}
+        self._loads: list[LoadSpec] = []
+        self._handovers: list[HandoverSpec] = []
+        self._discards: list[DiscardSpec] = []
+        self._aborts: list[str] = []
+
+    def state(self, request_id: str) -> ConnectorState | None:
+        return self.table.get(request_id)
+
+    # ---- decisions (called by the Scheduler) ---------------------------------------------
+    def num_external_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens whose KV arrives from a peer (0: compute them here)."""
         return 0
 
-    def on_blocks_allocated(self, seq: Any, block_ids: list[int]) -> None:
-        pass
+    def on_blocks_allocated(self, seq: Sequence, first_block: int) -> None:
+        """``seq`` holds blocks for its whole prompt; the first ``first_block`` are cached here."""
 
-    def save_kv_layer(
-        self, layer_idx: int, kv_layer: torch.Tensor, seqs: list[Any], attn_metadata: AttentionMetadata
-    ) -> None:
-        pass
+    def saves(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[SaveSpec]:
+        """Rows of the scheduled batch whose KV the workers save during the forward."""
+        return []
 
-    def on_step_done(self, seqs: list[Any]) -> None:
-        """After sampling: ``seqs`` were in the step (their new token is appended)."""
-
-    def request_finished(self, seq: Any) -> bool:
+    def request_finished(self, seq: Sequence) -> bool:
+        """``seq`` finished or was aborted; True: the scheduler holds its blocks until
+        ``done_sending`` names it."""
         return False
+
+    def update_finished(self, finished: FinishedTransfers) -> FinishedTransfers:
+        """The workers' report, kept only where the table expects it; the table follows."""
+        return FinishedTransfers()
+
+    # ---- the metadata ---------------------------------------------------------------------
+    def has_pending(self) -> bool:
+        return bool(self._loads or self._handovers or self._discards or self._aborts)
+
+    def build_meta(self, seqs: list[Sequence] | None = None,
+                   num_new_tokens: list[int] | None = None) -> KVConnectorMetadata:
+        """Everything decided since the last call, plus the saves of the batch ``seqs`` (if any)."""
+        saves = self.saves(seqs, num_new_tokens or []) if seqs else []
+        if not (saves or self.has_pending()):
+            return EMPTY_METADATA
+        for load in self._loads:
+            self.table[load.request_id] = ConnectorState.LOADING
+        meta = KVConnectorMetadata(tuple(self._loads), tuple(saves), tuple(self._handovers),
+                                   tuple(self._discards), tuple(self._aborts))
+        self._loads, self._handovers, self._discards, self._aborts = [], [], [], []
+        return meta
+
+
+class KVConnectorWorker:
+    """Worker side with no transfer: nothing to move, nothing finishes."""
+
+    def start_step(self, meta: KVConnectorMetadata) -> None:
+        """Before the forward: issue the step's loads, hand-overs, discards and aborts."""
+
+    def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, meta: KVConnectorMetadata) -> None:
+        """After attention layer ``layer_idx`` wrote its KV, for ``meta.saves``."""
 
     def get_finished(self) -> FinishedTransfers:
         return FinishedTransfers()
 
-    def close(self) -> None:
-        pass
+
+class TransferWorker(KVConnectorWorker):
+    """A worker side that moves bytes with the daemon's transfer engine (``bind``, once both
+    the engine's KV cache and the transfer engine exist; until then it does nothing)."""
+
+    def __init__(self) -> None:
+        self.transfer: KVTransferEngine | None = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    def bind(self, transfer: KVTransferEngine, kv_caches: list[torch.Tensor]) -> None:
+        self.transfer, self.kv_caches = transfer, kv_caches
 
 
-NoKVConnector = KVConnectorBase
+@dataclass
+class KVConnector:
+    """The engine's connector: a scheduler side and a worker side."""
+
+    scheduler: KVConnectorScheduler
+    worker: KVConnectorWorker
+
+    def bind(self, transfer: KVTransferEngine, kv_caches: list[torch.Tensor]) -> None:
+        """The daemon's hook: hand the worker side its transfer engine and the KV cache."""
+        assert isinstance(self.worker, TransferWorker), "this connector moves no KV"
+        self.worker.bind(transfer, kv_caches)
+
+
+def no_connector() -> KVConnector:
+    return KVConnector(KVConnectorScheduler(), KVConnectorWorker())

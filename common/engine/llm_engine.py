@@ -1,5 +1,11 @@
 """The synchronous engine: ``step()`` = receive transfers, schedule, run, postprocess.
 
+The connector's two halves (``kv_connector``): the scheduler side lives in the
+``Scheduler``; the worker side gets the batch's ``KVConnectorMetadata`` before the forward
+(``start_step``) and during it (``save_kv_layer``). What the postprocess decided (a first
+token to hand over, a discard) goes to the worker at the end of the same step, so a
+hand-over never waits for the next step or the async loop's poll interval.
+
 Not thread-safe by design: exactly one thread (``AsyncLLMEngine``'s engine thread, or a
 test) calls every method. Requests live in ``_requests`` from ``add_request`` until the
 ``RequestOutput`` that reports them finished has been returned by ``step()``.
@@ -8,13 +14,17 @@ test) calls every method. Requests live in ``_requests`` from ``add_request`` un
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from common.engine.block_hash import root_hash
 from common.engine.block_manager import BlockManager
-from common.engine.config import CPU_KV_CACHE_GB, GPU_KV_CACHE_FRACTION, EngineConfig
-from common.engine.kv_connector import KVConnectorBase
+from common.engine.config import CPU_KV_CACHE_GB, EngineConfig
+from common.engine.cuda_graph import graph_memory
+from common.engine.gpu_memory import DEFAULT_GPU_MEMORY_UTILIZATION, activation_reserve, kv_cache_budget
+from common.engine.kv_connector import KVConnector, KVConnectorMetadata, no_connector
 from common.engine.model_runner import ModelRunner
 from common.engine.outputs import RequestOutput
 from common.engine.protocol import EngineStats
@@ -27,50 +37,63 @@ from common.model.loader import load_model
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, connector: KVConnectorBase | None = None):
+    def __init__(self, config: EngineConfig, connector: KVConnector | None = None):
         self.config = config
-        self.connector = connector or KVConnectorBase()
+        self.connector = connector or no_connector()
+        self.kv_worker = self.connector.worker
         self.device = config.resolved_device()
         dtype = config.resolved_dtype()
         model_dir = Path(config.model) if config.model else Path(ensure_embedded_model())
         model, self.model_config = load_model(model_dir, self.device, DTYPES[dtype])
-        self.model_name = config.served_model_name or (model_dir.name if config.model else EMBEDDED_MODEL_NAME)
+        default_name = model_dir.name if config.model else EMBEDDED_MODEL_NAME
+        self.model_name = config.served_model_name or default_name
         self.tokenizer = _load_tokenizer(model_dir)
         self.kv_layout: KVLayout = self.model_config.kv_layout(config.block_size, dtype)
-        num_blocks = config.num_kv_blocks or self._default_num_blocks()
+        num_blocks = config.num_kv_blocks or self._default_num_blocks(model)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings, num_blocks * config.block_size
         )
-        self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.runner = ModelRunner(model, self.kv_layout, num_blocks, self.device, config.seed)
-        self.kv_caches: list[torch.Tensor] = self.runner.kv_caches
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
+        self.runner = ModelRunner(
+            model, self.kv_layout, num_blocks, self.device, config.seed, config.attention_backend,
+            config.enforce_eager, config.max_num_seqs, self.max_model_len, eos,
+        )
+        self.kv_caches: list[torch.Tensor] = self.runner.kv_caches
         self.scheduler = Scheduler(
             self.block_manager,
-            self.connector,
+            self.connector.scheduler,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             eos_token_ids=eos,
+            cache_root=root_hash(str(model_dir), self.kv_layout.fingerprint()),
         )
         self._requests: dict[str, Sequence] = {}
         self._finished_unreported: list[Sequence] = []  # aborted between steps
-        # only hand the runner a per-layer hook when the connector really saves KV
-        overrides_save = type(self.connector).save_kv_layer is not KVConnectorBase.save_kv_layer
-        self._save_kv_layer = self.connector.save_kv_layer if overrides_save else None
         self._ids = itertools.count()
         self.last_step_num_tokens = 0  # tokens computed by the latest step (0: it only polled)
+        # Set by an async front: where ``step`` hands the news of landed transfers (a peer's
+        # first token, a failed transfer) before it computes, so they wait for no decode step.
+        self.early_outputs: Callable[[list[RequestOutput]], None] | None = None
 
-    def _default_num_blocks(self) -> int:
+    def _default_num_blocks(self, model: torch.nn.Module) -> int:
         per_block = self.kv_layout.bytes_per_block_per_layer() * self.kv_layout.num_layers
         if self.config.kv_cache_memory_gb is not None:
             budget = self.config.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * GPU_KV_CACHE_FRACTION
+            free, total = torch.cuda.mem_get_info(self.device)
+            mc, cfg = self.model_config, self.config
+            reserve = activation_reserve(mc.hidden_size, mc.intermediate_size, mc.vocab_size,
+                                         cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                         torch.empty((), dtype=self.kv_layout.torch_dtype).element_size())
+            # counted first: the graphs are captured after the cache is allocated
+            reserve += graph_memory(model, self.kv_layout, cfg, mc.max_position_embeddings)
+            budget = kv_cache_budget(total, free, torch.cuda.memory_reserved(self.device),
+                                     cfg.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION, reserve)
         else:
             budget = CPU_KV_CACHE_GB * 2**30
         return max(1, int(budget // per_block))
@@ -88,9 +111,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         check_prompt(prompt_token_ids, self.max_model_len)
         params.validate()
-        seq = Sequence(request_id, list(prompt_token_ids), params, kv_transfer_params=dict(kv_transfer_params or {}))
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq = Sequence(request_id, list(prompt_token_ids), params,
+                       kv_transfer_params=dict(kv_transfer_params or {}))
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -106,8 +128,9 @@ class LLMEngine:
         return bool(self._requests)
 
     def has_schedulable_work(self) -> bool:
-        """True when ``step`` would compute something or report something right away."""
-        return self.scheduler.has_schedulable_work() or bool(self._finished_unreported)
+        """True when ``step`` would compute, report or hand the worker side something right away."""
+        return (self.scheduler.has_schedulable_work() or bool(self._finished_unreported)
+                or self.connector.scheduler.has_pending())
 
     def has_pending_transfers(self) -> bool:
         """Sequences parked for remote KV or held for a send: ``step`` must keep polling the connector."""
@@ -120,27 +143,47 @@ class LLMEngine:
             num_waiting=len(s.waiting) + len(s.parked),
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.block_manager.num_blocks,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
         )
 
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        touched = self.scheduler.process_transfers(self.connector.get_finished())
-        touched += self._finished_unreported
+        landed = self._outputs(self.scheduler.process_transfers(self.kv_worker.get_finished()))
+        if landed and self.early_outputs is not None:
+            self.early_outputs(landed)
+            landed = []
+        touched = self._finished_unreported
         self._finished_unreported = []
         batch = self.scheduler.schedule()
         self.last_step_num_tokens = batch.num_tokens
+        meta = batch.kv_connector_metadata
+        if meta:
+            self.kv_worker.start_step(meta)
         if batch:
-            result = self.runner.run(batch, self._save_kv_layer)
+            result = self.runner.run(batch, self._layer_hook(meta))
             for seq, n in zip(batch.seqs, batch.num_new_tokens):
                 seq.num_computed_tokens += n
             for seq, token_id, logprobs in zip(result.sampled_seqs, result.token_ids, result.logprobs):
                 if logprobs is not None:
                     seq.logprobs.append(logprobs)
                 self.scheduler.append_token(seq, token_id)
-            self.connector.on_step_done(batch.seqs)
             touched += result.sampled_seqs
+        tail = self.scheduler.take_kv_metadata()  # e.g. a first token to hand over: it goes now
+        if tail:
+            self.kv_worker.start_step(tail)
+        return landed + self._outputs(touched)
+
+    def _layer_hook(self, meta: KVConnectorMetadata):
+        """The runner's per-layer hook when some row saves KV this step, else None."""
+        if not meta.saves:
+            return None
+        worker = self.kv_worker
+        return lambda layer_idx, kv_layer: worker.save_kv_layer(layer_idx, kv_layer, meta)
+
+    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
         outputs = []
-        for seq in dict.fromkeys(touched):  # dedupe, keep order
+        for seq in dict.fromkeys(seqs):  # dedupe, keep order
             out = self._make_output(seq)
             if out is not None:
                 outputs.append(out)
@@ -169,7 +212,8 @@ class LLMEngine:
             kv_transfer_params=seq.kv_transfer_params,
         )
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run ``prompts`` to completion together; returns each one's output token ids."""
         all_params = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{next(self._ids)}" for _ in prompts]

@@ -3,20 +3,43 @@
 The batch is flat (vLLM's layout): the new tokens of every scheduled sequence are
 concatenated. Only sequences whose every token is computed after this step (a finished
 prompt, a decode) are sampled; a prefill chunk that stops mid-prompt is not.
+
+The step's metadata (ids, positions, slots, block tables, sequence lengths) is built once on
+the host and reaches the device in one copy; every layer shares it. A decode-only step on
+CUDA replays a captured graph instead (``cuda_graph``), unless ``enforce_eager``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+import logging
 
 import torch
 
-from common.engine.sampler import Sampler
+from common.engine.cuda_graph import CudaGraphRunner, DecodeBuffers, graph_batch_sizes
+from common.engine.sampler import Sampler, SampleRow
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
 from common.kv_layout import KVLayout
+from common.model.attention import select_backend
 from common.model.attention_metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HostInputs:
+    """One step's metadata as host lists, before it goes to the device."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]
+    sampled_seqs: list[Sequence]
 
 
 @dataclass
@@ -35,77 +58,145 @@ class RunnerOutput:
     logprobs: list[dict[int, float] | None]
 
 
-LayerHook = Callable[[int, torch.Tensor, list[Sequence], AttentionMetadata], None]
+LayerHook = Callable[[int, torch.Tensor], None]  # (layer index, that layer's KV cache) after it wrote
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors (one per layer) and the sampler."""
+    """Owns the model, the KV cache tensors (one per layer), the attention backend and the sampler.
 
-    def __init__(self, model: torch.nn.Module, kv_layout: KVLayout, num_blocks: int, device: torch.device, seed: int):
+    Each layer's cache has one block past ``num_blocks``: the scratch block padding rows of a
+    CUDA-graph step write to (the block manager only hands out ``0..num_blocks-1``).
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, kv_layout: KVLayout, num_blocks: int, device: torch.device, seed: int,
+        attention_backend: str = "auto", enforce_eager: bool = False, max_num_seqs: int = 64,
+        max_model_len: int | None = None, eos_token_ids: Iterable[int] = (),
+    ):
         self.model = model
         self.kv_layout = kv_layout
         self.device = device
+        self.attn_backend = select_backend(attention_backend, device)
+        model.attn_backend = self.attn_backend
+        self.scratch_block = num_blocks
         self.kv_caches = [
-            torch.zeros(kv_layout.layer_shape(num_blocks), dtype=kv_layout.torch_dtype, device=device)
+            torch.zeros(kv_layout.layer_shape(num_blocks + 1), dtype=kv_layout.torch_dtype, device=device)
             for _ in range(kv_layout.num_layers)
         ]
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, eos_token_ids)
+        self.graphs: CudaGraphRunner | None = None
+        self.graph_memory_bytes = 0
+        if device.type == "cuda":
+            self._warm_up()
+        if device.type == "cuda" and not enforce_eager and self.attn_backend.supports_cuda_graphs:
+            max_len = max_model_len or num_blocks * kv_layout.block_size
+            self._capture_graphs(max_num_seqs, -(-max_len // kv_layout.block_size))
 
-    def prepare(self, batch: ScheduledBatch) -> ModelInputs:
-        """Build input ids, positions, slot mapping and block tables on the host, then copy once."""
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """A 2-token prompt and one decode step into the scratch block, so that kernels compiled on
+        first launch (Triton's) are ready before the first request rather than during it."""
+        bs, d = self.kv_layout.block_size, self.device
+        first = min(2, bs)
+        for start, q in [(0, first)] + ([(first, 1)] if bs > first else []):
+            positions = list(range(start, start + q))
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor([self.scratch_block * bs + p for p in positions], device=d),
+                query_lens=[q], seq_lens=[start + q], block_size=bs,
+                block_tables=torch.tensor([[self.scratch_block]], device=d),
+            )
+            ids = torch.zeros(q, dtype=torch.int64, device=d)
+            self.model(ids, torch.tensor(positions, device=d), self.kv_caches, meta)
+
+    def _capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        buffers = DecodeBuffers(
+            max_num_seqs, max_blocks_per_seq, self.kv_layout.block_size, self.scratch_block, self.device
+        )
+        graphs = CudaGraphRunner(self.model, self.kv_caches, buffers, graph_batch_sizes(max_num_seqs))
+        try:
+            with torch.inference_mode():
+                self.graph_memory_bytes = graphs.capture()
+        except Exception:  # a capture failure costs speed, not service
+            log.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
+            return
+        self.graphs = graphs
+        log.info("captured CUDA graphs for decode batch sizes %s (%.1f MiB)", graphs.sizes,
+                 self.graph_memory_bytes / 2**20)
+
+    def host_inputs(self, batch: ScheduledBatch) -> HostInputs:
+        """The step's ids, positions, slots, lengths and block tables as host lists."""
         bs = self.kv_layout.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        sampled: list[Sequence] = []
+        h = HostInputs([], [], [], [], [], [], [])
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids += seq.token_ids(start, end)
-            positions += range(start, end)
+            h.input_ids += seq.token_ids(start, end)
+            h.positions += range(start, end)
             table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            seq_lens.append(end)
+            h.slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            h.seq_lens.append(end)
+            h.block_tables.append(table)
             if end == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sampled.append(seq)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            query_lens=list(batch.num_new_tokens),
-            seq_lens=seq_lens,
-            block_tables=self._tensor(tables),
-            block_size=bs,
-        )
-        return ModelInputs(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(sample_rows), sampled)
+                h.sample_rows.append(len(h.input_ids) - 1)
+                h.sampled_seqs.append(seq)
+        return h
 
-    def _tensor(self, data: list) -> torch.Tensor:
-        t = torch.tensor(data, dtype=torch.int64)
-        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+    def prepare(self, batch: ScheduledBatch) -> ModelInputs:
+        """Pack the step's metadata into one host tensor, copy it once, and view it as the inputs."""
+        h = self.host_inputs(batch)
+        num_seqs, num_tokens = len(h.seq_lens), len(h.input_ids)
+        width = max(len(t) for t in h.block_tables)
+        starts = [0]
+        for n in batch.num_new_tokens:
+            starts.append(starts[-1] + n)
+        flat = h.input_ids + h.positions + h.slots + h.sample_rows + starts + h.seq_lens
+        for t in h.block_tables:
+            flat += t
+            flat += [0] * (width - len(t))
+        packed = torch.tensor(flat, dtype=torch.int64)
+        if self.device.type != "cpu":
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        sizes = [num_tokens] * 3 + [len(h.sample_rows), num_seqs + 1, num_seqs, num_seqs * width]
+        ids, positions, slots, sample_rows, qsl, seq_lens, tables = packed.split(sizes)
+        meta = AttentionMetadata(
+            slot_mapping=slots, query_lens=list(batch.num_new_tokens), seq_lens=h.seq_lens,
+            block_tables=tables.view(num_seqs, width), block_size=self.kv_layout.block_size,
+            query_start_loc=qsl, seq_lens_tensor=seq_lens,
+        )
+        return ModelInputs(ids, positions, meta, sample_rows, h.sampled_seqs)
+
+    def _graphable(self, batch: ScheduledBatch, save_kv_layer: LayerHook | None) -> bool:
+        return (
+            self.graphs is not None
+            and save_kv_layer is None
+            and len(batch.seqs) <= self.graphs.max_batch_size
+            and all(n == 1 for n in batch.num_new_tokens)
+        )
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, save_kv_layer: LayerHook | None = None) -> RunnerOutput:
         """Forward the batch, write its KV, and sample where a sequence is fully computed.
 
-        ``save_kv_layer`` (the producer connector's hook) is called after each layer of a
-        step that contains prompt tokens.
+        ``save_kv_layer`` (the connector worker's hook, given only for a step that saves KV) is
+        called after each layer.
         """
-        inputs = self.prepare(batch)
-        on_layer_done = None
-        if save_kv_layer is not None and batch.has_prefill:
-            seqs, meta = batch.seqs, inputs.attn_metadata
-
-            def on_layer_done(i: int, kv_layer: torch.Tensor) -> None:
-                save_kv_layer(i, kv_layer, seqs, meta)
-
-        hidden = self.model.forward(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, on_layer_done=on_layer_done
-        )
-        if not inputs.sampled_seqs:
+        if self._graphable(batch, save_kv_layer):
+            h = self.host_inputs(batch)
+            hidden = self.graphs.run(h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables)
+            sample_rows, sampled_seqs = self._sample_rows(h.sample_rows, len(h.input_ids)), h.sampled_seqs
+        else:
+            inputs = self.prepare(batch)
+            hidden = self.model.forward(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, save_kv_layer
+            )
+            sample_rows, sampled_seqs = inputs.sample_rows, inputs.sampled_seqs
+        if not sampled_seqs:
             return RunnerOutput([], [], [])
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        params = [s.params for s in inputs.sampled_seqs]
-        out = self.sampler(logits, params, [s.generator for s in inputs.sampled_seqs])
-        return RunnerOutput(inputs.sampled_seqs, out.token_ids, out.logprobs)
+        logits = self.model.compute_logits(hidden[sample_rows])
+        rows = [SampleRow(s.params, s.num_tokens, len(s.output_token_ids)) for s in sampled_seqs]
+        out = self.sampler(logits, rows)
+        return RunnerOutput(sampled_seqs, out.token_ids, out.logprobs)
+
+    def _sample_rows(self, rows: list[int], num_rows: int) -> torch.Tensor | slice:
+        if rows == list(range(num_rows)):
+            return slice(0, num_rows)  # every decode row is sampled: no index copy
+        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)

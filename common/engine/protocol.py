@@ -16,6 +16,8 @@ class EngineStats:
     num_waiting: int  # includes requests parked waiting for remote KV
     num_free_blocks: int
     num_total_blocks: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, ever
+    prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
 
     @property
     def kv_cache_usage(self) -> float:

@@ -20,6 +20,7 @@ class SamplingParams:
     top_k: int = -1  # -1 or 0: disabled
     seed: int | None = None
     max_tokens: int = 16
+    min_tokens: int = 0  # stop tokens and EOS are masked until this many tokens are generated
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -38,5 +39,11 @@ class SamplingParams:
             raise SamplingParamsError("top_k must be -1 (disabled) or >= 1", "top_k")
         if self.max_tokens < 1:
             raise SamplingParamsError("max_tokens must be at least 1", "max_tokens")
+        if self.min_tokens < 0:
+            raise SamplingParamsError("min_tokens must be at least 0", "min_tokens")
+        if self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise SamplingParamsError("logprobs must be in [0, 20]", "logprobs")

@@ -3,15 +3,27 @@
 Queues: ``waiting`` (FIFO, new and preempted) -> ``running`` (at most ``max_num_seqs``)
 -> finished. With a consumer connector a new sequence whose prompt KV comes from a peer
 goes ``waiting`` -> ``parked`` (blocks for the whole prompt held, no running slot) and,
-once ``get_finished`` reports the KV landed with the first token, back to the front of
+once the worker reports the KV landed with the first token, back to the front of
 ``waiting`` with its prompt marked computed. With a producer connector a finished
 sequence may sit in ``held`` (blocks kept) until the peer has read its KV.
+
+The scheduler side of the connector (``kv_connector``) is told what happens and makes the
+transfer decisions; ``schedule`` attaches the step's ``KVConnectorMetadata`` to the batch
+and ``take_kv_metadata`` hands over what a step's postprocess decided (a first token to
+hand over). The scheduler never touches the transfer engine or the network.
 
 Each step has a token budget (``max_num_batched_tokens``). Running sequences go first,
 decodes before prefill chunks, so a long prompt never stalls token generation; then
 waiting sequences are admitted while budget, slots and blocks last. A running sequence
 that cannot get a block preempts the newest unscheduled running sequence (its blocks are
 freed and it is requeued to recompute prompt + generated tokens).
+
+Prefix caching (when the block manager has it): a sequence admitted with nothing
+computed starts on the longest run of cached full blocks of its tokens (held, not
+copied) and computes only the rest; at least its last token is always computed, since
+that yields the logits. A parked sequence does the same, and the connector asks the peer
+only for the blocks after that prefix. Full blocks are registered in the cache once
+their KV is computed (or landed), so later requests and recomputes can reuse them.
 """
 
 from __future__ import annotations
@@ -19,8 +31,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from common.engine.block_hash import BlockHash, extend_hashes, root_hash
 from common.engine.block_manager import BlockManager
-from common.engine.kv_connector import FinishedTransfers, KVConnectorBase
+from common.engine.kv_connector import (EMPTY_METADATA, FinishedTransfers, KVConnectorMetadata,
+                                        KVConnectorScheduler)
 from common.engine.outputs import FinishReason
 from common.engine.sequence import Sequence, SequenceStatus
 
@@ -31,7 +45,8 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
-    has_prefill: bool = False  # some scheduled token is a prompt token (the producer saves KV)
+    has_prefill: bool = False  # some scheduled token is a prompt token
+    kv_connector_metadata: KVConnectorMetadata = EMPTY_METADATA  # what the connector's workers do this step
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -50,13 +65,14 @@ class Scheduler:
     def __init__(
         self,
         block_manager: BlockManager,
-        connector: KVConnectorBase,
+        connector: KVConnectorScheduler,
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool,
         eos_token_ids: set[int],
+        cache_root: BlockHash | None = None,
     ):
         self.block_manager = block_manager
         self.connector = connector
@@ -69,6 +85,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.parked: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
+        # the hash chain's root names what changes a block's KV besides its tokens (the engine
+        # passes the model identity); block size goes in here so no caller can forget it
+        self.cache_root = root_hash(cache_root, block_manager.block_size)
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache (vLLM's meaning)
+        self.prefix_cache_hits = 0  # of those, tokens found cached
 
     # ---- queues -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -89,9 +110,16 @@ class Scheduler:
     # ---- scheduling ---------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        for seq in self.running:  # KV computed by the last step is complete: share it
+            self._cache_full_blocks(seq)
         budget = self._schedule_running(batch, self.max_num_batched_tokens)
         self._admit_waiting(batch, budget)
+        batch.kv_connector_metadata = self.connector.build_meta(batch.seqs, batch.num_new_tokens)
         return batch
+
+    def take_kv_metadata(self) -> KVConnectorMetadata:
+        """What the connector decided since ``schedule`` (a step's postprocess, an abort)."""
+        return self.connector.build_meta()
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         decodes = [s for s in self.running if not s.is_prefill]
@@ -108,7 +136,8 @@ class Scheduler:
         return budget
 
     def _grow_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
-        """Find blocks for ``n`` more tokens of ``seq``, preempting others; False if ``seq`` itself was preempted."""
+        """Find blocks for ``n`` more tokens of ``seq``, preempting others; False if ``seq``
+        itself was preempted."""
         while not self.block_manager.ensure_capacity(seq.block_table, seq.num_computed_tokens + n):
             victim = next((s for s in reversed(self.running) if s is not seq and s not in batch.seqs), None)
             self._preempt(victim or seq)
@@ -118,8 +147,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.release(seq.block_table)
-        seq.num_computed_tokens = 0
+        self._release(seq)
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -131,14 +159,17 @@ class Scheduler:
                 if not self._park(seq):
                     return
                 continue
+            took = self._take_cached_prefix(seq, seq.num_tokens)
             n = seq.num_uncomputed_tokens
-            if n > budget:
-                if not self.enable_chunked_prefill and batch:
-                    return  # a whole prompt must fit; wait for a step of its own
-                if self.enable_chunked_prefill:
-                    n = budget
-            if not self.block_manager.ensure_capacity(seq.block_table, seq.num_computed_tokens + n):
-                return
+            if n > budget and self.enable_chunked_prefill:
+                n = budget
+            if (n > budget and batch) or not self.block_manager.ensure_capacity(
+                    seq.block_table, seq.num_computed_tokens + n):
+                if took:  # give the cached blocks back; the lookup is redone next time
+                    self._release(seq)
+                return  # without chunking a whole prompt must fit: it waits for a step of its own
+            if took:
+                self._count_lookup(seq, seq.num_tokens)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -153,14 +184,20 @@ class Scheduler:
         return wants
 
     def _park(self, seq: Sequence) -> bool:
-        """Allocate blocks for the whole prompt and wait for the peer to fill them."""
+        """Allocate blocks for the whole prompt and wait for the peer to fill them; blocks of a
+        cached prefix are taken as they are (``num_computed_tokens`` says how many tokens)."""
+        took = self._take_cached_prefix(seq, seq.num_prompt_tokens)
         if not self.block_manager.ensure_capacity(seq.block_table, seq.num_prompt_tokens):
+            if took:
+                self._release(seq)  # a later try looks up again: what was cached may be gone
             return False
+        if took:
+            self._count_lookup(seq, seq.num_prompt_tokens)
         self.waiting.popleft()
         seq.external_kv_checked = True
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
         self.parked[seq.request_id] = seq
-        self.connector.on_blocks_allocated(seq, list(seq.block_table))
+        self.connector.on_blocks_allocated(seq, seq.num_computed_tokens // self.block_manager.block_size)
         return True
 
     # ---- after a step ---------------------------------------------------------------
@@ -182,7 +219,8 @@ class Scheduler:
         return None
 
     def process_transfers(self, finished: FinishedTransfers) -> list[Sequence]:
-        """Apply the connector's finished transfers; returns the sequences that have news to emit."""
+        """Apply the workers' finished transfers; returns the sequences that have news to emit."""
+        finished = self.connector.update_finished(finished)
         touched = []
         for rid in finished.done_sending:
             seq = self.held.pop(rid, None)
@@ -193,8 +231,11 @@ class Scheduler:
             if seq is None:
                 continue
             seq.num_computed_tokens = seq.num_prompt_tokens
+            self._cache_full_blocks(seq)
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)  # next decode step feeds first_token at position len(prompt)
+            if seq.params.logprobs is not None and rid in finished.first_logprobs:
+                seq.logprobs.append(finished.first_logprobs[rid])
             self.append_token(seq, first_token)
             touched.append(seq)
         for rid, message in finished.failed_recving.items():
@@ -208,6 +249,7 @@ class Scheduler:
         """Take ``seq`` out of every queue; free its blocks unless the connector still sends them."""
         if seq.is_finished:
             return
+        self._cache_full_blocks(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -221,3 +263,37 @@ class Scheduler:
             self.held[seq.request_id] = seq
         else:
             self.block_manager.release(seq.block_table)
+
+    # ---- prefix caching ---------------------------------------------------------------
+    def _take_cached_prefix(self, seq: Sequence, num_tokens: int) -> bool:
+        """Start a sequence with nothing computed on the cached full blocks of its first
+        ``num_tokens`` tokens, all but the last token at most. True when it looked."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching or seq.num_computed_tokens or seq.block_table:
+            return False
+        num_blocks = (num_tokens - 1) // bm.block_size
+        extend_hashes(seq.block_hashes, self.cache_root, seq.token_ids, bm.block_size, num_blocks)
+        seq.block_table.extend(bm.take_cached(seq.block_hashes[:num_blocks]))
+        seq.num_cached_blocks = len(seq.block_table)
+        seq.num_computed_tokens = seq.num_cached_blocks * bm.block_size
+        return True
+
+    def _count_lookup(self, seq: Sequence, num_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += seq.num_computed_tokens
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks whose every token's KV is now in the cache."""
+        bm = self.block_manager
+        num_full = seq.num_computed_tokens // bm.block_size
+        if not bm.enable_prefix_caching or num_full <= seq.num_cached_blocks:
+            return
+        extend_hashes(seq.block_hashes, self.cache_root, seq.token_ids, bm.block_size, num_full)
+        for i in range(seq.num_cached_blocks, num_full):
+            bm.cache_block(seq.block_table[i], seq.block_hashes[i])
+        seq.num_cached_blocks = num_full
+
+    def _release(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks (cached ones stay reusable) and forget what it computed."""
+        self.block_manager.release(seq.block_table)
+        seq.num_computed_tokens = seq.num_cached_blocks = 0

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from common.engine.outputs import FinishReason
 from common.engine.sampling_params import SamplingParams
 
@@ -39,11 +37,12 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
-    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     external_kv_checked: bool = False  # asked the connector once; a recompute never asks again
     num_preemptions: int = 0
     num_emitted_tokens: int = 0  # output tokens already handed out in a RequestOutput
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when asked
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: names of its full blocks
+    num_cached_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,7 +11,7 @@ reads the first ``seq_lens[i]`` slots of its ``block_tables[i]`` row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,10 @@ class AttentionMetadata:
     seq_lens: list[int]  # context length per sequence after this step
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int64, padded with 0
     block_size: int
+    # Device copies of query offsets ([num_seqs + 1], cumulative query_lens) and seq_lens, when
+    # the caller already has them (CUDA-graph buffers); backends that need them build them otherwise.
+    query_start_loc: torch.Tensor | None = field(default=None, repr=False)
+    seq_lens_tensor: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:

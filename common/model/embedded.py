@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-EMBEDDED_MODEL_NAME = "pdserve-tiny"
+from common.config import EMBEDDED_MODEL_NAME  # noqa: F401  (the name served for this model; re-exported)
+
 EMBEDDED_MODEL_DIRNAME = "pdserve-tiny-llama-v1"  # bump the version when the recipe changes
 SPECIAL_TOKENS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 BOS, EOS, IM_START, IM_END = range(4)  # ids follow SPECIAL_TOKENS (the trainer adds them first)

@@ -2,16 +2,36 @@
 
 Parameters that the checkpoint stores split but we keep packed (``gate_up_proj``) carry a
 ``weight_loader`` so the loader can copy each checkpoint shard into its slice.
+
+On CUDA, with triton installed, RMSNorm, the rotary embedding and SiLU-and-mul each run as one
+fused kernel (``fused_ops``) instead of several element-wise ones; CPU keeps the PyTorch ops.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
+from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@functools.cache
+def _fused_ops() -> ModuleType | None:
+    """The fused kernels for CUDA tensors; None without triton (imported on first CUDA use only)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from common.model import fused_ops
+
+    return fused_ops
+
+
+def _fused_for(x: torch.Tensor) -> ModuleType | None:
+    return _fused_ops() if x.is_cuda else None
 
 
 class RMSNorm(nn.Module):
@@ -23,6 +43,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (fused := _fused_for(x)) is not None and x.dim() in (2, 3) and x.stride(-1) == 1:
+            return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -60,7 +82,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 class RotaryEmbedding(nn.Module):
     """Rotate-half rotary embedding: a cos/sin table for every position, shared by all layers."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.max_positions = max_positions
@@ -86,6 +110,8 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [n, heads, d] (first half / second half pairs), computing in float32."""
+    if (fused := _fused_for(x)) is not None and x.stride(-1) == 1:
+        return fused.apply_rotary(x, cos, sin)
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return out.to(x.dtype)
@@ -110,5 +136,8 @@ class GatedMLP(nn.Module):
         param.data[shard * size : (shard + 1) * size].copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if (fused := _fused_for(gate_up)) is not None and gate_up.dim() == 2:
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -9,21 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from common.model.attention import AttentionPlan, build_plan, paged_attention, write_kv
+from common.model.attention import AttentionBackend, write_kv
 from common.model.attention_metadata import AttentionMetadata
+from common.model.attn_backends.sdpa import SdpaBackend
 from common.model.config import ModelConfig
 from common.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 
 
 @dataclass
 class StepInputs:
-    """What every layer of one forward shares: the attention plan, cache slots, rotary angles."""
+    """What every layer of one forward shares: the attention backend and plan, cache slots, rotary angles."""
 
-    plan: AttentionPlan
+    backend: AttentionBackend
+    plan: Any  # the backend's, built once per forward
     slots: torch.Tensor  # [n] flat cache slot of each new token
     cos: torch.Tensor  # [n, 1, head_dim / 2]
     sin: torch.Tensor
@@ -37,7 +40,8 @@ class Attention(nn.Module):
         self.head_dim = d = config.head_dim
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.scale = d**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        qkv_size = self.q_size + 2 * self.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.attention_bias)
         # Qwen2 biases q/k/v only; Llama-style attention_bias covers the output too.
         o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
@@ -65,7 +69,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
         write_kv(kv_cache, k, v, step.slots)
-        return self.o_proj(paged_attention(q, k, v, kv_cache, step.plan, self.scale))
+        return self.o_proj(step.backend.forward(q, k, v, kv_cache, step.plan, self.scale))
 
 
 class DecoderLayer(nn.Module):
@@ -106,6 +110,7 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.attn_backend: AttentionBackend = SdpaBackend()  # the engine sets its choice at start
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -137,10 +142,10 @@ class CausalLM(nn.Module):
         Each layer writes its new K/V into ``kv_caches[i]`` before attending, and
         ``on_layer_done(i, kv_caches[i])`` runs once that layer's KV is in the cache.
         """
-        group = self.config.num_heads // self.config.num_kv_heads
         device = input_ids.device
         cos, sin = self.model.rotary_emb(positions)
-        step = StepInputs(build_plan(attn_metadata, group, device), attn_metadata.slot_mapping.to(device), cos, sin)
+        plan = self.attn_backend.plan(attn_metadata, device)
+        step = StepInputs(self.attn_backend, plan, attn_metadata.slot_mapping.to(device), cos, sin)
         hidden = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             hidden = layer(hidden, kv_caches[i], step)

@@ -89,7 +89,11 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with special tokens, a bos is prepended when the model wants one."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > 4096:  # encode_batch releases the GIL (encode does not): a long prompt
+            # tokenized in a worker thread then leaves the server's event loop running
+            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids = [bos, *ids]

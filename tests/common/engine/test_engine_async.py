@@ -9,31 +9,28 @@ import pytest
 
 from common.engine.async_engine import AsyncLLMEngine
 from common.engine.config import EngineConfig
-from common.engine.kv_connector import FinishedTransfers, KVConnectorBase
 from common.engine.sampling_params import SamplingParams
+from helpers.fake_kv_worker import RecordingWorker, consumer
 
 
-class SlowConsumer(KVConnectorBase):
-    """Says every prompt arrives remotely; reports it received after a few polls (no KV copied)."""
+FROM_P = {"prefill_addr": "127.0.0.1:2"}  # a decode leg's tag
+
+
+class SlowWorker(RecordingWorker):
+    """Reports every load landed (first token 42, no KV copied) after a few polls."""
 
     def __init__(self, polls: int = 5):
+        super().__init__()
         self.polls = polls
-        self.parked: set[str] = set()
-
-    def num_external_tokens(self, seq):
-        return len(seq.prompt_token_ids)
-
-    def on_blocks_allocated(self, seq, block_ids):
-        self.parked.add(seq.request_id)
 
     def get_finished(self):
-        if not self.parked:
-            return FinishedTransfers()
-        self.polls -= 1
-        if self.polls > 0:
-            return FinishedTransfers()
-        done, self.parked = {rid: 42 for rid in self.parked}, set()
-        return FinishedTransfers(done_recving=done)
+        if self.loads:
+            self.polls -= 1
+            if self.polls <= 0:
+                for rid in self.loads:
+                    self.land(rid, 42)
+                self.loads = {}
+        return super().get_finished()
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +43,10 @@ def engine():
         e.shutdown()
 
 
-def collect(engine, rid, prompt, params, stop_after=None):
+def collect(engine, rid, prompt, params, stop_after=None, kv_transfer_params=None):
     async def go():
         outs = []
-        gen = engine.generate(rid, prompt, params)
+        gen = engine.generate(rid, prompt, params, kv_transfer_params)
         async for out in gen:
             outs.append(out)
             if stop_after is not None and len(outs) >= stop_after:
@@ -113,9 +110,10 @@ def test_abort_and_concurrent_requests(engine):
 
 
 def test_parked_request_resumes_when_the_connector_reports():
-    e = AsyncLLMEngine(EngineConfig(device="cpu", num_kv_blocks=16), SlowConsumer(polls=5))
+    e = AsyncLLMEngine(EngineConfig(device="cpu", num_kv_blocks=16), consumer(SlowWorker(polls=5)))
     try:
-        outs = collect(e, "remote", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        outs = collect(e, "remote", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       kv_transfer_params=FROM_P)
         tokens = [t for o in outs for t in o.new_token_ids]
         assert tokens[0] == 42 and len(tokens) == 4 and outs[-1].finish_reason == "length"
         wait_all_free(e)
@@ -132,19 +130,12 @@ def test_idle_engine_thread_sleeps(engine):
     assert time.process_time() - before < 0.1  # a busy loop would burn ~0.5 s of CPU
 
 
-class NeverConsumer(KVConnectorBase):
-    """Requests tagged remote wait forever (until aborted)."""
-
-    def num_external_tokens(self, seq):
-        return len(seq.prompt_token_ids) if seq.kv_transfer_params.get("remote") else 0
-
-
 def test_no_spin_while_blocks_are_held_by_parked_requests():
-    e = AsyncLLMEngine(EngineConfig(device="cpu", num_kv_blocks=4), NeverConsumer())
+    e = AsyncLLMEngine(EngineConfig(device="cpu", num_kv_blocks=4), consumer())  # loads never land
 
     async def go():
         async def run(rid, n, remote):
-            gen = e.generate(rid, [5] * n, SamplingParams(max_tokens=4), {"remote": remote})
+            gen = e.generate(rid, [5] * n, SamplingParams(max_tokens=4), FROM_P if remote else None)
             return [o async for o in gen]
 
         parked = asyncio.create_task(run("parked", 40, True))  # 3 of 4 blocks, held forever

@@ -6,7 +6,7 @@ Whatever the batching, chunking or preemption, each request must then produce th
 from __future__ import annotations
 
 from common.engine.block_manager import BlockManager
-from common.engine.kv_connector import KVConnectorBase
+from common.engine.kv_connector import KVConnectorScheduler
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.sequence import Sequence
@@ -20,7 +20,7 @@ def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=8, chunk
     bm = BlockManager(num_blocks, block_size)
     return Scheduler(
         bm,
-        KVConnectorBase(),
+        KVConnectorScheduler(),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_model_len=10_000,

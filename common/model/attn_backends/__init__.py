@@ -1,0 +1,1 @@
+"""Attention backends (see ``common.model.attention`` for the interface and the choice)."""
