@@ -62,40 +62,56 @@ def transfer_sum(decode: Proc) -> float:
     return metric(decode.url, "pdserve:kv_transfer_seconds_sum")
 
 
+def kv_megabytes(prompt_tokens: int) -> float:
+    """The embedded model's KV for a prompt: 4 layers x K,V x 2 KV heads x head_dim 64, fp32."""
+    return 4 * 2 * prompt_tokens * 2 * 64 * 4 / 1e6
+
+
+PARTS = ("colocated", "prefill", "transfer", "handoff", "pf_total", "concurrent")
+
+
+def sample(both: Proc, prefill: Proc, decode: Proc, prompt_tokens: int,
+           rng: random.Random) -> dict[str, float]:
+    """One round: ms of each part in ``PARTS`` for a fresh random prompt."""
+    body = {"prompt": [rng.randrange(4, 2048) for _ in range(prompt_tokens)], "max_tokens": 2,
+            "temperature": 0, "ignore_eos": True}
+    colocated = first_token_s(both.url, body)
+    rid = make_request_id(prefill.kv_addr, decode.kv_addr)
+    p = prefill_leg_s(prefill, body, rid)
+    before = transfer_sum(decode)
+    d = first_token_s(decode.url, body, rid)
+    transfer = transfer_sum(decode) - before
+    rid = make_request_id(prefill.kv_addr, decode.kv_addr)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(1) as pool:
+        leg = pool.submit(prefill_leg_s, prefill, body, rid)
+        first_token_s(decode.url, body, rid)
+        concurrent = time.perf_counter() - t0
+        leg.result()
+    values = (colocated, p, transfer, d - transfer, p + d, concurrent)
+    return {key: value * 1000 for key, value in zip(PARTS, values)}
+
+
+def medians(samples: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(s[k] for s in samples) for k in PARTS}
+
+
+def measure(both: Proc, prefill: Proc, decode: Proc, prompt_tokens: int, repeats: int,
+            rng: random.Random) -> dict[str, float]:
+    """Median ms of each part in ``PARTS`` over ``repeats`` rounds (after a warm-up round)."""
+    sample(both, prefill, decode, prompt_tokens, rng)  # warms up every process
+    return medians([sample(both, prefill, decode, prompt_tokens, rng) for _ in range(repeats)])
+
+
 def run(prompt_tokens: int, repeats: int) -> None:
-    rng = random.Random(0)
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-ttft-"))
     procs = [start(role, tmp) for role in ("both", "prefill", "decode")]
-    both, prefill, decode = procs
-    rows: dict[str, list[float]] = {k: [] for k in
-                                    ("colocated", "prefill", "transfer", "handoff", "pf_total", "concurrent")}
     try:
-        for i in range(repeats + 1):  # the first round warms up every process
-            body = {"prompt": [rng.randrange(4, 2048) for _ in range(prompt_tokens)], "max_tokens": 2,
-                    "temperature": 0, "ignore_eos": True}
-            colocated = first_token_s(both.url, body)
-            rid = make_request_id(prefill.kv_addr, decode.kv_addr)
-            p = prefill_leg_s(prefill, body, rid)
-            before = transfer_sum(decode)
-            d = first_token_s(decode.url, body, rid)
-            transfer = transfer_sum(decode) - before
-            rid = make_request_id(prefill.kv_addr, decode.kv_addr)
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(1) as pool:
-                leg = pool.submit(prefill_leg_s, prefill, body, rid)
-                first_token_s(decode.url, body, rid)
-                concurrent = time.perf_counter() - t0
-                leg.result()
-            if i == 0:
-                continue
-            for key, value in (("colocated", colocated), ("prefill", p), ("transfer", transfer),
-                               ("handoff", d - transfer), ("pf_total", p + d), ("concurrent", concurrent)):
-                rows[key].append(value * 1000)
+        med = measure(*procs, prompt_tokens, repeats, random.Random(0))
     finally:
         for proc in procs:
             proc.stop()
-    med = {k: statistics.median(v) for k, v in rows.items()}
-    kv_mb = 4 * 2 * prompt_tokens * 2 * 64 * 4 / 1e6  # embedded model: 4 layers, 2 KV heads, head_dim 64, fp32
+    kv_mb = kv_megabytes(prompt_tokens)
     print(f"\nTTFT for a {prompt_tokens}-token prompt (embedded model, CPU fp32, gloo on loopback; "
           f"KV {kv_mb:.1f} MB; median of {repeats})\n")
     print("| path | part | ms |")

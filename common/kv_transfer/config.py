@@ -29,9 +29,11 @@ class TransferConfig:
     max_bytes_in_flight: int = 256 << 20  # staged (gathered, not yet sent) bytes on the producer
     heartbeat_s: float = 1.0  # consumer pings a producer it waits on this often
     coalesce_bytes: int = 16 << 20  # layers gathered after prefill travel in messages up to this size
+    peer_idle_s: float = 60.0  # a peer connection (and its receiver thread) unused this long is closed
+    max_peers: int = 256  # control-plane connections to distinct peers, at most
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "lease_s", "handshake_timeout_s", "heartbeat_s"):
+        for name in ("timeout_s", "lease_s", "handshake_timeout_s", "heartbeat_s", "peer_idle_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransferConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_bytes_in_flight <= 0:
@@ -65,6 +67,13 @@ class TransferStats:
         self.add(transfers_received=1, transfer_seconds_sum=seconds)
         if self.on_transfer is not None:
             self.on_transfer(seconds, nbytes)
+
+    def transfer_sent(self, seconds: float) -> None:
+        """The consumer acknowledged a pushed request. Its bytes were counted as they were
+        sent (``bytes_sent``), so ``on_transfer`` gets 0 bytes here: only the duration."""
+        self.add(transfers_sent=1, transfer_seconds_sum=seconds)
+        if self.on_transfer is not None:
+            self.on_transfer(seconds, 0)
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:

@@ -1,9 +1,11 @@
 """Consumer side (decode node): ask a producer for a request's KV and land it in blocks.
 
 A request's life here: ``request`` (engine thread) registers it and hands it to the
-producer's :class:`~common.kv_transfer.receiver.PairReceiver` thread, which makes sure a pair exists (handshake, layout check, pair
-build), sends PULL, then for each LAYER notice receives the tensor into a staging
-buffer and scatters it into ``kv_caches[layer][:, block_ids]``. DONE carries the first
+producer's :class:`~common.kv_transfer.receiver.PairReceiver` thread, which makes sure a
+pair exists (handshake: layout check, transport choice, pair build), sends PULL, then for
+each LAYER notice receives the bytes into ``kv_caches[layer][:, block_ids]`` (tcp: straight
+into the blocks; gloo/nccl: through a staging buffer unless the blocks are one run;
+cuda_ipc: the producer already wrote them). DONE carries the first
 token; the link ACKs and the request shows up in ``poll_finished``. A dead producer
 (failed receive, unanswered ping), an error from the producer or ``abort`` end it.
 """
@@ -31,34 +33,48 @@ logger = logging.getLogger(__name__)
 class KVConsumer:
     """The consumer half of :class:`~common.kv_transfer.engine.KVTransferEngine`."""
 
-    def __init__(self, layout: KVLayout, config: TransferConfig, stats: TransferStats) -> None:
+    def __init__(self, layout: KVLayout, config: TransferConfig, stats: TransferStats,
+                 transport: str = "auto") -> None:
         self.layout, self.config, self.stats = layout, config, stats
+        self.transport = transport  # --kv-transport: what this side asks for at each handshake
         self.control: ControlPlane  # set by the engine once bound
         self._lock = threading.Lock()
         self._links: dict[str, PairReceiver] = {}
         self._owner_of: dict[str, PairReceiver] = {}
         self._finished: dict[str, int] = {}
+        self._first_logprobs: dict[str, dict[int, float]] = {}  # until the connector takes them
         self._failed: dict[str, str] = {}
         self._aborted: set[str] = set()
         self._closed = False
 
     def request(self, request_id: str, prefill_addr: str, block_ids: list[int], num_tokens: int,
-                kv_caches: list[torch.Tensor]) -> None:
-        """Ask the producer at ``prefill_addr`` ("host:port") for ``request_id``'s KV and land
-        it in ``kv_caches[layer][:, block_ids]``. Returns at once; see :meth:`poll_finished`."""
+                kv_caches: list[torch.Tensor], first_block: int = 0) -> None:
+        """Ask the producer at ``prefill_addr`` ("host:port") for ``request_id``'s KV of a
+        ``num_tokens``-token prompt from block ``first_block`` on (the blocks before it are
+        already here) and land it in ``kv_caches[layer][:, block_ids]``. Returns at once; see
+        :meth:`poll_finished`."""
         if len(kv_caches) != self.layout.num_layers:
             raise ValueError(f"{len(kv_caches)} KV layers, layout says {self.layout.num_layers}")
-        if len(block_ids) < self._num_blocks(num_tokens):
-            raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens")
-        t = Transfer(request_id, list(block_ids), num_tokens, kv_caches)
+        if not 0 <= first_block < self._num_blocks(num_tokens):
+            raise ValueError(f"first block {first_block} is outside a {num_tokens}-token prompt")
+        if len(block_ids) < self._num_blocks(num_tokens) - first_block:
+            raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens "
+                             f"from block {first_block}")
+        t = Transfer(request_id, list(block_ids), num_tokens, kv_caches, first_block)
         with self._lock:
             if self._closed:
                 raise TransferError("transfer engine closed")
             link = self._links.get(prefill_addr)
+            if link is None and len(self._links) >= self.config.max_peers:
+                # one thread per producer: ids naming ever new addresses must not grow them without bound
+                self.stats.add(failures=1)
+                self._failed[request_id] = (f"{self.config.max_peers} producers already in use; "
+                                            f"not asking {prefill_addr}")
+                return
             if link is None:
                 link = self._links[prefill_addr] = PairReceiver(self, prefill_addr)
             self._owner_of[request_id] = link
-        link.events.put(("new", t))
+            link.events.put(("new", t))  # under the lock: an idle link retires only with an empty queue
 
     def poll_finished(self) -> tuple[dict[str, int], dict[str, str]]:
         """(request_id -> first token for landed transfers, request_id -> error for failed ones)."""
@@ -67,22 +83,39 @@ class KVConsumer:
             self._finished, self._failed = {}, {}
         return done, failed
 
+    def take_first_logprobs(self, request_ids: set[str] | dict) -> dict[str, dict[int, float]]:
+        """The first token's logprobs that came with DONE, for these landed requests (taken once)."""
+        with self._lock:
+            return {rid: lp for rid in request_ids if (lp := self._first_logprobs.pop(rid, None)) is not None}
+
     def abort(self, request_id: str) -> None:
         """Stop waiting for ``request_id`` and tell its producer to drop it. Its blocks may be
         reused once :meth:`poll_aborted` names it (a receive into them may still be running)."""
         with self._lock:
             link = self._owner_of.pop(request_id, None)
             self._finished.pop(request_id, None)
+            self._first_logprobs.pop(request_id, None)
             self._failed.pop(request_id, None)
             if link is None:
                 self._aborted.add(request_id)
         if link is not None:
             link.events.put(("abort", request_id))
 
-    def release_remote(self, request_id: str, prefill_addr: str) -> None:
+    def release_remote(self, request_id: str, prefill_addr: str, connect: bool = True) -> None:
         """Tell the producer at ``prefill_addr`` to drop ``request_id`` that this side will never
-        ask for (e.g. the decode node refused the request): its KV is freed now, not at lease end."""
-        self.control.send(prefill_addr, Abort(request_id=request_id))
+        ask for (e.g. the decode node refused the request): its KV is freed now, not at lease end.
+        ``connect=False``: only over a connection already open (an unverified id may name any address)."""
+        self.control.send(prefill_addr, Abort(request_id=request_id), connect=connect)
+
+    def transfer_state(self, request_id: str) -> str:
+        """A live transfer's :class:`~common.kv_transfer.receiver.TransferState` value;
+        "finished" or "failed" until polled; else "unknown"."""
+        with self._lock:
+            link = self._owner_of.get(request_id)
+            if request_id in self._finished or request_id in self._failed:
+                return "finished" if request_id in self._finished else "failed"
+        t = link.transfers.get(request_id) if link is not None else None
+        return t.state.value if t is not None else "queued" if link is not None else "unknown"
 
     def poll_aborted(self) -> set[str]:
         """Aborted requests whose receive has stopped: nothing writes into their blocks any more."""
@@ -98,6 +131,11 @@ class KVConsumer:
             return
         link.events.put(("notice", msg))
 
+    def pair_transports(self) -> list[str]:
+        with self._lock:
+            links = list(self._links.values())
+        return [link.transport for link in links if link.transport]
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -108,15 +146,25 @@ class KVConsumer:
             link.thread.join(timeout=self.config.handshake_timeout_s + self.config.timeout_s)
 
     # ---- link threads --------------------------------------------------------------------
+    def _retire(self, link: PairReceiver) -> bool:
+        """An idle link asks to end its thread; refused if work arrived for it meanwhile."""
+        with self._lock:
+            if self._links.get(link.address) is not link or not link.events.empty():
+                return False
+            del self._links[link.address]
+            return True
+
     def _num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.layout.block_size)
 
-    def _done(self, t: Transfer, first_token: int) -> None:
+    def _done(self, t: Transfer, first_token: int, first_logprobs: list | None = None) -> None:
         seconds = time.monotonic() - t.started
         self.stats.transfer_done(seconds, t.nbytes)
         with self._lock:
             if self._owner_of.pop(t.request_id, None) is not None:
                 self._finished[t.request_id] = first_token
+                if first_logprobs:
+                    self._first_logprobs[t.request_id] = {int(tok): float(lp) for tok, lp in first_logprobs}
 
     def _abort_stopped(self, request_id: str) -> None:
         with self._lock:

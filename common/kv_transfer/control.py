@@ -4,6 +4,12 @@ One thread owns every socket (ZMQ sockets are not thread-safe); other threads ha
 work through a queue and a wake-up socketpair, so nothing they call blocks on the network.
 Requests get a response matched by message id or fail at their deadline. Frames that do
 not decode are logged and dropped; the listener keeps serving.
+
+With a cluster key every message travels sealed (``[payload, seal]``, see
+common.cluster_auth) and an unsealed, stale, replayed or foreign one is dropped, so only
+cluster members can ask this node for KV. DEALERs are bounded: at most ``max_peers``,
+and one with nothing pending and no traffic for ``idle_s`` is closed (its FD and its
+reconnect timer go with it), so addresses that never answer cost nothing for long.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from concurrent.futures import Future
 
 import zmq
 
+from common.cluster_auth import ClusterKey, control_sealer
 from common.kv_transfer.config import TransferError
 from common.kv_transfer.messages import Message, MessageError, decode, encode
 
@@ -37,8 +44,11 @@ def split_address(address: str) -> tuple[str, int]:
 class ControlPlane:
     """Binds a ROUTER at ``address`` (port 0 picks a free one) and runs the socket thread."""
 
-    def __init__(self, address: str, on_router: RouterHandler, on_dealer: DealerHandler) -> None:
+    def __init__(self, address: str, on_router: RouterHandler, on_dealer: DealerHandler, *,
+                 key: ClusterKey | None = None, idle_s: float = 60.0, max_peers: int = 256) -> None:
         host, port = split_address(address)
+        self._sealer = control_sealer(key)
+        self.idle_s, self.max_peers = idle_s, max_peers
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -50,8 +60,11 @@ class ControlPlane:
         self.address = f"{host}:{port}"
         self._on_router, self._on_dealer = on_router, on_dealer
         self._dealers: dict[str, zmq.Socket] = {}
+        self._last_used: dict[str, float] = {}  # dealer address -> last send or receive
+        self._next_idle_check = 0.0
+        self._dropped_logged: dict[str, float] = {}
         self._outbox: queue.SimpleQueue[tuple[str, object, Message]] = queue.SimpleQueue()
-        self._pending: dict[int, tuple[Future, float]] = {}
+        self._pending: dict[int, tuple[Future, float, str]] = {}
         self._pending_lock = threading.Lock()
         self._next_id = 1
         self._wake_r, self._wake_w = socket.socketpair()
@@ -61,9 +74,10 @@ class ControlPlane:
         self._thread.start()
 
     # ---- API for other threads -------------------------------------------------------
-    def send(self, peer_address: str, msg: Message) -> None:
-        """Fire-and-forget to a remote endpoint's ROUTER."""
-        self._post("dealer", peer_address, msg)
+    def send(self, peer_address: str, msg: Message, connect: bool = True) -> None:
+        """Fire-and-forget to a remote endpoint's ROUTER; ``connect=False`` drops it unless a
+        connection to that endpoint is already open."""
+        self._post("dealer" if connect else "dealer_if_open", peer_address, msg)
 
     def reply(self, identity: bytes, msg: Message) -> None:
         """Send to a consumer that reached our ROUTER."""
@@ -75,7 +89,7 @@ class ControlPlane:
         with self._pending_lock:
             msg.id = self._next_id
             self._next_id += 1
-            self._pending[msg.id] = (fut, time.monotonic() + timeout_s)
+            self._pending[msg.id] = (fut, time.monotonic() + timeout_s, peer_address)
         self._post("dealer", peer_address, msg)
         return fut
 
@@ -84,7 +98,7 @@ class ControlPlane:
         self._wake()
         self._thread.join(timeout=5)
         with self._pending_lock:
-            for fut, _ in self._pending.values():
+            for fut, _, _ in self._pending.values():
                 fut.set_exception(TransferError("control plane closed"))
             self._pending.clear()
         for sock in (self._router, *self._dealers.values()):
@@ -118,7 +132,8 @@ class ControlPlane:
             for address, sock in list(self._dealers.items()):
                 if sock in events:
                     self._read_dealer(address, sock)
-            self._expire_pending()
+            self._expire_pending(poller)
+            self._close_idle_dealers(poller)
 
     def _drain_wake(self) -> None:
         try:
@@ -134,17 +149,23 @@ class ControlPlane:
             except queue.Empty:
                 return
             try:
+                frames = self._sealer.frames(encode(msg))
                 if kind == "router":
-                    self._router.send_multipart([target, encode(msg)], flags=zmq.NOBLOCK)
+                    self._router.send_multipart([target, *frames], flags=zmq.NOBLOCK)
+                elif kind == "dealer_if_open" and target not in self._dealers:
+                    logger.debug("control: %s to %s not sent: no open connection", msg.CMD, target)
                 else:
-                    self._dealer(target, poller).send(encode(msg), flags=zmq.NOBLOCK)
-            except zmq.ZMQError as e:
+                    self._dealer(target, poller).send_multipart(frames, flags=zmq.NOBLOCK)
+                    self._last_used[target] = time.monotonic()
+            except (zmq.ZMQError, TransferError) as e:
                 logger.warning("control: cannot send %s to %r: %s", msg.CMD, target, e)
                 self._fail_pending(msg.id, TransferError(f"peer {target!r} unreachable: {e}"))
 
     def _dealer(self, address: str, poller: zmq.Poller) -> zmq.Socket:
         sock = self._dealers.get(address)
         if sock is None:
+            if len(self._dealers) >= self.max_peers and not self._close_one_idle(poller):
+                raise TransferError(f"{self.max_peers} peers already connected, all busy")
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(f"tcp://{address}")  # reconnects by itself when the peer restarts
@@ -152,26 +173,62 @@ class ControlPlane:
             self._dealers[address] = sock
         return sock
 
+    def _close_dealer(self, address: str, poller: zmq.Poller) -> None:
+        sock = self._dealers.pop(address)
+        self._last_used.pop(address, None)
+        poller.unregister(sock)
+        sock.close(linger=0)
+        logger.debug("control: closed the idle connection to %s", address)
+
+    def _busy_addresses(self) -> set[str]:
+        with self._pending_lock:
+            return {address for _, _, address in self._pending.values()}
+
+    def _close_one_idle(self, poller: zmq.Poller) -> bool:
+        """Make room for a new peer: close the least recently used dealer with nothing pending."""
+        busy = self._busy_addresses()
+        free = [a for a in self._dealers if a not in busy]
+        if not free:
+            return False
+        self._close_dealer(min(free, key=lambda a: self._last_used.get(a, 0.0)), poller)
+        return True
+
+    def _close_idle_dealers(self, poller: zmq.Poller) -> None:
+        now = time.monotonic()
+        if now < self._next_idle_check:
+            return
+        self._next_idle_check = now + min(1.0, self.idle_s / 4)
+        busy = self._busy_addresses()
+        idle = [a for a in self._dealers if a not in busy and now - self._last_used.get(a, 0.0) > self.idle_s]
+        for address in idle:
+            self._close_dealer(address, poller)
+
     def _read_router(self) -> None:
         while True:
             try:
                 frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 2:
-                logger.warning("control: dropped a %d-frame message", len(frames))
+            payload, reason = self._sealer.open(frames[1:])
+            if payload is None:
+                self._drop(reason or "frame_count", f"{len(frames) - 1}-frame message")
                 continue
-            msg = self._decode(frames[1])
+            msg = self._decode(payload)
             if msg is not None:
                 self._dispatch(self._on_router, frames[0], msg)
 
     def _read_dealer(self, address: str, sock: zmq.Socket) -> None:
         while True:
             try:
-                frame = sock.recv(flags=zmq.NOBLOCK)
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            msg = self._decode(frame)
+            payload, reason = self._sealer.open(frames)
+            if payload is None:
+                self._drop(reason or "frame_count", f"reply from {address}")
+                continue
+            self._last_used[address] = time.monotonic()
+            msg = self._decode(payload)
             if msg is None:
                 continue
             with self._pending_lock:
@@ -180,6 +237,13 @@ class ControlPlane:
                 entry[0].set_result(msg)
             else:
                 self._dispatch(self._on_dealer, address, msg)
+
+    def _drop(self, reason: str, what: str) -> None:
+        """Log a dropped message, at most once a minute per reason (a flood must not flood the log)."""
+        now = time.monotonic()
+        if now - self._dropped_logged.get(reason, -1e18) >= 60.0:
+            self._dropped_logged[reason] = now
+            logger.warning("control: dropped a %s (%s); more are not logged for a minute", what, reason)
 
     @staticmethod
     def _decode(frame: bytes) -> Message | None:
@@ -202,10 +266,14 @@ class ControlPlane:
         if entry is not None:
             entry[0].set_exception(error)
 
-    def _expire_pending(self) -> None:
+    def _expire_pending(self, poller: zmq.Poller) -> None:
         now = time.monotonic()
         with self._pending_lock:
-            expired = [i for i, (_, deadline) in self._pending.items() if deadline <= now]
-            futures = [self._pending.pop(i)[0] for i in expired]
-        for fut in futures:
+            expired = [i for i, (_, deadline, _) in self._pending.items() if deadline <= now]
+            entries = [self._pending.pop(i) for i in expired]
+        for fut, _, address in entries:
             fut.set_exception(TransferError("no response from peer before the deadline"))
+            # A silent peer (a partition: no RST) leaves TCP in retransmission back-off, so the
+            # old socket may stay stuck for long after the link is back: open a fresh one.
+            if address in self._dealers:
+                self._close_dealer(address, poller)

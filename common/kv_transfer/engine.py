@@ -7,31 +7,38 @@ network; results are polled (``producer.poll_freeable``, ``consumer.poll_finishe
 
 from __future__ import annotations
 
+from common.cluster_auth import ClusterKey
 from common.kv_layout import KVLayout
 from common.kv_transfer.config import TransferConfig, TransferStats
 from common.kv_transfer.consumer import KVConsumer
 from common.kv_transfer.control import ControlPlane, split_address
 from common.kv_transfer.messages import Message
 from common.kv_transfer.producer import KVProducer
+from common.kv_transfer.transport import check_mode
 
 
 class KVTransferEngine:
     """Binds a ROUTER at ``zmq_address`` ("host:port", port 0 = any free port).
 
-    ``device`` is where this process's KV cache lives ("cpu" -> gloo pairs, "cuda:N" -> NCCL);
-    ``advertise_host`` is the address peers use to reach this process (default: the bind host).
+    ``device`` is where this process's KV cache lives; with ``transport`` (``--kv-transport``:
+    auto, cuda_ipc, nccl, tcp or gloo) it decides each pair's data plane at its handshake
+    (transport.py). ``advertise_host`` is the address peers use to reach this process
+    (default: the bind host); ``key`` (the cluster key) seals every control message.
     """
 
     def __init__(self, zmq_address: str, layout: KVLayout, config: TransferConfig | None = None,
-                 stats: TransferStats | None = None, device: str = "cpu", advertise_host: str | None = None) -> None:
+                 stats: TransferStats | None = None, device: str = "cpu", advertise_host: str | None = None,
+                 transport: str = "auto", key: ClusterKey | None = None) -> None:
+        check_mode(transport)
         self.layout = layout
         self.config = config or TransferConfig()
         self.stats = stats or TransferStats()
         host, _ = split_address(zmq_address)
         # peers reach the pair's store here: the bind host may be 0.0.0.0, which they cannot dial
-        self.producer = KVProducer(layout, self.config, self.stats, advertise_host or host, device)
-        self.consumer = KVConsumer(layout, self.config, self.stats)
-        self.control = ControlPlane(zmq_address, self._on_router, self._on_dealer)
+        self.producer = KVProducer(layout, self.config, self.stats, advertise_host or host, device, transport)
+        self.consumer = KVConsumer(layout, self.config, self.stats, transport)
+        self.control = ControlPlane(zmq_address, self._on_router, self._on_dealer, key=key,
+                                    idle_s=self.config.peer_idle_s, max_peers=self.config.max_peers)
         self.producer.control = self.consumer.control = self.control
         self.address = self.control.address
 
@@ -40,6 +47,13 @@ class KVTransferEngine:
 
     def _on_dealer(self, address: str, msg: Message) -> None:
         self.consumer.handle(address, msg)
+
+    def pair_counts(self) -> dict[str, int]:
+        """Live data-plane pairs by transport, both halves together (for /metrics)."""
+        counts: dict[str, int] = {}
+        for transport in self.producer.pair_transports() + self.consumer.pair_transports():
+            counts[transport] = counts.get(transport, 0) + 1
+        return counts
 
     def close(self) -> None:
         """Stop every thread, close every pair and socket."""

@@ -12,7 +12,11 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+# 2: Handshake.backend/endpoint/ipc, HandshakeOk.backend, Pull.first_block/block_ids,
+# Done.first_logprobs, sealed frames under a cluster key. A peer on another version is
+# logged ("protocol version 1 != 2") and dropped: upgrade P and D together.
+PROTOCOL_VERSION = 2
+UNKNOWN_PAIR = "unknown or broken pair; handshake again"  # Error.reason a consumer acts on
 
 
 class MessageError(ValueError):
@@ -27,33 +31,47 @@ class Message:
 
 @dataclass
 class Handshake(Message):
-    """Consumer -> producer: open a data-plane pair ``pair_id`` for this layout."""
+    """Consumer -> producer: open a data-plane pair ``pair_id`` for this layout.
+
+    ``backend`` is the consumer's ``--kv-transport`` (``auto`` or a transport), ``endpoint``
+    its :class:`~common.kv_transfer.transport.Endpoint`; ``ipc`` its exported KV cache
+    when it could take ``cuda_ipc`` (see cuda_ipc.py), else empty."""
 
     CMD: ClassVar[str] = "handshake"
     pair_id: str = ""
     layout: dict = field(default_factory=dict)
-    backend: str = "gloo"
+    backend: str = "auto"
+    endpoint: dict = field(default_factory=dict)
+    ipc: list = field(default_factory=list)
 
 
 @dataclass
 class HandshakeOk(Message):
-    """Producer -> consumer: join the pair's store at ``store_host:store_port`` as rank 1."""
+    """Producer -> consumer: the pair uses ``backend`` (the producer's choice); join it at
+    ``store_host:store_port`` as rank 1 (cuda_ipc: nothing to join)."""
 
     CMD: ClassVar[str] = "handshake_ok"
     pair_id: str = ""
     store_host: str = ""
     store_port: int = 0
+    backend: str = ""
 
 
 @dataclass
 class Pull(Message):
-    """Consumer -> producer: send ``request_id``'s KV over ``pair_id`` (``num_blocks`` per layer)."""
+    """Consumer -> producer: send ``request_id``'s KV over ``pair_id``: blocks ``first_block`` to
+    ``num_blocks`` (the prompt's count) of each layer. The consumer already holds the blocks
+    before ``first_block`` (its prefix cache); 0, the default, asks for everything.
+    ``block_ids``: the consumer's blocks from ``first_block`` on, which a cuda_ipc producer
+    writes into."""
 
     CMD: ClassVar[str] = "pull"
     request_id: str = ""
     pair_id: str = ""
     num_blocks: int = 0
     num_tokens: int = 0
+    block_ids: list = field(default_factory=list)
+    first_block: int = 0
 
 
 @dataclass
@@ -89,12 +107,15 @@ class LayerNotice(Message):
 
 @dataclass
 class Done(Message):
-    """Producer -> consumer: every layer of ``request_id`` was sent; here is the first token."""
+    """Producer -> consumer: every layer of ``request_id`` was sent; here is the first token
+    and, when the request asked for logprobs, its ``[[token_id, logprob], ...]`` (chosen and
+    top-n, as the prefill node's sampler reported them; empty otherwise)."""
 
     CMD: ClassVar[str] = "done"
     request_id: str = ""
     pair_id: str = ""
     first_token: int = 0
+    first_logprobs: list = field(default_factory=list)
 
 
 @dataclass
@@ -124,6 +145,10 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 }
 
 
+# fields a peer from before they existed does not send
+_OPTIONAL: dict[str, tuple[str, ...]] = {Pull.CMD: ("first_block",)}
+
+
 def encode(msg: Message) -> bytes:
     return msgpack.packb({"v": PROTOCOL_VERSION, "cmd": msg.CMD, **asdict(msg)}, use_bin_type=True)
 
@@ -143,6 +168,8 @@ def decode(frame: bytes) -> Message:
         raise MessageError(f"unknown cmd {raw.get('cmd')!r}")
     kwargs = {}
     for f in fields(cls):
+        if f.name in _OPTIONAL.get(cls.CMD, ()) and f.name not in raw:
+            continue  # added later with a default that keeps the old meaning
         if f.name not in raw:
             raise MessageError(f"{cls.CMD}: missing field {f.name!r}")
         kwargs[f.name] = raw[f.name]

@@ -1,7 +1,8 @@
 """The data plane: one 2-rank point-to-point process group per (producer, consumer) pair.
 
 Built straight on a ``TCPStore`` (no ``init_process_group``), so one process can hold
-many pairs. gloo on CPU, NCCL when the tensors live on CUDA; the code path is the same.
+many pairs. ``gloo`` on CPU or ``nccl`` on CUDA (see transport.py for the choice); the code
+path is the same.
 Every operation waits at most ``timeout_s``; any failure marks the pair broken (gloo
 closes a pair after a timeout) and the owner rebuilds it for the next request.
 """
@@ -9,6 +10,7 @@ closes a pair after a timeout) and the owner rebuilds it for the next request.
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 
 import torch
@@ -27,13 +29,23 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def backend_for(device: torch.device | str) -> str:
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+def route_source(peer_host: str) -> str:
+    """This host's address on the route to ``peer_host`` (a UDP connect sends nothing)."""
+    family, _, _, _, address = socket.getaddrinfo(peer_host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(address)
+        return s.getsockname()[0]
 
 
-def _make_backend(backend: str, store: dist.Store, rank: int, timeout: datetime.timedelta):
+def _make_backend(backend: str, store: dist.Store, rank: int, timeout: datetime.timedelta, store_host: str):
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+        # gloo's default device binds and advertises what the hostname resolves to (often
+        # 127.0.0.1): right on one host, unreachable from another. Use the address on the
+        # route to the store, which both ranks can reach.
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=route_source(store_host))]
+        return dist.ProcessGroupGloo(store, rank, 2, opts)
     if backend == "nccl":
         from torch.distributed import ProcessGroupNCCL  # only on CUDA builds
 
@@ -46,6 +58,17 @@ def _make_backend(backend: str, store: dist.Store, rank: int, timeout: datetime.
 def host_store(host: str, timeout_s: float) -> dist.TCPStore:
     """The rank-0 side's store on a free port; returns at once (rank 1 joins later)."""
     return dist.TCPStore(host, 0, 2, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+class _Works:
+    """The handles of one message's sends or receives."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        for work in self.works:
+            work.wait(timeout)
 
 
 class PairGroup:
@@ -61,33 +84,33 @@ class PairGroup:
         self.broken = False
         self._lock = threading.Lock()
         try:
-            self._pg = _make_backend(backend, self._store, rank, self._timeout)
+            self._pg = _make_backend(backend, self._store, rank, self._timeout, store_host)
             # One tiny round trip proves both directions work before real data flows.
             probe = torch.zeros(1, dtype=torch.int64, device=self._device)
             if rank == 0:
-                self.send(probe)
+                self.send([probe])
             else:
-                self.recv_into(probe)
+                self.recv_into([probe])
         except Exception as e:
             self.broken = True
             raise PairBrokenError(f"building the {backend} pair failed: {e}") from e
 
-    def send(self, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
-        self.wait(self.send_async(tensor), timeout_s)
+    def send(self, tensors: list[torch.Tensor], timeout_s: float | None = None) -> None:
+        self.wait(self.send_async(tensors), timeout_s)
 
-    def recv_into(self, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
-        """Receive into ``tensor`` (contiguous, right dtype/shape) in place."""
-        self.wait(self.recv_async(tensor), timeout_s)
+    def recv_into(self, tensors: list[torch.Tensor], timeout_s: float | None = None) -> None:
+        """Receive into ``tensors`` (contiguous, right dtype/shape) in place, in order."""
+        self.wait(self.recv_async(tensors), timeout_s)
 
-    def send_async(self, tensor: torch.Tensor):
-        """Post a send and return its work handle; keep ``tensor`` alive until :meth:`wait`."""
-        return self._post(self._pg.send, tensor)
+    def send_async(self, tensors: list[torch.Tensor]) -> _Works:
+        """Post one send per tensor; keep them alive until :meth:`wait`."""
+        return _Works([self._post(self._pg.send, t) for t in tensors])
 
-    def recv_async(self, tensor: torch.Tensor):
-        """Post a receive into ``tensor`` and return its work handle."""
-        return self._post(self._pg.recv, tensor)
+    def recv_async(self, tensors: list[torch.Tensor]) -> _Works:
+        """Post one receive per tensor, in order."""
+        return _Works([self._post(self._pg.recv, t) for t in tensors])
 
-    def wait(self, work, timeout_s: float | None = None) -> None:
+    def wait(self, work: _Works, timeout_s: float | None = None) -> None:
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else self._timeout
         try:
             work.wait(timeout)

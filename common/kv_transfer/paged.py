@@ -19,7 +19,19 @@ def block_run(block_ids: list[int]) -> slice | None:
     return None
 
 
-def gather_blocks(kv_layer: torch.Tensor, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+def block_runs(block_ids: list[int]) -> list[slice]:
+    """The ids as ascending contiguous runs, in order: [4, 5, 9, 2, 3] -> 4:6, 9:10, 2:4."""
+    runs: list[slice] = []
+    for b in block_ids:
+        if runs and runs[-1].stop == b:
+            runs[-1] = slice(runs[-1].start, b + 1)
+        else:
+            runs.append(slice(b, b + 1))
+    return runs
+
+
+def gather_blocks(kv_layer: torch.Tensor, block_ids: list[int],
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """``kv_layer[:, block_ids]`` as a contiguous tensor (into ``out`` when given)."""
     run = block_run(block_ids)
     if out is None:

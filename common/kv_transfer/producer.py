@@ -1,17 +1,19 @@
 """Producer side (prefill node): hold a request's KV under a lease, push it when asked.
 
-A request's life here: the consumer may PULL before or after prefill. ``save_layer``
-(engine thread, after each layer) stages and queues a layer only if the consumer already
-asked and the byte budget allows; otherwise the KV simply stays in the paged blocks.
+A request's life here (:class:`ProducerState`): the consumer may PULL before or after
+prefill (PULLED or HELD). ``save_layer`` (engine thread, after each layer) queues a layer
+only if the consumer already asked (gloo/nccl: staged, if the byte budget allows; tcp and
+cuda_ipc: sent from the blocks); otherwise the KV simply stays in the paged blocks.
 ``finish`` starts the lease; once both the pull and the finish are in, every layer not
-yet queued is queued (gathered later by the pair's sender thread), then DONE with the
-first token. The consumer's ACK, an ABORT, a failed pair or an expired lease make the
-request freeable (``poll_freeable``).
+yet queued is queued for the pair's sender thread, then DONE with the first token
+(SENDING, then AWAITING_ACK). The consumer's ACK, an ABORT, a failed pair or an expired
+lease make the request freeable (``poll_freeable``; DROPPED on the way).
 """
 
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import threading
 import time
@@ -22,10 +24,13 @@ import torch
 
 from common.kv_layout import KVLayout
 from common.kv_transfer.config import TransferConfig, TransferStats
-from common.kv_transfer.messages import Abort, Ack, Error, Handshake, HandshakeOk, Message, Ok, Ping, Pull
-from common.kv_transfer.p2p_group import backend_for, host_store
+from common.kv_transfer.cuda_ipc import open_cache
+from common.kv_transfer.messages import (UNKNOWN_PAIR, Abort, Ack, Error, Handshake, HandshakeOk, Message, Ok,
+                                         Ping, Pull)
 from common.kv_transfer.paged import ByteBudget, block_run, gather_blocks
 from common.kv_transfer.sender import PairSender, SendJob
+from common.kv_transfer.transport import (Endpoint, TransportMismatchError, choose_transport, ipc_fallback,
+                                          listen)
 
 if TYPE_CHECKING:
     from common.kv_transfer.control import ControlPlane
@@ -33,36 +38,87 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _kv_written(kv_layer: torch.Tensor):
+    """A CUDA event after the KV written so far on the compute stream (None on CPU)."""
+    if kv_layer.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(kv_layer.device))
+    return event
+
+
+class ProducerState(enum.Enum):
+    """Where a request is on the producer; read from :attr:`ProducerRequest.state`."""
+
+    PULLED = "pulled"  # the consumer asked; prefill still running (layers go out as they finish)
+    HELD = "held"  # prefill finished, nobody asked yet: KV waits in the blocks under a lease
+    SENDING = "sending"  # both in: every layer and DONE queued on the pair
+    AWAITING_ACK = "awaiting_ack"  # DONE sent; freed on ACK, or when the lease ends
+    DROPPED = "dropped"  # aborted, failed or expired: freed once prefill finished
+
+
 @dataclass
 class ProducerRequest:
     request_id: str
     deadline: float | None  # lease; None while layers are being sent
+    state: ProducerState  # the one place a request's progress is kept; see the module docstring
+    # first seen (the consumer's pull or prefill's finish): kv_transfer_seconds runs from here to the
+    # ACK, as the consumer's runs from its request to the last layer
+    created: float = field(default_factory=time.monotonic)
     link: PairSender | None = None
+    # what the consumer wants: ``num_blocks`` blocks from ``first_block`` on (the consumer has
+    # the ones before). Once both the pull and ``finish`` are in, ``block_ids`` starts there.
     num_blocks: int = 0
-    finished: bool = False
+    first_block: int = 0
     first_token: int = 0
+    first_logprobs: list = field(default_factory=list)  # [[token_id, logprob], ...] for DONE
     kv_caches: list[torch.Tensor] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    remote_block_ids: list[int] = field(default_factory=list)  # the consumer's (cuda_ipc writes there)
+    ready: object | None = None  # CUDA event after the prompt's last KV write (cuda_ipc orders on it)
     queued_layers: set[int] = field(default_factory=set)
-    dropped: bool = False
-    done_queued: bool = False
+
+    @property
+    def finished(self) -> bool:
+        """Prefill is done: the request holds blocks of its own."""
+        return self.state in (ProducerState.HELD, ProducerState.SENDING, ProducerState.AWAITING_ACK)
+
+    @property
+    def dropped(self) -> bool:  # read by the sender thread without the lock: one attribute read
+        return self.state is ProducerState.DROPPED
 
 
 class KVProducer:
     """The producer half of :class:`~common.kv_transfer.engine.KVTransferEngine`."""
 
     def __init__(self, layout: KVLayout, config: TransferConfig, stats: TransferStats, host: str,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", transport: str = "auto") -> None:
         self.layout, self.config, self.stats, self._host = layout, config, stats, host
-        self.device = device  # where the KV cache lives: picks gloo or NCCL for the pairs
+        self.device = device  # where the KV cache lives: with ``transport``, picks each pair's data plane
+        self.transport = transport
         self.control: ControlPlane | None = None  # set by the engine once bound
         self._lock = threading.Lock()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, ProducerRequest] = {}
         self._links: dict[str, PairSender] = {}
         self._freeable: set[str] = set()
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> why
         self._budget = ByteBudget(config.max_bytes_in_flight)
+        self._reserved: dict[str, tuple[int, float]] = {}  # admitted, not finished: id -> (blocks, deadline)
         self._closed = False
+
+    # ---- admission (HTTP thread) --------------------------------------------------------
+    def reserve_unclaimed(self, request_id: str, num_blocks: int, limit_blocks: int) -> bool:
+        """Admit a prefill whose KV nobody asked for yet, if what is held (or about to be) for
+        unclaimed requests stays within ``limit_blocks``; forged ids cannot pin the cache."""
+        now = time.monotonic()
+        with self._lock:
+            for rid in [r for r, (_, deadline) in self._reserved.items() if deadline <= now]:
+                del self._reserved[rid]  # admitted but never finished (the client left early)
+            held = sum(len(r.block_ids) for r in self._requests.values() if r.state is ProducerState.HELD)
+            if held + sum(b for b, _ in self._reserved.values()) + num_blocks > limit_blocks:
+                return False
+            self._reserved[request_id] = (num_blocks, now + self.config.lease_s)
+            return True
 
     # ---- engine thread ---------------------------------------------------------------
     def save_layer(self, request_id: str, layer_idx: int, kv_layer: torch.Tensor, block_ids: list[int]) -> None:
@@ -72,10 +128,16 @@ class KVProducer:
             req = self._requests.get(request_id)
             if req is None or req.link is None or req.dropped or layer_idx in req.queued_layers:
                 return
-            ids = block_ids[: req.num_blocks]
-            nbytes = len(ids) * self.layout.bytes_per_block_per_layer()
-            if len(ids) < req.num_blocks or not self._budget.try_acquire(nbytes):
+            ids = block_ids[req.first_block: req.first_block + req.num_blocks]
+            if len(ids) < req.num_blocks:
                 return  # sent from the paged blocks after finish()
+            if req.link.transport in ("tcp", "cuda_ipc"):  # sent from the blocks: nothing staged
+                req.queued_layers.add(layer_idx)
+                req.link.jobs.put(SendJob("layers", req, [layer_idx], source=(kv_layer, ids),
+                                          ready=_kv_written(kv_layer)))
+                return
+            if not self._budget.try_acquire(len(ids) * self.layout.bytes_per_block_per_layer()):
+                return
             req.queued_layers.add(layer_idx)
             # Queued under the lock: a pair failing now either sees this job when it drains
             # its queue or marks the request dropped before we get here (no leaked budget).
@@ -83,15 +145,20 @@ class KVProducer:
             req.link.jobs.put(SendJob("layers", req, [layer_idx], staged.unsqueeze(0)))
 
     def finish(self, request_id: str, first_token: int, kv_caches: list[torch.Tensor],
-               block_ids: list[int], num_tokens: int) -> None:
-        """The prompt is done: start the lease; send whatever the consumer still needs."""
+               block_ids: list[int], num_tokens: int, first_logprobs: dict[int, float] | None = None) -> None:
+        """The prompt is done: start the lease; send whatever the consumer still needs (the
+        first token travels with its logprobs when the request asked for them)."""
         with self._lock:
+            self._reserved.pop(request_id, None)  # from now on its real blocks count
             if request_id in self._gone:
                 self._freeable.add(request_id)  # aborted or expired while prefill ran
                 return
-            req = self._requests.setdefault(request_id, ProducerRequest(request_id, None))
-            req.finished, req.first_token = True, first_token
-            req.kv_caches, req.block_ids = kv_caches, list(block_ids)
+            req = self._requests.get(request_id) or ProducerRequest(request_id, None, ProducerState.HELD)
+            self._requests[request_id] = req
+            req.state, req.first_token = ProducerState.HELD, first_token  # SENDING below if pulled
+            req.first_logprobs = [[t, lp] for t, lp in (first_logprobs or {}).items()]
+            req.kv_caches, req.block_ids = kv_caches, list(block_ids)[req.first_block:]
+            req.ready = _kv_written(kv_caches[0]) if kv_caches else None
             req.deadline = time.monotonic() + self.config.lease_s
             self._queue_rest(req)
 
@@ -99,10 +166,26 @@ class KVProducer:
         """The engine dropped the request before ``finish`` (aborted, failed): forget it, and
         tell a consumer that already asked. The caller frees the blocks itself."""
         with self._lock:
+            self._reserved.pop(request_id, None)
             req = self._requests.get(request_id)
             if req is not None and req.link is not None and self.control is not None:
                 self.control.reply(req.link.identity, Error(reason=why, request_id=request_id))
             self._drop(request_id, why)
+
+    def request_state(self, request_id: str) -> str:
+        """A :class:`ProducerState` value, "gone" (dropped and forgotten) or "unknown" (never
+        seen, or acknowledged)."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is not None:
+                return req.state.value
+            return "gone" if request_id in self._gone else "unknown"
+
+    def queued_layers(self, request_id: str) -> int:
+        """How many of the request's layers are queued for sending (0 when unknown)."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            return len(req.queued_layers) if req is not None else 0
 
     def poll_freeable(self) -> set[str]:
         """Requests whose blocks may be freed now. Also enforces leases: call every step."""
@@ -134,23 +217,49 @@ class KVProducer:
             self._reply(identity, Error(id=msg.id, reason=f"bad layout in handshake: {e}"))
             return
         diff = self.layout.diff(theirs)
-        if msg.backend != backend_for(self.device):
-            diff.append(f"backend: {backend_for(self.device)} != {msg.backend}")
         if diff:
             reason = "KV layout mismatch (producer vs consumer): " + "; ".join(diff)
             self._reply(identity, Error(id=msg.id, reason=reason))
             return
-        store = host_store(self._host, self.config.handshake_timeout_s)
+        try:
+            mine, theirs = Endpoint.local(self.device), Endpoint.from_dict(msg.endpoint)
+            transport = choose_transport(self.transport, mine, msg.backend, theirs)
+            if transport == "cuda_ipc" and not msg.ipc:
+                raise TransportMismatchError("cuda_ipc chosen but the consumer exported no KV cache")
+        except (TransportMismatchError, ValueError, KeyError, TypeError) as e:
+            logger.warning("producer: refused a pair: %s", e)
+            self._reply(identity, Error(id=msg.id, reason=str(e)))
+            return
+        peer_cache = None
+        if transport == "cuda_ipc":
+            try:
+                peer_cache = open_cache(msg.ipc)  # here, not on the sender thread: failing refuses the pair
+            except RuntimeError as e:
+                transport = ipc_fallback(self.transport, mine, msg.backend, theirs) or ""
+                if not transport:
+                    reason = (f"cannot map the decode daemon's KV cache over CUDA IPC ({e}): run both "
+                              "daemons with the same CUDA_VISIBLE_DEVICES, or use --kv-transport nccl "
+                              "on two GPUs")
+                    logger.warning("producer: refused a pair: %s", reason)
+                    self._reply(identity, Error(id=msg.id, reason=reason))
+                    return
+                logger.info("producer: cannot map the consumer's cache (%s); pair uses nccl", e)
+        rendezvous = listen(transport, self._host, self.config.handshake_timeout_s)
         assert self.control is not None
         link = PairSender(msg.pair_id, identity, config=self.config, stats=self.stats, budget=self._budget,
                           control=self.control, device=self.device, on_done_sent=self._on_done_sent,
-                          on_failed=self._link_failed)
+                          on_failed=self._link_failed, on_message=self.handle)
         with self._lock:
             if self._closed:
+                if hasattr(rendezvous, "close"):
+                    rendezvous.close()
                 return
             self._links[msg.pair_id] = link
-        link.start(store, msg.backend)
-        self._reply(identity, HandshakeOk(id=msg.id, pair_id=msg.pair_id, store_host=self._host, store_port=store.port))
+        link.start(rendezvous, transport, peer_cache)
+        logger.info("producer: pair %s uses %s", msg.pair_id[:8], transport)
+        port = rendezvous.port if rendezvous is not None else 0
+        self._reply(identity, HandshakeOk(id=msg.id, pair_id=msg.pair_id, store_host=self._host,
+                                          store_port=port, backend=transport))
 
     def _on_pull(self, identity: bytes, msg: Pull) -> None:
         with self._lock:
@@ -158,32 +267,52 @@ class KVProducer:
             why = self._gone.get(msg.request_id)
             req = self._requests.get(msg.request_id)
             if why is None and (link is None or link.broken):
-                why = "unknown or broken pair; handshake again"
+                why = UNKNOWN_PAIR
             elif why is None and req is not None and req.link is not None:
                 why = "request already pulled"
+            elif why is None and not 0 <= msg.first_block < msg.num_blocks:
+                why = f"first block {msg.first_block} is outside the prompt's {msg.num_blocks} blocks"
             if why is not None:
                 self._reply(identity, Error(id=msg.id, reason=why, request_id=msg.request_id))
                 return
             if req is None:  # the consumer asked before we saw the request
-                req = ProducerRequest(msg.request_id, time.monotonic() + self.config.lease_s)
+                lease_end = time.monotonic() + self.config.lease_s
+                req = ProducerRequest(msg.request_id, lease_end, ProducerState.PULLED)
                 self._requests[msg.request_id] = req
-            req.link, req.num_blocks = link, msg.num_blocks
-            self._reply(identity, Ok(id=msg.id))
+            req.link, req.remote_block_ids, req.first_block = link, list(msg.block_ids), msg.first_block
+            req.num_blocks = msg.num_blocks - msg.first_block
+            if req.finished:
+                req.block_ids = req.block_ids[req.first_block:]
+            self._reserved.pop(msg.request_id, None)  # claimed
+            if msg.id:  # 0: came in-band on a tcp pair, where nobody waits for an answer
+                self._reply(identity, Ok(id=msg.id))
             self._queue_rest(req)
 
     def _on_ack(self, identity: bytes, msg: Ack) -> None:
         with self._lock:
-            if self._requests.pop(msg.request_id, None) is not None:
+            req = self._requests.pop(msg.request_id, None)
+            if req is not None:
                 self._freeable.add(msg.request_id)
-                self.stats.add(transfers_sent=1)
+                self.stats.transfer_sent(time.monotonic() - req.created)
 
     def _on_abort(self, identity: bytes, msg: Abort) -> None:
         with self._lock:
+            req = self._requests.get(msg.request_id)
             self._drop(msg.request_id, "aborted by the consumer")
+            if not msg.id:
+                return  # fire-and-forget (the consumer never gave us blocks to write into)
+            links = [req.link] if req is not None and req.link is not None else \
+                [link for link in self._links.values() if link.identity == identity]
+            ipc = [link for link in links if link.transport == "cuda_ipc"]
+            if ipc:  # answered by the sender once its stream drained: no copy lands after the reply
+                fence_req = req or ProducerRequest(msg.request_id, None, ProducerState.DROPPED)
+                ipc[0].jobs.put(SendJob("fence", fence_req, reply_id=msg.id))
+                return
+        self._reply(identity, Ok(id=msg.id))
 
     # ---- shared helpers (lock held) ----------------------------------------------------
     def _queue_rest(self, req: ProducerRequest) -> None:
-        if not (req.finished and req.link is not None) or req.done_queued:
+        if req.state is not ProducerState.HELD or req.link is None:
             return
         if len(req.block_ids) < req.num_blocks:
             self._fail_request(req, f"producer has {len(req.block_ids)} blocks, consumer wants {req.num_blocks}")
@@ -191,14 +320,17 @@ class KVProducer:
         rest = [layer for layer in range(self.layout.num_layers) if layer not in req.queued_layers]
         req.queued_layers.update(rest)
         ids = req.block_ids[: req.num_blocks]
-        # A contiguous run is sent in place layer by layer; anything else is gathered, and
-        # small layers are coalesced because every data-plane message has a fixed cost.
-        per_msg = 1 if block_run(ids) else max(1, self.config.coalesce_bytes // max(
+        # gloo/nccl send a contiguous run in place layer by layer and gather anything else;
+        # tcp never gathers. Small layers are coalesced: every message has a fixed cost.
+        gathers = req.link.transport in ("gloo", "nccl")
+        per_msg = 1 if gathers and block_run(ids) else max(1, self.config.coalesce_bytes // max(
             1, len(ids) * self.layout.bytes_per_block_per_layer()))
+        if req.link.transport == "tcp":  # sent in place, nothing staged: one message, no gaps between
+            per_msg = max(1, len(rest))
         for i in range(0, len(rest), per_msg):
             req.link.jobs.put(SendJob("layers", req, rest[i:i + per_msg]))
         req.link.jobs.put(SendJob("done", req))
-        req.done_queued, req.deadline = True, None
+        req.state, req.deadline = ProducerState.SENDING, None
 
     def _fail_request(self, req: ProducerRequest, reason: str) -> None:
         if req.link is not None and self.control is not None:
@@ -209,9 +341,9 @@ class KVProducer:
     def _drop(self, request_id: str, why: str) -> None:
         req = self._requests.pop(request_id, None)
         if req is not None:
-            req.dropped = True
             if req.finished:
                 self._freeable.add(request_id)
+            req.state = ProducerState.DROPPED
         self._gone[request_id] = why
         while len(self._gone) > 10_000:
             self._gone.popitem(last=False)
@@ -222,13 +354,18 @@ class KVProducer:
             for req in [r for r in self._requests.values() if r.deadline is not None and r.deadline <= now]:
                 self.stats.add(leases_expired=1)
                 reason = "producer lease expired"
+                # not a normal release: a decode node asked for nothing, or never acknowledged
+                logger.warning("request %s: KV lease (%g s) expired %s; its blocks are freed", req.request_id,
+                               self.config.lease_s, "before any decode node asked" if req.link is None
+                               else "before the decode node acknowledged")
                 if req.link is not None and self.control is not None:
                     self.control.reply(req.link.identity, Error(reason=reason, request_id=req.request_id))
                 self._drop(req.request_id, reason)
 
     def _on_done_sent(self, req: ProducerRequest) -> None:
         with self._lock:
-            req.deadline = time.monotonic() + self.config.lease_s  # now waiting for the ACK
+            if req.state is ProducerState.SENDING:  # not dropped meanwhile
+                req.state, req.deadline = ProducerState.AWAITING_ACK, time.monotonic() + self.config.lease_s
 
     def _link_failed(self, link: PairSender, reason: str) -> None:
         with self._lock:
@@ -236,6 +373,10 @@ class KVProducer:
             for req in [r for r in self._requests.values() if r.link is link]:
                 self._fail_request(req, f"transfer failed: {reason}")
             link.drain()  # under the lock: nothing can be queued to this pair any more
+
+    def pair_transports(self) -> list[str]:
+        with self._lock:
+            return [link.transport for link in self._links.values() if not link.broken]
 
     def close(self) -> None:
         with self._lock:

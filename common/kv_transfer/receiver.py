@@ -2,14 +2,17 @@
 one thread.
 
 Events arrive in order on a queue: a new transfer (handshake and pair build if needed,
-then PULL), layer notices (receive, two staging buffers deep, then scatter into the
-blocks), DONE (ACK, report), errors and aborts. A failed receive or an unanswered ping
+then PULL), layer notices (gloo/nccl: receive, two staging buffers deep, then scatter
+into the blocks), DONE (report, ACK), errors and aborts. On a ``tcp`` pair the thread
+also wakes when the socket is readable: each message's header is in-band, so the bytes
+go straight into the blocks the moment they arrive. A failed receive or an unanswered ping
 fails every transfer on the link and drops the pair; the next transfer builds a new one.
 """
 
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import queue
 import threading
@@ -21,10 +24,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.kv_transfer.config import TransferError
-from common.kv_transfer.messages import Abort, Ack, Done, Error, Handshake, HandshakeOk, LayerNotice, Message, Ping, Pull
-from common.kv_transfer.p2p_group import DTYPE_NAMES, PairGroup, backend_for, dtype_name
+from common.kv_transfer.config import PairBrokenError, TransferError
+from common.kv_transfer.cuda_ipc import export_cache
+from common.kv_transfer.messages import (UNKNOWN_PAIR, Abort, Ack, Done, Error, Handshake, HandshakeOk,
+                                         LayerNotice, Message, MessageError, Ping, Pull, decode, encode)
+from common.kv_transfer.p2p_group import DTYPE_NAMES, dtype_name
 from common.kv_transfer.paged import StagingBuffer, block_run, scatter_blocks
+from common.kv_transfer.tcp_pair import KV, Frame, Inbox, block_buffers
+from common.kv_transfer.transport import Endpoint, open_pair
 
 if TYPE_CHECKING:
     from common.kv_transfer.consumer import KVConsumer
@@ -32,15 +39,26 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class TransferState(enum.Enum):
+    """Where a live transfer is on the consumer (gone from the table once done or failed)."""
+
+    QUEUED = "queued"  # handed to the link thread; handshake (if no pair yet) and PULL next
+    PULLED = "pulled"  # PULL sent: waiting for the producer's first layer
+    RECEIVING = "receiving"  # layers landing in the blocks; DONE finishes it
+
+
 @dataclass
 class Transfer:
     request_id: str
-    block_ids: list[int]
+    block_ids: list[int]  # where blocks first_block.. of the prompt land
     num_tokens: int
     kv_caches: list[torch.Tensor]
+    first_block: int = 0
     started: float = field(default_factory=time.monotonic)
     layers: set[int] = field(default_factory=set)
     nbytes: int = 0
+    retried: bool = False  # asked again on a new pair after the producer forgot the old one
+    state: TransferState = TransferState.QUEUED
 
 
 class PairReceiver:
@@ -48,14 +66,17 @@ class PairReceiver:
 
     def __init__(self, owner: KVConsumer, address: str) -> None:
         self.owner, self.address = owner, address
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.events = Inbox()
         self.transfers: dict[str, Transfer] = {}
-        self.pair: PairGroup | None = None
+        self.pair = None  # PairGroup | TcpPair | IpcPair
         self.pair_id = ""
+        self.transport = ""
+        self._exported: list[int] = []  # data pointers of the KV cache a cuda_ipc handshake exported
         self.staging: list[StagingBuffer] = []
         self._pushback: collections.deque = collections.deque()  # events read ahead, not yet handled
         self._ping: Future | None = None
         self._last_ping = 0.0
+        self._last_active = time.monotonic()
         self.thread = threading.Thread(target=self._run, name=f"kv-recv-{address}", daemon=True)
         self.thread.start()
 
@@ -63,56 +84,167 @@ class PairReceiver:
         cfg = self.owner.config
         while True:
             try:
-                event = self._pushback.popleft() if self._pushback else self.events.get(timeout=cfg.heartbeat_s / 4)
+                if self._pushback:
+                    event = self._pushback.popleft()
+                else:
+                    tcp = self.pair is not None and self.transport == "tcp"
+                    event = self.events.get(cfg.heartbeat_s / 4, self.pair.fileno() if tcp else None)
             except queue.Empty:
                 event = ("tick",)
+                if self._idle_for() > cfg.peer_idle_s and self.owner._retire(self):
+                    break  # nothing to do with this producer for a while: the thread goes
             if event is None:
                 break
+            if event[0] != "tick":
+                self._last_active = time.monotonic()
             try:
                 getattr(self, "_on_" + event[0])(*event[1:])
                 self._heartbeat()
             except Exception as e:  # TransferError, or a bad notice: fail what waits, rebuild later
                 logger.warning("consumer: link to %s failed: %s", self.address, e,
                                exc_info=not isinstance(e, TransferError))
-                self._fail_all(str(e))
+                reason = f"data plane to producer {self.address} failed: {e}" \
+                    if isinstance(e, PairBrokenError) else str(e)
+                self._fail_all(reason)
         self._close_pair()
+        self.events.close()
+
+    def _idle_for(self) -> float:
+        """Seconds with no transfer and no pair (an idle but built pair is kept: it is costly)."""
+        return 0.0 if self.transfers or self.pair is not None else time.monotonic() - self._last_active
 
     # ---- events --------------------------------------------------------------------
     def _on_tick(self) -> None:
         pass
 
+    def _on_data(self) -> None:
+        """tcp: the next in-band message (or the producer's close) is readable."""
+        assert self.pair is not None
+        try:
+            frame = self.pair.recv_frame(self.owner.config.timeout_s)
+        except TransferError:
+            if self.transfers:
+                raise
+            logger.info("consumer: idle pair to %s closed; the next request builds a new one", self.address)
+            self._close_pair()
+            return
+        if frame.kind == KV:
+            self._land_frame(frame)
+            return
+        try:
+            msg = decode(self.pair.recv_payload(frame, self.owner.config.timeout_s))
+        except MessageError as e:
+            raise TransferError(f"bad in-band message from {self.address}: {e}") from e
+        if isinstance(msg, Done) and msg.pair_id == self.pair_id:
+            self._finish(msg)
+
+    def _land_frame(self, frame: Frame) -> None:
+        """Receive a tcp message straight into its request's blocks, or drop its bytes when
+        nobody waits for them (aborted) or they do not fit (the request fails)."""
+        t = self.transfers.get(frame.request_id)
+        bufs, reason = None, ""
+        if t is not None:
+            bad_layer = not all(0 <= x < len(t.kv_caches) for x in frame.layers)
+            if frame.num_blocks > len(t.block_ids) or bad_layer:
+                reason = f"layers {list(frame.layers)}: {frame.num_blocks} blocks do not fit the request"
+            else:
+                bufs = block_buffers(t.kv_caches, list(frame.layers), t.block_ids[: frame.num_blocks])
+                if sum(len(b) for b in bufs) != frame.nbytes:
+                    bufs, reason = None, f"layers {list(frame.layers)}: {frame.nbytes} bytes do not fit"
+        timeout = self.owner.config.timeout_s
+        if bufs is None:
+            self.pair.discard(frame.nbytes, timeout)
+        else:
+            self.pair.recv_into(bufs, timeout)
+        self.owner.stats.add(bytes_received=frame.nbytes)
+        if t is None:
+            return
+        if reason:
+            self.owner._fail(self.transfers.pop(t.request_id), reason)
+            return
+        t.layers.update(frame.layers)
+        t.nbytes += frame.nbytes
+        t.state = TransferState.RECEIVING
+
     def _on_new(self, t: Transfer) -> None:
+        if self.pair is not None and not getattr(self.pair, "alive", lambda: True)():
+            logger.info("consumer: pair to %s closed while idle; building a new one", self.address)
+            self._close_pair()
         if self.pair is None:
             try:
-                self._open_pair(t.kv_caches[0].device)
+                self._open_pair(t.kv_caches)
             except TransferError as e:
                 self.owner._fail(t, str(e))
                 return
+        if self.transport == "cuda_ipc" and [x.data_ptr() for x in t.kv_caches] != self._exported:
+            self.owner._fail(t, "a cuda_ipc pair writes into the KV cache exported at its handshake; "
+                                "this request names another")
+            return
         self.transfers[t.request_id] = t
-        fut = self.owner.control.request(self.address, Pull(request_id=t.request_id, pair_id=self.pair_id,
-                                                            num_blocks=self.owner._num_blocks(t.num_tokens),
-                                                            num_tokens=t.num_tokens), self.owner.config.timeout_s)
-        fut.add_done_callback(lambda f: self.events.put(("pull_result", t.request_id, f)))
+        t.state = TransferState.PULLED
+        pull = Pull(request_id=t.request_id, pair_id=self.pair_id, num_tokens=t.num_tokens,
+                    num_blocks=self.owner._num_blocks(t.num_tokens), block_ids=t.block_ids,
+                    first_block=t.first_block)
+        if self.transport == "tcp":
+            # straight to the producer's sender thread, which reads the socket between sends: no
+            # control-plane hops. No answer: a refusal comes back as an Error notice, as a late one would.
+            self.pair.send_message(encode(pull))
+            return
+        fut = self.owner.control.request(self.address, pull, self.owner.config.timeout_s)
+        pair_id = self.pair_id
+        fut.add_done_callback(lambda f: self.events.put(("pull_result", t.request_id, pair_id, f)))
 
-    def _on_pull_result(self, request_id: str, fut: Future) -> None:
+    def _on_pull_result(self, request_id: str, pair_id: str, fut: Future) -> None:
         try:
             reply = fut.result()
         except TransferError as e:
             raise TransferError(f"producer {self.address} did not answer PULL: {e}") from e
-        if isinstance(reply, Error) and request_id in self.transfers:
-            self.owner._fail(self.transfers.pop(request_id), f"producer refused: {reply.reason}")
+        if not isinstance(reply, Error) or request_id not in self.transfers:
+            return
+        t = self.transfers.pop(request_id)
+        if reply.reason == UNKNOWN_PAIR and not t.retried:  # the producer restarted while the pair idled
+            if pair_id == self.pair_id:
+                self._close_pair()
+            t.retried = True
+            self._on_new(t)
+            return
+        self.owner._fail(t, f"producer refused: {reply.reason}")
 
     def _on_abort(self, request_id: str) -> None:
         # on this thread, between events: no receive into the request's blocks is posted now
-        if self.transfers.pop(request_id, None) is not None:
+        if self.transfers.pop(request_id, None) is None:
+            self.owner._abort_stopped(request_id)
+        elif self.transport == "cuda_ipc":  # the producer writes into our blocks: wait for its word
+            fut = self.owner.control.request(self.address, Abort(request_id=request_id),
+                                             self.owner.config.timeout_s)
+            fut.add_done_callback(lambda f: self.events.put(("abort_fenced", request_id, f)))
+        else:
             self.owner.control.send(self.address, Abort(request_id=request_id))
+            self.owner._abort_stopped(request_id)
+
+    def _fail_fenced(self, t: Transfer, reason: str) -> None:
+        """Fail ``t``; on a cuda_ipc pair only once the producer confirmed it writes no more
+        into its blocks (a copy may be on its stream), or its answer's deadline passed."""
+        if self.transport != "cuda_ipc":
+            self.owner._fail(t, reason)
+            return
+        fut = self.owner.control.request(self.address, Abort(request_id=t.request_id),
+                                         self.owner.config.timeout_s)
+        fut.add_done_callback(lambda f: self.events.put(("fenced_fail", t, reason)))
+
+    def _on_fenced_fail(self, t: Transfer, reason: str) -> None:
+        self.owner._fail(t, reason)
+
+    def _on_abort_fenced(self, request_id: str, fut: Future) -> None:
         self.owner._abort_stopped(request_id)
+        if fut.exception() is not None:  # no answer: treat the producer as gone, drop the pair
+            raise TransferError(f"producer {self.address} did not confirm the abort: {fut.exception()}")
 
     def _on_notice(self, msg: Message) -> None:
         if isinstance(msg, Error):
             t = self.transfers.pop(msg.request_id, None)
             if t is not None:
-                self.owner._fail(t, f"producer: {msg.reason}")
+                self._fail_fenced(t, f"producer: {msg.reason}")
         elif getattr(msg, "pair_id", None) != self.pair_id or self.pair is None:
             return  # a notice from a pair already torn down
         elif isinstance(msg, LayerNotice):
@@ -150,21 +282,25 @@ class PairReceiver:
             self._pushback.append(nxt)
 
     def _post_recv(self, msg: LayerNotice) -> tuple[LayerNotice, torch.Tensor | None, list]:
-        """Post the receive(s) for one layer: straight into the blocks when they are a run and
-        the producer sends keys and values apart, else into a staging buffer. The sizes
-        always come from the notice: gloo aborts the process on a size mismatch."""
+        """Post the receive(s) for one message: straight into the blocks when the sizes match
+        (tcp: any blocks; gloo/nccl: a run sent as keys then values), else into a staging
+        buffer. The sizes always come from the notice: gloo aborts the process on a size
+        mismatch, and a socket would fall out of step."""
         assert self.pair is not None
         t = self.transfers.get(msg.request_id)
-        ids = t.block_ids[: msg.shape[1]] if t is not None else []
-        run = block_run(ids) if len(ids) == msg.shape[1] else None
-        kv = t.kv_caches[msg.layers[0]] if t is not None else None
-        if msg.parts == 2 and run is not None and kv is not None and list(kv[:, run].shape) == msg.shape \
-                and dtype_name(kv.dtype) == msg.dtype:
-            return msg, None, [self.pair.recv_async(kv[0, run]), self.pair.recv_async(kv[1, run])]
+        fits = t is not None and len(t.block_ids) >= msg.shape[1] \
+            and list(msg.shape[2:]) == list(t.kv_caches[0].shape[2:]) and msg.shape[0] == 2 \
+            and dtype_name(t.kv_caches[0].dtype) == msg.dtype
+        if self.transport == "cuda_ipc":  # the producer already wrote into the blocks
+            return msg, None, []
+        run = block_run(t.block_ids[: msg.shape[1]]) if fits else None
+        if msg.parts == 2 and run is not None:
+            kv = t.kv_caches[msg.layers[0]]
+            return msg, None, [self.pair.recv_async([kv[0, run], kv[1, run]])]
         self.staging.reverse()  # two buffers: one being received, one being scattered
         buf = self.staging[0].view(DTYPE_NAMES[msg.dtype], (len(msg.layers), *msg.shape))
         parts = [buf[0, 0], buf[0, 1]] if msg.parts == 2 else [buf]
-        return msg, buf, [self.pair.recv_async(part) for part in parts]
+        return msg, buf, [self.pair.recv_async(parts)]
 
     def _land(self, msg: LayerNotice, buf: torch.Tensor | None) -> None:
         nbytes = len(msg.layers) * torch.empty((), dtype=DTYPE_NAMES[msg.dtype]).element_size()
@@ -177,31 +313,40 @@ class PairReceiver:
         if buf is not None:
             ids = t.block_ids[: msg.shape[1]]
             if tuple(msg.shape[2:]) != tuple(t.kv_caches[0].shape[2:]) or len(ids) != msg.shape[1]:
-                self.owner._fail(self.transfers.pop(t.request_id), f"layers {msg.layers}: unexpected shape {msg.shape}")
+                reason = f"layers {msg.layers}: unexpected shape {msg.shape}"
+                self.owner._fail(self.transfers.pop(t.request_id), reason)
                 return
             for j, layer in enumerate(msg.layers):
                 scatter_blocks(t.kv_caches[layer], ids, buf[j])
         t.layers.update(msg.layers)
         t.nbytes += nbytes
+        t.state = TransferState.RECEIVING
 
     def _finish(self, msg: Done) -> None:
         t = self.transfers.pop(msg.request_id, None)
         if t is None:
             return
-        self.owner.control.send(self.address, Ack(request_id=msg.request_id))
         missing = self.owner.layout.num_layers - len(t.layers)
         if missing:
             self.owner._fail(t, f"DONE with {missing} layers missing")
         else:
-            self.owner._done(t, msg.first_token)
+            self.owner._done(t, msg.first_token, msg.first_logprobs)
+        ack = Ack(request_id=msg.request_id)  # after _done: the engine sees the request first
+        if self.transport == "tcp":
+            self.pair.send_message(encode(ack))
+        else:
+            self.owner.control.send(self.address, ack)
 
     # ---- pair and liveness --------------------------------------------------------------
-    def _open_pair(self, device: torch.device) -> None:
+    def _open_pair(self, kv_caches: list[torch.Tensor]) -> None:
         cfg, owner = self.owner.config, self.owner
-        pair_id = uuid.uuid4().hex
-        backend = backend_for(device)
-        fut = owner.control.request(self.address, Handshake(pair_id=pair_id, layout=owner.layout.to_dict(),
-                                                            backend=backend), cfg.handshake_timeout_s)
+        pair_id, device = uuid.uuid4().hex, kv_caches[0].device
+        could_ipc = device.type == "cuda" and owner.transport in ("auto", "cuda_ipc")
+        ipc = export_cache(kv_caches) if could_ipc else []
+        self._exported = [x.data_ptr() for x in kv_caches]
+        hello = Handshake(pair_id=pair_id, layout=owner.layout.to_dict(), backend=owner.transport,
+                          endpoint=Endpoint.local(device).to_dict(), ipc=ipc)
+        fut = owner.control.request(self.address, hello, cfg.handshake_timeout_s)
         try:
             reply = fut.result(timeout=cfg.handshake_timeout_s + 1)
         except Exception as e:
@@ -210,9 +355,14 @@ class PairReceiver:
             raise TransferError(reply.reason)
         if not isinstance(reply, HandshakeOk):
             raise TransferError(f"unexpected handshake reply {reply.CMD}")
-        self.pair = PairGroup(backend, 1, reply.store_host, reply.store_port, cfg.handshake_timeout_s,
-                              device=str(device))
-        self.pair_id, self.staging = pair_id, [StagingBuffer(device), StagingBuffer(device)]
+        try:
+            self.pair = open_pair(reply.backend, 1, cfg.handshake_timeout_s, pair_id, host=reply.store_host,
+                                  port=reply.store_port, device=str(device))
+        except TransferError as e:  # the client's error must say which peer went away
+            raise TransferError(f"data plane to producer {self.address} failed: {e}") from e
+        self.pair_id, self.transport = pair_id, reply.backend
+        self.staging = [StagingBuffer(device), StagingBuffer(device)]
+        logger.info("consumer: pair %s to %s uses %s", pair_id[:8], self.address, reply.backend)
 
     def _heartbeat(self) -> None:
         cfg = self.owner.config
@@ -222,8 +372,11 @@ class PairReceiver:
                 raise TransferError(f"producer {self.address} stopped answering: {fut.exception()}")
         now = time.monotonic()
         for t in [t for t in self.transfers.values() if now - t.started > cfg.lease_s + cfg.timeout_s]:
-            self.owner._fail(self.transfers.pop(t.request_id), "timed out waiting for the producer")
-        if self.transfers and self._ping is None and now - self._last_ping >= cfg.heartbeat_s:
+            self._fail_fenced(self.transfers.pop(t.request_id), "timed out waiting for the producer")
+        # a built pair is pinged even when idle: its control connection stays in use (the control
+        # plane closes idle ones) and a producer that died meanwhile is noticed before the next request
+        due = self._ping is None and now - self._last_ping >= cfg.heartbeat_s
+        if due and (self.transfers or self.pair is not None):
             self._last_ping = now
             self._ping = self.owner.control.request(self.address, Ping(), cfg.timeout_s)
 
@@ -237,4 +390,4 @@ class PairReceiver:
     def _close_pair(self) -> None:
         if self.pair is not None:
             self.pair.close()
-        self.pair, self.pair_id = None, ""
+        self.pair, self.pair_id, self.transport = None, "", ""

@@ -2,8 +2,11 @@
 
 Two sends are kept in flight, so layer i+1 is gathered while layer i is on the wire, and
 the next job's notice goes out before this job's bytes so the consumer can post its
-receive early. Contiguous block runs are sent in place; anything else is gathered into
-one of two reusable staging buffers.
+receive early. ``tcp`` sends straight from the blocks (the kernel gathers them) behind
+an in-band header instead of a notice;
+gloo/nccl send contiguous block runs in place and gather anything else into one of two
+reusable staging buffers; ``cuda_ipc`` copies into the consumer's blocks on a transfer
+stream and sends DONE once that stream has finished.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import collections
 import logging
 import queue
+import select
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,9 +23,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.kv_transfer.config import PairBrokenError, TransferConfig, TransferStats
-from common.kv_transfer.messages import Done, LayerNotice
-from common.kv_transfer.p2p_group import PairGroup, dtype_name
+from common.kv_transfer.messages import (Ack, Done, LayerNotice, Message, MessageError, Ok, Pull, decode,
+                                         encode)
+from common.kv_transfer.p2p_group import dtype_name
 from common.kv_transfer.paged import ByteBudget, StagingBuffer, block_run, gather_blocks
+from common.kv_transfer.tcp_pair import MESSAGE, READABLE, Frame, Inbox, block_buffers
+from common.kv_transfer.transport import open_pair
 
 if TYPE_CHECKING:
     from common.kv_transfer.control import ControlPlane
@@ -34,10 +41,13 @@ logger = logging.getLogger(__name__)
 class SendJob:
     """Send ``layers`` of ``req`` (gathered later unless ``staged``), or its DONE."""
 
-    kind: str  # "layers" | "done"
+    kind: str  # "layers" | "done" | "fence" (cuda_ipc abort: answer once the stream drained)
     req: ProducerRequest
     layers: list[int] = field(default_factory=list)
     staged: torch.Tensor | None = None  # [len(layers), 2, blocks, ...] gathered by save_layer
+    source: tuple[torch.Tensor, list[int]] | None = None  # (kv layer, block ids) from save_layer, not staged
+    ready: object | None = None  # CUDA event after this layer's KV write (cuda_ipc waits on it)
+    reply_id: int = 0  # fence: the ABORT request to answer
     announced: bool = False  # its notice is out: the bytes must follow, dropped or not
 
     @property
@@ -46,14 +56,13 @@ class SendJob:
 
 
 class _Sends:
-    """A layer's send handles plus the tensors they read from (must outlive the sends)."""
+    """A layer's send handle plus the tensors it reads from (must outlive the send)."""
 
-    def __init__(self, works: list, tensors: list[torch.Tensor]) -> None:
-        self.works, self.tensors = works, tensors
+    def __init__(self, work, tensors: list[torch.Tensor]) -> None:
+        self.work, self.tensors = work, tensors
 
     def wait(self, timeout) -> None:
-        for work in self.works:
-            work.wait(timeout)
+        self.work.wait(timeout)
 
 
 class PairSender:
@@ -61,18 +70,24 @@ class PairSender:
 
     def __init__(self, pair_id: str, identity: bytes, *, config: TransferConfig, stats: TransferStats,
                  budget: ByteBudget, control: ControlPlane, device: str,
-                 on_done_sent: Callable[[ProducerRequest], None], on_failed: Callable[[PairSender, str], None]) -> None:
+                 on_done_sent: Callable[[ProducerRequest], None],
+                 on_failed: Callable[[PairSender, str], None],
+                 on_message: Callable[[bytes, Message], None] | None = None) -> None:
         self.pair_id, self.identity = pair_id, identity
-        self.config, self.stats, self._budget, self._control, self.device = config, stats, budget, control, device
+        self.config, self.stats, self._budget, self._control = config, stats, budget, control
+        self.device = device
         self._on_done_sent, self._on_failed = on_done_sent, on_failed
-        self.jobs: queue.SimpleQueue[SendJob | None] = queue.SimpleQueue()
-        self.pair: PairGroup | None = None
+        self._on_message = on_message  # the producer's handler, for what a tcp consumer sends in-band
+        self.jobs = Inbox()  # of SendJob, or None to stop
+        self.pair = None  # PairGroup | TcpPair | IpcPair, built on the thread
+        self.transport = ""
         self.broken = False
         self.thread: threading.Thread | None = None
 
-    def start(self, store, backend: str) -> None:
+    def start(self, rendezvous, transport: str, peer_cache: list | None = None) -> None:
         """Build the pair (rank 0, blocks until the consumer joins) and serve jobs, off-thread."""
-        self.thread = threading.Thread(target=self._run, args=(store, backend),
+        self.transport = transport
+        self.thread = threading.Thread(target=self._run, args=(rendezvous, peer_cache),
                                        name=f"kv-send-{self.pair_id[:8]}", daemon=True)
         self.thread.start()
 
@@ -91,7 +106,7 @@ class PairSender:
             if job is not None:
                 self._budget.release(job.budget)
 
-    def _run(self, store, backend: str) -> None:
+    def _run(self, rendezvous, peer_cache: list | None) -> None:
         # Two sends in flight: layer i+1 is gathered and announced while layer i is on the
         # wire. The next job's notice goes out before this job's bytes, so the consumer can
         # post its receive early. Gathered layers alternate between two staging buffers.
@@ -99,14 +114,14 @@ class PairSender:
         inflight: collections.deque[tuple[_Sends, int]] = collections.deque()
         ahead: SendJob | None = None
         try:
-            self.pair = PairGroup(backend, 0, store.host, store.port, self.config.handshake_timeout_s, store=store,
-                                  device=self.device)
+            self.pair = open_pair(self.transport, 0, self.config.handshake_timeout_s, self.pair_id,
+                                  rendezvous=rendezvous, device=self.device, peer_cache=peer_cache)
             while True:
                 if ahead is not None:
                     job, ahead = ahead, None
                 else:
                     try:
-                        job = self.jobs.get(block=not inflight)
+                        job = self._next_job(block=not inflight)
                     except queue.Empty:
                         self._retire(inflight)  # nothing new: let the oldest send finish
                         continue
@@ -125,7 +140,8 @@ class PairSender:
                     inflight.append(sent)
                     staging.reverse()
         except Exception as e:  # PairBrokenError, or a bug: either way this pair is done
-            logger.warning("producer: pair %s failed: %s", self.pair_id, e, exc_info=not isinstance(e, PairBrokenError))
+            logger.warning("producer: pair %s failed: %s", self.pair_id, e,
+                           exc_info=not isinstance(e, PairBrokenError))
             for _, nbytes in inflight:
                 self._budget.release(nbytes)
             if ahead is not None:
@@ -135,6 +151,36 @@ class PairSender:
         finally:
             if self.pair is not None:
                 self.pair.close()
+            self.jobs.close()  # its wake-up sockets; later puts only queue (drained on failure)
+
+    def _next_job(self, block: bool) -> SendJob | None:
+        """The next job; while waiting for one, a tcp pair's socket is read too (PULLs come that way)."""
+        fd = self.pair.fileno() if self.transport == "tcp" else None
+        while fd is not None and select.select([fd], [], [], 0)[0]:  # between jobs too: a busy queue
+            self._read_message()  # must not starve the consumer's PULLs and ACKs
+        if not block:
+            return self.jobs.get_nowait()
+        while True:
+            try:
+                item = self.jobs.get(1.0, fd)
+            except queue.Empty:
+                continue
+            if item is not READABLE:
+                return item
+            self._read_message()
+
+    def _read_message(self) -> None:
+        """tcp: a consumer's in-band message (PULL, ACK), or its close (the pair fails)."""
+        frame = self.pair.recv_frame(self.config.timeout_s)
+        if frame.kind != MESSAGE:
+            raise PairBrokenError("the consumer sent KV bytes on its pair")
+        try:
+            msg = decode(self.pair.recv_payload(frame, self.config.timeout_s))
+        except MessageError as e:
+            raise PairBrokenError(f"bad in-band message from the consumer: {e}") from e
+        if not isinstance(msg, Pull | Ack) or (isinstance(msg, Pull) and msg.pair_id != self.pair_id):
+            raise PairBrokenError(f"unexpected in-band {msg.CMD} from the consumer")
+        self._on_message(self.identity, msg)
 
     def _retire(self, inflight: collections.deque) -> None:
         work, nbytes = inflight[0]
@@ -145,54 +191,91 @@ class PairSender:
     def _run_job(self, job: SendJob, staging: StagingBuffer, ahead: SendJob | None) -> tuple | None:
         """Announce (unless done already) and post one job; returns (sends, budget bytes)."""
         req = job.req
-        if req.dropped and not job.announced:
+        if job.kind == "fence":
+            self.pair.synchronize(self.config.timeout_s)
+            self._control.reply(self.identity, Ok(id=job.reply_id))
+            return None
+        if req.dropped and (not job.announced or self.transport == "cuda_ipc"):
             self._budget.release(job.budget)
             return None
         assert self.pair is not None
         if job.kind == "done":
-            self._control.reply(self.identity, Done(request_id=req.request_id, pair_id=self.pair_id,
-                                                    first_token=req.first_token))
-            self._on_done_sent(req)
+            if not job.announced:
+                self._send_done(job)
             return None
-        if not job.announced:
+        inband = self.transport == "tcp"  # the header travels with the bytes: nothing to announce
+        if not job.announced and not inband:
             self._announce(job)
-        if ahead is not None and ahead.kind == "layers" and not ahead.req.dropped and not ahead.announced:
-            self._announce(ahead)  # before gathering: the consumer posts both receives now
+        if ahead is not None and not ahead.req.dropped and not ahead.announced:
+            if ahead.kind == "layers" and not inband:
+                self._announce(ahead)  # before gathering: the consumer posts both receives now
+            elif ahead.kind == "done" and ahead.req is req and self.transport in ("gloo", "nccl"):
+                # The consumer handles messages in order, so DONE may travel while the last
+                # bytes do: it is read only after them (a failed send fails the pair anyway).
+                self._send_done(ahead)
+        if self.transport == "cuda_ipc":
+            self.stats.add(bytes_sent=self.pair.write(job, self._source(job)))
+            return None
         parts = self._parts(job, staging)
         try:
-            works = [self.pair.send_async(part) for part in parts]
+            work = self.pair.send_async(parts)
         except PairBrokenError:
             self._budget.release(job.budget)
             raise
-        self.stats.add(bytes_sent=sum(p.numel() * p.element_size() for p in parts))
-        return (_Sends(works, parts), job.budget)
+        self.stats.add(bytes_sent=sum(len(p) if isinstance(p, memoryview) else p.numel() * p.element_size()
+                                      for p in parts[1 if self.transport == "tcp" else 0:]))
+        return (_Sends(work, parts), job.budget)
+
+    def _send_done(self, job: SendJob) -> None:
+        if self.transport == "cuda_ipc":
+            self.pair.synchronize(self.config.timeout_s)  # every copy landed before DONE says so
+        req = job.req
+        done = Done(request_id=req.request_id, pair_id=self.pair_id, first_token=req.first_token,
+                    first_logprobs=req.first_logprobs)
+        if self.transport == "tcp":  # behind the request's last bytes, on the same stream
+            self.pair.send_message(encode(done))
+        else:
+            self._control.reply(self.identity, done)
+        job.announced = True
+        self._on_done_sent(req)
 
     def _announce(self, job: SendJob) -> None:
         req = job.req
         if job.staged is not None:  # staged during prefill: block_ids are not known yet
             kv, shape, parts = job.staged, list(job.staged.shape[1:]), 1
         else:
-            ids = req.block_ids[: req.num_blocks]
-            kv = req.kv_caches[job.layers[0]]
+            kv_caches, ids = self._source(job)
+            kv = kv_caches[job.layers[0]]
             shape = [2, len(ids), *kv.shape[2:]]
-            parts = 2 if len(job.layers) == 1 and block_run(ids) else 1
+            gloo_run = self.transport in ("gloo", "nccl") and len(job.layers) == 1 and block_run(ids)
+            parts = 2 if gloo_run else 1
         self._control.reply(self.identity, LayerNotice(request_id=req.request_id, pair_id=self.pair_id,
                                                       layers=job.layers, dtype=dtype_name(kv.dtype),
                                                       shape=shape, parts=parts))
         job.announced = True
 
-    def _parts(self, job: SendJob, staging: StagingBuffer) -> list[torch.Tensor]:
+    @staticmethod
+    def _source(job: SendJob) -> tuple[dict[int, torch.Tensor] | list[torch.Tensor], list[int]]:
+        """(layer -> KV tensor, block ids) the job reads from."""
+        if job.source is not None:
+            return {job.layers[0]: job.source[0]}, job.source[1]
+        return job.req.kv_caches, job.req.block_ids[: job.req.num_blocks]
+
+    def _parts(self, job: SendJob, staging: StagingBuffer) -> list[torch.Tensor | memoryview]:
         """The tensor(s) to put on the wire, matching what :meth:`_announce` said."""
         if job.staged is not None:
             return [job.staged]
-        req = job.req
-        ids = req.block_ids[: req.num_blocks]
+        kv_caches, ids = self._source(job)
+        if self.transport == "tcp":  # the kernel gathers the blocks behind their header: no copy
+            bufs = block_buffers(kv_caches, job.layers, ids)
+            frame = Frame(job.req.request_id, tuple(job.layers), len(ids), sum(len(b) for b in bufs))
+            return [memoryview(frame.encode()), *bufs]
         run = block_run(ids)
         if run is not None and len(job.layers) == 1:  # keys and values of a run are contiguous: no gather
-            kv = req.kv_caches[job.layers[0]]
+            kv = kv_caches[job.layers[0]]
             return [kv[0, run], kv[1, run]]
-        kv0 = req.kv_caches[job.layers[0]]
+        kv0 = kv_caches[job.layers[0]]
         out = staging.view(kv0.dtype, (len(job.layers), 2, len(ids), *kv0.shape[2:]))
         for j, layer in enumerate(job.layers):
-            gather_blocks(req.kv_caches[layer], ids, out[j])
+            gather_blocks(kv_caches[layer], ids, out[j])
         return [out]

@@ -34,19 +34,23 @@ def make_kv(layout: KVLayout, num_blocks: int, seed: int) -> list[torch.Tensor]:
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                              b.contiguous().view(torch.uint8))
 
 
-def serve_engine(conn, layout: dict, config: dict, address: str = "127.0.0.1:0", device: str = "cpu") -> None:
+def serve_engine(conn, layout: dict, config: dict, address: str = "127.0.0.1:0", device: str = "cpu",
+                 transport: str = "auto") -> None:
     kvl = KVLayout.from_dict(layout)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    engine = KVTransferEngine(address, kvl, TransferConfig(**config), device=device)
+    engine = KVTransferEngine(address, kvl, TransferConfig(**config), device=device, transport=transport)
     conn.send(engine.address)
     freeable: set[str] = set()
     caches: dict[str, list[torch.Tensor]] = {}
     done: dict[str, int] = {}
     failed: dict[str, str] = {}
+    shared: list[torch.Tensor] | None = None
+    eager: dict[str, int] = {}
     while True:
         cmd, *args = conn.recv()
         if cmd == "prefill":
@@ -56,8 +60,11 @@ def serve_engine(conn, layout: dict, config: dict, address: str = "127.0.0.1:0",
                 time.sleep(delay)
                 if save:
                     engine.producer.save_layer(rid, layer, kv[layer], block_ids)
+            eager[rid] = engine.producer.queued_layers(rid)  # pushed while "prefill" ran
             engine.producer.finish(rid, first_token, kv, block_ids, num_tokens)
             conn.send("ok")
+        elif cmd == "eager":
+            conn.send(eager.get(args[0], 0))
         elif cmd == "freeable":
             deadline = time.monotonic() + args[0]
             while True:  # polling is what enforces leases, so poll at least once
@@ -66,10 +73,15 @@ def serve_engine(conn, layout: dict, config: dict, address: str = "127.0.0.1:0",
                     break
                 time.sleep(0.02)
             conn.send(sorted(freeable))
+        elif cmd == "request_shared":  # later requests land in one cache, as in a daemon
+            shared = [torch.zeros(kvl.layer_shape(args[0]), dtype=kvl.torch_dtype, device=device)
+                      for _ in range(kvl.num_layers)]
+            conn.send("ok")
         elif cmd == "request":
             rid, addr, block_ids, num_tokens, num_blocks = args
-            caches[rid] = [torch.zeros(kvl.layer_shape(num_blocks), dtype=kvl.torch_dtype, device=device)
-                           for _ in range(kvl.num_layers)]
+            caches[rid] = shared if shared is not None else \
+                [torch.zeros(kvl.layer_shape(num_blocks), dtype=kvl.torch_dtype, device=device)
+                 for _ in range(kvl.num_layers)]
             engine.consumer.request(rid, addr, block_ids, num_tokens, caches[rid])
             conn.send("ok")
         elif cmd == "poll":
@@ -84,6 +96,14 @@ def serve_engine(conn, layout: dict, config: dict, address: str = "127.0.0.1:0",
             conn.send([t.cpu() for t in caches[args[0]]])
         elif cmd == "stats":
             conn.send(engine.stats.snapshot())
+        elif cmd == "wait_state":  # until the producer's view of a request is ``state``
+            rid, state, timeout = args
+            deadline = time.monotonic() + timeout
+            while engine.producer.request_state(rid) != state and time.monotonic() < deadline:
+                time.sleep(0.01)
+            conn.send(engine.producer.request_state(rid))
+        elif cmd == "pairs":
+            conn.send(engine.pair_counts())
         elif cmd == "stop":
             engine.close()
             conn.send("bye")
@@ -93,10 +113,12 @@ def serve_engine(conn, layout: dict, config: dict, address: str = "127.0.0.1:0",
 class Peer:
     """Parent-side handle of a ``serve_engine`` child."""
 
-    def __init__(self, layout: KVLayout, config: dict, address: str = "127.0.0.1:0", device: str = "cpu") -> None:
+    def __init__(self, layout: KVLayout, config: dict, address: str = "127.0.0.1:0", device: str = "cpu",
+                 transport: str = "auto") -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve_engine, args=(child, layout.to_dict(), config, address, device), daemon=True)
+        args = (child, layout.to_dict(), config, address, device, transport)
+        self.proc = ctx.Process(target=serve_engine, args=args, daemon=True)
         self.proc.start()
         if not self.conn.poll(30):
             self.kill()
@@ -123,8 +145,9 @@ class Peer:
 
 
 @contextmanager
-def peer(layout: KVLayout, config: dict, address: str = "127.0.0.1:0", device: str = "cpu"):
-    p = Peer(layout, config, address, device)
+def peer(layout: KVLayout, config: dict, address: str = "127.0.0.1:0", device: str = "cpu",
+         transport: str = "auto"):
+    p = Peer(layout, config, address, device, transport)
     try:
         yield p
     finally:

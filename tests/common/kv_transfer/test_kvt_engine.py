@@ -28,7 +28,8 @@ def wait_finished(engine: KVTransferEngine, ids: set[str], timeout: float = 15.0
 
 
 def d_cache() -> list[torch.Tensor]:
-    return [torch.zeros(LAYOUT.layer_shape(D_BLOCKS), dtype=LAYOUT.torch_dtype) for _ in range(LAYOUT.num_layers)]
+    return [torch.zeros(LAYOUT.layer_shape(D_BLOCKS), dtype=LAYOUT.torch_dtype)
+            for _ in range(LAYOUT.num_layers)]
 
 
 def assert_landed(d_kv, d_ids, seed, p_ids, num_tokens):
@@ -43,15 +44,23 @@ def test_consumer_asks_first_layers_pushed_during_prefill(no_thread_leak):
         kv = d_cache()
         d_ids, p_ids = [7, 3, 30, 12, 5], [9, 1, 20, 4, 17]  # non-contiguous on both sides
         d.consumer.request("r1", p.address, d_ids, 18, kv)
-        time.sleep(0.5)  # PULL reaches P before prefill starts
-        assert p.call("prefill", "r1", 11, P_BLOCKS, p_ids, 18, 1234, True, 0.05) == "ok"
+        assert p.call("wait_state", "r1", "pulled", 10) == "pulled"  # PULL reached P before prefill
+        assert d.consumer.transfer_state("r1") == "pulled"
+        assert p.call("prefill", "r1", 11, P_BLOCKS, p_ids, 18, 1234, True, 0.0) == "ok"
+        assert p.call("eager", "r1") == LAYOUT.num_layers  # every layer queued by save_layer, before finish
+        deadline = time.monotonic() + 15
+        while d.consumer.transfer_state("r1") != "finished":  # landed, not yet polled
+            assert time.monotonic() < deadline, d.consumer.transfer_state("r1")
+            time.sleep(0.02)
         done, failed = wait_finished(d, {"r1"})
         assert (done, failed) == ({"r1": 1234}, {})
+        assert d.consumer.transfer_state("r1") == "unknown"
         assert_landed(kv, d_ids, 11, p_ids, 18)
         assert p.call("freeable", 5, ["r1"]) == ["r1"]  # ACK frees P's blocks
         stats = p.call("stats")
         assert stats["bytes_sent"] == LAYOUT.num_layers * 5 * LAYOUT.bytes_per_block_per_layer()
         assert d.stats.bytes_received == stats["bytes_sent"] and d.stats.transfers_received == 1
+        assert stats["transfers_sent"] == 1 and stats["transfer_seconds_sum"] > 0  # timed up to the ACK
         p.stop()
 
 
@@ -62,17 +71,24 @@ def test_staging_budget_bounds_eager_sends_rest_follows_from_blocks(no_thread_le
         kv = make_kv(LAYOUT, P_BLOCKS, 21)
         p_ids = [8, 2, 6]
         d.call("request", "bud", prod.address, [0, 1, 2], 12, 4)
-        deadline = time.monotonic() + 5
-        while "bud" not in prod.producer._requests and time.monotonic() < deadline:
+        deadline = time.monotonic() + 10
+        while prod.producer.request_state("bud") != "pulled":
+            assert time.monotonic() < deadline, "PULL never arrived"
             time.sleep(0.02)
         for layer in range(LAYOUT.num_layers):  # 3 blocks per layer: only one layer fits at a time
             prod.producer.save_layer("bud", layer, kv[layer], p_ids)
             assert prod.producer._budget.in_flight <= tiny.max_bytes_in_flight
         prod.producer.finish("bud", 3, kv, p_ids, 12)
+        assert prod.producer.request_state("bud") in ("sending", "awaiting_ack")
         assert d.call("poll", 10, ["bud"]) == ({"bud": 3}, {})
         got = d.call("fetch", "bud")
         assert all(same_bytes(got[i][:, [0, 1, 2]], kv[i][:, p_ids]) for i in range(LAYOUT.num_layers))
         assert prod.producer._budget.in_flight == 0
+        deadline = time.monotonic() + 10
+        while "bud" not in prod.producer.poll_freeable():  # the ACK frees it and forgets it
+            assert time.monotonic() < deadline, prod.producer.request_state("bud")
+            time.sleep(0.02)
+        assert prod.producer.request_state("bud") == "unknown"
         d.stop()
 
 
@@ -92,6 +108,7 @@ def test_producer_finishes_first_then_consumer_asks(no_thread_leak):
     with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
         p_ids, d_ids = [4, 5, 6, 7], [10, 11, 12, 13]  # contiguous runs take the slice path
         assert p.call("prefill", "r2", 5, P_BLOCKS, p_ids, 13, 99, True, 0.0) == "ok"
+        assert p.call("wait_state", "r2", "held", 0) == "held"  # under its lease, nobody asked yet
         kv = d_cache()
         d.consumer.request("r2", p.address, d_ids, 13, kv)
         assert wait_finished(d, {"r2"}) == ({"r2": 99}, {})

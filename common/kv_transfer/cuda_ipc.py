@@ -1,0 +1,123 @@
+"""The ``cuda_ipc`` data plane: the producer writes straight into the consumer's KV blocks.
+
+Both KV caches are on CUDA on one host (one shared GPU, or two GPUs both visible to the
+producer). Once per pair the consumer exports its cache's CUDA IPC handles in the
+handshake (:func:`export_cache`); the producer opens them (:func:`open_cache`, on the
+control thread, so a cache it cannot map refuses the handshake with the fix). For each
+job the producer's sender thread copies the request's blocks into the consumer's blocks
+on its own transfer stream, ordered after the layer's KV write by the event the engine
+thread recorded (``SendJob.ready``); DONE goes out only once that stream has finished.
+Nothing is received on the consumer: layer notices just count the layers.
+
+An abort, or any transfer the consumer gives up on, must not let a copy land in blocks
+the consumer is about to reuse: the consumer waits for the producer's answer to ABORT,
+which the sender gives after its stream drained (``KVProducer._on_abort``), or for that
+answer's deadline (a producer that does not answer in time is taken for dead).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from common.kv_transfer.config import PairBrokenError
+from common.kv_transfer.p2p_group import DTYPE_NAMES, dtype_name
+from common.kv_transfer.paged import block_run
+
+if TYPE_CHECKING:
+    from common.kv_transfer.sender import SendJob
+
+
+def export_cache(kv_caches: list[torch.Tensor]) -> list[dict]:
+    """Each layer's IPC handle and geometry, as plain msgpack-able values."""
+    out = []
+    for t in kv_caches:
+        args = reduce_tensor(t)[1]
+        (_, size, stride, offset, _, _, _, handle, storage_bytes, storage_offset, _, ref_handle, ref_offset,
+         event_handle, event_sync) = args
+        out.append({"gpu_uuid": str(torch.cuda.get_device_properties(t.device).uuid), "shape": list(size),
+                    "stride": list(stride), "offset": offset, "dtype": dtype_name(t.dtype), "handle": handle,
+                    "storage_bytes": storage_bytes, "storage_offset": storage_offset,
+                    "ref_handle": ref_handle, "ref_offset": ref_offset, "event_handle": event_handle,
+                    "event_sync": bool(event_sync)})
+    return out
+
+
+def _local_index(gpu_uuid: str) -> int:
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == gpu_uuid:
+            return i
+    raise RuntimeError(f"GPU {gpu_uuid} is not visible to this process (CUDA_VISIBLE_DEVICES)")
+
+
+def open_cache(exported: list[dict]) -> list[torch.Tensor]:
+    """The consumer's KV cache tensors, mapped into this process."""
+    out = []
+    for e in exported:
+        out.append(rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(e["shape"]), tuple(e["stride"]), e["offset"], torch.TypedStorage,
+            DTYPE_NAMES[e["dtype"]], _local_index(e["gpu_uuid"]), e["handle"], e["storage_bytes"],
+            e["storage_offset"], False, e["ref_handle"], e["ref_offset"], e["event_handle"], e["event_sync"]))
+    return out
+
+
+def copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int]) -> None:
+    """``dst[:, dst_ids] = src[:, src_ids]`` on the current stream; runs copy without a gather."""
+    drun, srun = block_run(dst_ids), block_run(src_ids)
+    if drun is not None and srun is not None:
+        dst[:, drun].copy_(src[:, srun], non_blocking=True)
+        return
+    if srun is not None:
+        gathered = src[:, srun]
+    else:
+        gathered = src.index_select(1, torch.tensor(src_ids, device=src.device))
+    dst.index_copy_(1, torch.tensor(dst_ids, device=dst.device), gathered.to(dst.device, non_blocking=True))
+
+
+class IpcPair:
+    """Rank 0 holds the consumer's mapped cache and a transfer stream; rank 1 holds nothing."""
+
+    backend = "cuda_ipc"
+
+    def __init__(self, rank: int, device: str, peer_cache: list[torch.Tensor] | None) -> None:
+        self.rank, self.broken = rank, False
+        self.peer_cache = peer_cache or []
+        self.stream = torch.cuda.Stream(device=torch.device(device)) if rank == 0 else None
+
+    def write(self, job: SendJob, source: tuple) -> int:
+        """Queue the copies of ``job``'s layers into the consumer's blocks; returns their bytes."""
+        assert self.stream is not None
+        kv_src, src_ids = source
+        dst_ids = job.req.remote_block_ids[: len(src_ids)]
+        if len(dst_ids) < len(src_ids):
+            raise PairBrokenError(f"consumer named {len(dst_ids)} blocks, producer sends {len(src_ids)}")
+        ready = job.ready if job.ready is not None else job.req.ready
+        nbytes = 0
+        with torch.cuda.stream(self.stream):
+            if ready is not None:
+                self.stream.wait_event(ready)  # after the layer's KV write on the compute stream
+            for j, layer in enumerate(job.layers):
+                src = job.staged[j] if job.staged is not None else kv_src[layer]
+                ids = list(range(src.shape[1])) if job.staged is not None else src_ids
+                copy_blocks(self.peer_cache[layer], dst_ids, src, ids)
+                nbytes += len(ids) * src[:, :1].numel() * src.element_size()
+        return nbytes
+
+    def synchronize(self, timeout_s: float) -> None:
+        """Wait until every queued copy finished, at most ``timeout_s``."""
+        if self.stream is None:
+            return
+        done = self.stream.record_event()
+        deadline = time.monotonic() + timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                self.broken = True
+                raise PairBrokenError("cuda_ipc copies did not finish before the deadline")
+            time.sleep(0.0002)
+
+    def close(self) -> None:
+        self.broken = True
+        self.peer_cache = []

@@ -1,0 +1,155 @@
+"""Which data plane a (producer, consumer) pair uses, decided once at the handshake.
+
+Each side says what it has (:class:`Endpoint`: host, device kind, GPU) and what it was
+told to use (``--kv-transport``). The producer decides with :func:`choose_transport` and
+either answers with the choice or refuses the handshake with a message naming the fix,
+so a pair that cannot work fails on its first request with that message instead of
+later inside NCCL or a socket.
+
+- ``cuda_ipc``: both caches on CUDA on one host; the producer writes straight into the
+  consumer's blocks (works on one shared GPU, where NCCL refuses two ranks);
+- ``nccl``: both on CUDA, different GPUs (typically different hosts);
+- ``tcp``: both on CPU: one socket, zero-copy from and into scattered blocks (auto's CPU
+  choice: it beats gloo on the paged path, see bench/kv_transfer.py);
+- ``gloo``: both on CPU, through torch's gloo pair (kept as a fallback and for comparison).
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+from dataclasses import asdict, dataclass
+
+import torch
+
+from common.kv_transfer.config import TransferError
+
+TRANSPORTS = ("cuda_ipc", "nccl", "tcp", "gloo")
+MODES = ("auto", *TRANSPORTS)
+CPU_TRANSPORTS = ("tcp", "gloo")
+GPU_TRANSPORTS = ("cuda_ipc", "nccl")
+
+
+class TransportMismatchError(TransferError):
+    """The two sides cannot agree on a data plane; the message says what to change."""
+
+
+@functools.cache
+def host_id() -> str:
+    """Names this machine: two processes with the same id can share CUDA memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What one side of a pair brings: its host, where its KV cache lives, its GPU."""
+
+    host: str
+    device_type: str  # "cpu" | "cuda"
+    gpu_uuid: str = ""  # the physical GPU (same uuid in two processes = one shared GPU)
+
+    @classmethod
+    def local(cls, device: str | torch.device) -> Endpoint:
+        dev = torch.device(device)
+        uuid = ""
+        if dev.type == "cuda":
+            uuid = str(torch.cuda.get_device_properties(dev).uuid)
+        return cls(host_id(), dev.type, uuid)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Endpoint:
+        return cls(str(d["host"]), str(d["device_type"]), str(d.get("gpu_uuid", "")))
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"--kv-transport must be one of {', '.join(MODES)}; got {mode!r}")
+    return mode
+
+
+def choose_transport(p_mode: str, p: Endpoint, d_mode: str, d: Endpoint) -> str:
+    """The producer's decision for a pair; raises :class:`TransportMismatchError` naming the fix."""
+    check_mode(p_mode)
+    check_mode(d_mode)
+    if p_mode != "auto" and d_mode != "auto" and p_mode != d_mode:
+        raise TransportMismatchError(
+            f"KV transport mismatch: prefill has --kv-transport {p_mode}, decode has {d_mode}; "
+            "give both the same value, or auto")
+    if p.device_type != d.device_type:
+        raise TransportMismatchError(
+            f"KV caches on different device kinds (prefill {p.device_type}, decode {d.device_type}); "
+            "put both on CUDA or both on CPU (--device)")
+    mode = p_mode if p_mode != "auto" else d_mode
+    same_host = p.host == d.host
+    if mode == "auto":
+        if p.device_type == "cpu":
+            return "tcp"
+        return "cuda_ipc" if same_host else "nccl"
+    if p.device_type == "cpu" and mode in GPU_TRANSPORTS:
+        raise TransportMismatchError(f"--kv-transport {mode} needs the KV caches on CUDA; these are on CPU: "
+                                     "use tcp, gloo or auto")
+    if p.device_type == "cuda" and mode in CPU_TRANSPORTS:
+        raise TransportMismatchError(f"--kv-transport {mode} moves CPU tensors; these caches are on CUDA: "
+                                     "use cuda_ipc (same host), nccl (across hosts) or auto")
+    if mode == "cuda_ipc" and not same_host:
+        raise TransportMismatchError("--kv-transport cuda_ipc needs prefill and decode on one host; "
+                                     "these are on two: use nccl or auto")
+    if mode == "nccl" and p.gpu_uuid and p.gpu_uuid == d.gpu_uuid:
+        raise TransportMismatchError("NCCL cannot pair two ranks on one GPU (prefill and decode share "
+                                     f"GPU {p.gpu_uuid}): use --kv-transport cuda_ipc (or auto), "
+                                     "or give each daemon its own GPU")
+    return mode
+
+
+def ipc_fallback(p_mode: str, p: Endpoint, d_mode: str, d: Endpoint) -> str | None:
+    """What ``auto`` uses when cuda_ipc was chosen but the producer cannot map the consumer's
+    cache (its GPU is not visible here, e.g. another CUDA_VISIBLE_DEVICES): ``nccl`` between
+    two GPUs; None (refuse) on one GPU or when cuda_ipc was asked for by name."""
+    if "cuda_ipc" in (p_mode, d_mode) or (p.gpu_uuid and p.gpu_uuid == d.gpu_uuid):
+        return None
+    return "nccl"
+
+
+def listen(transport: str, host: str, timeout_s: float):
+    """The producer's rendezvous for a new pair (its ``port`` goes in HANDSHAKE_OK);
+    ``None`` for cuda_ipc, where nothing travels over a connection."""
+    if transport == "tcp":
+        from common.kv_transfer.tcp_pair import TcpListener
+
+        return TcpListener(host, timeout_s)
+    if transport in ("gloo", "nccl"):
+        from common.kv_transfer.p2p_group import host_store
+
+        return host_store(host, timeout_s)
+    return None
+
+
+def open_pair(transport: str, rank: int, timeout_s: float, pair_id: str, *, rendezvous=None,
+              host: str = "", port: int = 0, device: str = "cpu", peer_cache=None):
+    """Build this side's pair (blocks until the peer is there: call it off the serving thread).
+
+    ``rendezvous`` is what :func:`listen` returned (rank 0); rank 1 joins ``host:port``.
+    ``peer_cache`` (cuda_ipc, rank 0) is the consumer's exported KV cache."""
+    if transport == "tcp":
+        from common.kv_transfer.tcp_pair import TcpPair
+
+        return TcpPair(rank, timeout_s, pair_id, listener=rendezvous, host=host, port=port)
+    if transport in ("gloo", "nccl"):
+        from common.kv_transfer.p2p_group import PairGroup
+
+        if rendezvous is not None:
+            host, port = rendezvous.host, rendezvous.port
+        return PairGroup(transport, rank, host, port, timeout_s, store=rendezvous, device=device)
+    if transport == "cuda_ipc":
+        from common.kv_transfer.cuda_ipc import IpcPair
+
+        return IpcPair(rank, device, peer_cache)
+    raise ValueError(f"unknown transport {transport!r}")

@@ -1,0 +1,120 @@
+"""The tcp data plane on its own: scattered blocks in and out, strangers, dead and silent peers."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from common.kv_transfer.config import PairBrokenError
+from common.kv_transfer.paged import block_runs
+from common.kv_transfer.tcp_pair import IOV_MAX, KV, MESSAGE, Frame, TcpListener, TcpPair, block_buffers
+
+
+def make_pair(timeout_s: float = 5.0, stranger: bytes | None = None) -> tuple[TcpPair, TcpPair]:
+    listener = TcpListener("127.0.0.1", timeout_s)
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("p", TcpPair(0, timeout_s, "pid42",
+                                                                    listener=listener)))
+    t.start()
+    if stranger is not None:  # connects first with the wrong id: must be dropped, not paired
+        with socket.create_connection(("127.0.0.1", listener.port)) as s:
+            s.sendall(stranger)
+            assert s.recv(1) == b""  # the producer closed it
+    d = TcpPair(1, timeout_s, "pid42", host="127.0.0.1", port=listener.port)
+    t.join(10)
+    return box["p"], d
+
+
+def test_block_runs_merge_ascending_neighbours_only():
+    assert block_runs([4, 5, 9, 2, 3, 3]) == [slice(4, 6), slice(9, 10), slice(2, 4), slice(3, 4)]
+    assert block_runs([]) == []
+
+
+def test_scattered_blocks_move_without_copies_past_iov_max():
+    g = torch.Generator().manual_seed(1)
+    src = [torch.randint(0, 2**15, (2, 3000, 2, 3), dtype=torch.int16, generator=g) for _ in range(2)]
+    dst = [torch.zeros(2, 3000, 2, 3, dtype=torch.int16) for _ in range(2)]
+    src_ids = torch.randperm(3000, generator=g)[:1500].tolist()  # ~1500 runs a layer: past IOV_MAX
+    dst_ids = torch.randperm(3000, generator=g)[:1500].tolist()
+    assert len(block_buffers(src, [0, 1], src_ids)) > IOV_MAX
+    p, d = make_pair()
+    try:
+        t = threading.Thread(target=p.send, args=(block_buffers(src, [0, 1], src_ids),))
+        t.start()
+        d.recv_into(block_buffers(dst, [0, 1], dst_ids))
+        t.join(10)
+        for layer in range(2):
+            assert torch.equal(dst[layer][:, dst_ids], src[layer][:, src_ids])
+            untouched = sorted(set(range(3000)) - set(dst_ids))
+            assert torch.count_nonzero(dst[layer][:, untouched]) == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_stranger_with_wrong_pair_id_is_dropped():
+    p, d = make_pair(stranger=b"notit")
+    try:
+        x = torch.arange(10, dtype=torch.int64)
+        y = torch.zeros(10, dtype=torch.int64)
+        p.send([x])
+        d.recv_into([y])
+        assert torch.equal(x, y)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_closed_peer_breaks_the_pair_and_it_stays_broken():
+    p, d = make_pair()
+    p.close()
+    with pytest.raises(PairBrokenError, match="tcp transfer failed"):
+        d.recv_into([torch.zeros(1 << 20, dtype=torch.uint8)])
+    assert d.broken
+    with pytest.raises(PairBrokenError, match="rebuild"):
+        d.recv_into([torch.zeros(1, dtype=torch.uint8)])
+    d.close()
+
+
+def test_silent_peer_fails_at_the_deadline():
+    p, d = make_pair(timeout_s=0.3)
+    try:
+        with pytest.raises(PairBrokenError, match="timed out|deadline"):
+            d.recv_into([torch.zeros(8, dtype=torch.uint8)])
+    finally:
+        p.close()
+        d.close()
+
+
+def test_frames_carry_kv_into_blocks_and_messages_in_band():
+    src = [torch.arange(2 * 6 * 4, dtype=torch.int16).reshape(2, 6, 4) for _ in range(2)]
+    dst = [torch.zeros(2, 6, 4, dtype=torch.int16) for _ in range(2)]
+    p, d = make_pair()
+    try:
+        bufs = block_buffers(src, [0, 1], [4, 5, 1])
+        p.send_frame(Frame("req-1", (0, 1), 3, sum(len(b) for b in bufs)), bufs)
+        p.send_message(b"\x81\xa1v\x01")
+        frame = d.recv_frame()
+        assert (frame.kind, frame.request_id, frame.layers, frame.num_blocks) == (KV, "req-1", (0, 1), 3)
+        d.recv_into(block_buffers(dst, [0, 1], [0, 2, 3]))
+        assert all(torch.equal(dst[i][:, [0, 2, 3]], src[i][:, [4, 5, 1]]) for i in range(2))
+        msg = d.recv_frame()
+        assert msg.kind == MESSAGE and d.recv_payload(msg) == b"\x81\xa1v\x01"
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_bad_frame_header_breaks_the_pair():
+    p, d = make_pair()
+    try:
+        p.send([torch.zeros(64, dtype=torch.uint8)])  # not a frame: the stream is out of step
+        with pytest.raises(PairBrokenError, match="out of step"):
+            d.recv_frame()
+        assert d.broken
+    finally:
+        p.close()
+        d.close()

@@ -1,0 +1,94 @@
+"""Choosing a pair's data plane at the handshake: the rule itself, and across processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.kv_transfer.config import TransferConfig
+from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.transport import Endpoint, TransportMismatchError, choose_transport, ipc_fallback
+from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
+from kvt_peers import peer
+from test_kvt_engine import P_BLOCKS, assert_landed, d_cache, wait_finished
+
+CPU_A, CPU_B = Endpoint("a", "cpu"), Endpoint("b", "cpu")
+GPU0, GPU1 = Endpoint("a", "cuda", "GPU-0"), Endpoint("a", "cuda", "GPU-1")
+GPU_OTHER_HOST = Endpoint("b", "cuda", "GPU-9")
+
+
+@pytest.mark.parametrize("p, d, want", [
+    (CPU_A, CPU_B, "tcp"),  # CPU: the plain-socket plane
+    (CPU_A, CPU_A, "tcp"),
+    (GPU0, GPU0, "cuda_ipc"),  # one shared GPU: the only pair that works there
+    (GPU0, GPU1, "cuda_ipc"),  # two GPUs in one host: a device-to-device copy
+    (GPU0, GPU_OTHER_HOST, "nccl"),
+])
+def test_auto_picks_by_device_and_host(p, d, want):
+    assert choose_transport("auto", p, "auto", d) == want
+
+
+@pytest.mark.parametrize("p_mode, d_mode, want", [
+    ("gloo", "auto", "gloo"), ("auto", "gloo", "gloo"), ("tcp", "tcp", "tcp"),
+])
+def test_one_explicit_side_decides(p_mode, d_mode, want):
+    assert choose_transport(p_mode, CPU_A, d_mode, CPU_B) == want
+
+
+@pytest.mark.parametrize("p_mode, p, d_mode, d, words", [
+    ("gloo", CPU_A, "tcp", CPU_B, ["prefill has --kv-transport gloo", "decode has tcp"]),
+    ("auto", CPU_A, "auto", GPU0, ["different device kinds", "prefill cpu, decode cuda"]),
+    ("nccl", GPU0, "auto", GPU0, ["NCCL cannot pair two ranks on one GPU", "--kv-transport cuda_ipc"]),
+    ("auto", GPU0, "cuda_ipc", GPU_OTHER_HOST, ["needs prefill and decode on one host", "use nccl"]),
+    ("cuda_ipc", CPU_A, "auto", CPU_B, ["needs the KV caches on CUDA", "use tcp"]),
+    ("auto", GPU0, "tcp", GPU1, ["moves CPU tensors", "cuda_ipc"]),
+])
+def test_impossible_pairs_refused_naming_the_fix(p_mode, p, d_mode, d, words):
+    with pytest.raises(TransportMismatchError) as err:
+        choose_transport(p_mode, p, d_mode, d)
+    for w in words:
+        assert w in str(err.value)
+
+
+@pytest.mark.parametrize("p_mode, p, d_mode, d, want", [
+    ("auto", GPU0, "auto", GPU1, "nccl"),  # two GPUs, the other one not visible here: NCCL works
+    ("auto", GPU0, "auto", GPU0, None),  # one GPU: NCCL cannot, refuse with the fix
+    ("cuda_ipc", GPU0, "auto", GPU1, None),  # asked for by name: refuse, do not switch
+    ("auto", GPU0, "cuda_ipc", GPU1, None),
+])
+def test_auto_falls_back_to_nccl_only_between_two_gpus(p_mode, p, d_mode, d, want):
+    assert ipc_fallback(p_mode, p, d_mode, d) == want
+
+
+def test_unknown_mode_refused():
+    with pytest.raises(ValueError, match="--kv-transport must be one of"):
+        choose_transport("rdma", CPU_A, "auto", CPU_B)
+    with pytest.raises(ValueError, match="--kv-transport must be one of"):
+        KVTransferEngine("127.0.0.1:0", LAYOUT, transport="rdma")
+
+
+@pytest.mark.parametrize("p_mode, d_mode, want", [("auto", "auto", "tcp"), ("gloo", "auto", "gloo")])
+def test_pair_uses_the_negotiated_transport_across_processes(p_mode, d_mode, want, no_thread_leak):
+    """Scattered blocks on both sides, the producer finishing while the consumer asks."""
+    with peer(LAYOUT, FAST, transport=p_mode) as p, \
+            KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), transport=d_mode) as d:
+        kv = d_cache()
+        d_ids, p_ids = [7, 3, 30, 31, 5], [9, 1, 20, 21, 17]
+        d.consumer.request("t", p.address, d_ids, 18, kv)
+        p.call("prefill", "t", 4, P_BLOCKS, p_ids, 18, 55, True, 0.0)
+        assert wait_finished(d, {"t"}) == ({"t": 55}, {})
+        assert_landed(kv, d_ids, 4, p_ids, 18)
+        assert d.pair_counts() == {want: 1} and p.call("pairs") == {want: 1}
+        p.stop()
+
+
+def test_explicit_mismatch_fails_the_request_at_the_handshake(no_thread_leak):
+    with peer(LAYOUT, FAST, transport="gloo") as p, \
+            KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), transport="tcp") as d:
+        kv = d_cache()
+        d.consumer.request("x", p.address, [0, 1], 8, kv)
+        done, failed = wait_finished(d, {"x"})
+        assert done == {} and "prefill has --kv-transport gloo, decode has tcp" in failed["x"]
+        assert d.pair_counts() == {} and p.call("pairs") == {}
+        assert torch.count_nonzero(kv[0]) == 0
+        p.stop()
