@@ -16,9 +16,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from fastapi import FastAPI
+from prometheus_client import Gauge
 
+from common.cluster_auth import ClusterKey, warn_if_open
 from common.config import NodeConfig
+from common.metrics import PREFIX
 from common.node import run_node
+from common.serving.auth import SignedIdsOnly
 from common.serving.context import PrepareHook
 
 if TYPE_CHECKING:
@@ -45,9 +49,11 @@ class Daemon:
         self.config = config
         self.connector = connector
         self.node_id = f"{NODE_TYPES[config.role]}-{socket.gethostname()}-{config.port}-{uuid.uuid4().hex[:6]}"
+        self.key = ClusterKey.optional(config.cluster_key_file)
         self.transfer: KVTransferEngine | None = None
         self.heartbeater: Heartbeater | None = None
         self._exported: dict[str, float] = {}  # transfer counters already turned into metrics
+        self._kv_pairs: Gauge | None = None  # pdserve:kv_pairs{role, transport}
 
     # ---- start ----------------------------------------------------------------------
     def attach(self, app: FastAPI, engine: AsyncLLMEngine) -> None:
@@ -57,6 +63,9 @@ class Daemon:
         from common.registry_client import Heartbeater
 
         cfg = self.config
+        if cfg.kv_host_chosen:
+            logger.info("bound to %s without --kv-host: peers and the proxy are told %s, this host's "
+                        "routable address (set --kv-host to choose another)", cfg.host, cfg.kv_host)
         metrics: NodeMetrics = app.state.serving.metrics
         stats = TransferStats(on_transfer=metrics.observe_transfer)
         # the handshake shares the operation deadline: an unreachable prefill node fails fast
@@ -64,14 +73,21 @@ class Daemon:
                                          handshake_timeout_s=cfg.kv_timeout_s)
         self.transfer = KVTransferEngine(
             f"{cfg.host}:{cfg.kv_port}", engine.kv_layout, transfer_config, stats,
-            device=str(engine.engine.device), advertise_host=cfg.kv_host,
+            device=str(engine.engine.device), advertise_host=cfg.kv_host, transport=cfg.kv_transport,
+            key=self.key,
         )
+        warn_if_open(f"the {cfg.role} daemon (HTTP and KV endpoint)", cfg.host, self.key,
+                     "get completions past the proxy's API key, make this node connect to any address, "
+                     "and pull or drop other requests' KV")
         self.connector.bind(self.transfer, engine.engine.kv_caches)
+        self._kv_pairs = Gauge(PREFIX + "kv_pairs", "Live KV data-plane pairs by transport (cuda_ipc, nccl, tcp, "
+                               "gloo)", ["role", "transport"], registry=metrics.registry)
         metrics.add_scrape_hook(lambda: self._export_transfer_stats(metrics))
-        logger.info("KV endpoint %s (layout %s, fingerprint %s)", cfg.kv_addr,
-                    engine.kv_layout, engine.kv_layout.fingerprint())
+        logger.info("KV endpoint %s (layout %s, fingerprint %s, --kv-transport %s)", cfg.kv_addr,
+                    engine.kv_layout, engine.kv_layout.fingerprint(), cfg.kv_transport)
         if cfg.proxy:
-            self.heartbeater = Heartbeater(cfg.proxy, lambda: self._registration(engine), cfg.heartbeat_interval_s)
+            self.heartbeater = Heartbeater(cfg.proxy, lambda: self._registration(engine),
+                                           cfg.heartbeat_interval_s, key=self.key)
             self.heartbeater.start()
             logger.info("registering with the proxy at %s as %s", cfg.proxy, self.node_id)
 
@@ -91,6 +107,7 @@ class Daemon:
             "num_waiting": s.num_waiting,
             "num_free_blocks": s.num_free_blocks,
             "num_total_blocks": s.num_total_blocks,
+            "engine_stalled_s": round(engine.stalled_for(), 3),
         }
 
     def _export_transfer_stats(self, metrics: NodeMetrics) -> None:
@@ -105,6 +122,10 @@ class Daemon:
             if delta > 0:
                 counter.labels(metrics.role).inc(delta)
             self._exported[name] = snap[name]
+        counts = self.transfer.pair_counts()
+        assert self._kv_pairs is not None
+        for transport in ("cuda_ipc", "nccl", "tcp", "gloo"):
+            self._kv_pairs.labels(metrics.role, transport).set(counts.get(transport, 0))
 
     # ---- stop -----------------------------------------------------------------------
     def close(self) -> None:
@@ -126,6 +147,8 @@ def run_daemon(config: NodeConfig, connector: TransferConnector, prepare_request
         daemon.attach(app, engine)
         if on_app is not None:
             on_app(app, daemon)
+        if daemon.key is not None:  # added last = outermost: nothing runs for an unsigned id
+            app.add_middleware(SignedIdsOnly, key=daemon.key)
 
     try:
         run_node(config, connector=connector, ready=daemon.ready, on_app=attach, prepare_request=prepare_request)

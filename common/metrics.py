@@ -66,6 +66,9 @@ class NodeMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.request_success = counter("request_success", "Requests that finished", ("finish_reason",))
         self.request_errors = counter("request_errors", "Requests that failed", ("kind",))
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the cache")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens whose KV the prefix cache had")
+        self._cache_counts = {"queries": 0, "hits": 0}  # engine totals already exported
         self.kv_transfer_seconds = histogram(
             "kv_transfer_seconds", "Duration of one request's KV transfer", _LATENCY_BUCKETS
         )
@@ -92,6 +95,11 @@ class NodeMetrics:
         self.num_requests_running.labels(self.role).set(stats.num_running)
         self.num_requests_waiting.labels(self.role).set(stats.num_waiting)
         self.kv_cache_usage_perc.labels(self.role).set(stats.kv_cache_usage)
+        for name, counter, total in (("queries", self.prefix_cache_queries, stats.prefix_cache_queries),
+                                     ("hits", self.prefix_cache_hits, stats.prefix_cache_hits)):
+            if total > self._cache_counts[name]:  # the engine keeps totals: export the increase
+                counter.labels(self.role).inc(total - self._cache_counts[name])
+                self._cache_counts[name] = total
 
     def render(self) -> bytes:
         """The Prometheus text exposition (gauges refreshed first)."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from fastapi import FastAPI
 
-from common.config import ROLE_HTTP_PORTS, ROLE_KV_PORTS, NodeConfig, load_config
+from common.config import EMBEDDED_MODEL_NAME, ROLE_HTTP_PORTS, ROLE_KV_PORTS, NodeConfig, load_config
 from common.logging_setup import configure_logging
 from common.metrics import NodeMetrics
 from common.serving.app import build_app
@@ -27,11 +27,10 @@ from common.serving.context import PrepareHook
 if TYPE_CHECKING:
     from common.engine.async_engine import AsyncLLMEngine
     from common.engine.config import EngineConfig
-    from common.engine.kv_connector import KVConnectorBase
+    from common.engine.kv_connector import KVConnector
 
 logger = logging.getLogger(__name__)
 
-EMBEDDED_MODEL_NAME = "pdserve-tiny"
 COMMANDS = {"both": "serve", "prefill": "prefill", "decode": "decode"}
 DESCRIPTIONS = {
     "both": "Serve a model colocated (prefill and decode in one process): the baseline.",
@@ -55,7 +54,7 @@ def resolve_engine_config(config: NodeConfig) -> EngineConfig:
 def run_node(
     config: NodeConfig,
     *,
-    connector: KVConnectorBase | None = None,
+    connector: KVConnector | None = None,
     ready: Callable[[], bool] | None = None,
     on_app: Callable[[FastAPI, AsyncLLMEngine], None] | None = None,
     prepare_request: PrepareHook | None = None,
@@ -82,7 +81,8 @@ def run_node(
             engine.model_name, config.role, config.host, config.port, engine.max_model_len,
         )
         server = uvicorn.Server(
-            uvicorn.Config(app, host=config.host, port=config.port, log_config=None, timeout_graceful_shutdown=30)
+            uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
+                           timeout_graceful_shutdown=30, timeout_keep_alive=config.keep_alive_timeout_s)
         )
         _serve_until_signal(server)
     finally:

@@ -6,46 +6,75 @@ with our proxy (and our node with a vLLM proxy)::
 
     {"type": "P"|"D", "http_address": "host:port", "zmq_address": "host:port"}
 
-Our daemons add what a router needs: model, KV layout fingerprint, load, version.
-A message without them still registers; such nodes pair only with each other.
+Our daemons add what a router needs: model, KV layout fingerprint, load, version,
+and ``goodbye: true`` on a graceful stop. Every field is bounded: the registry is
+reachable by anyone who can reach its port, so a message is checked by one model
+(:class:`RegistrationMessage`) before anything reads it. With a cluster key the map
+travels with a seal (see common.cluster_auth); without one the wire is vLLM's.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
+from typing import Annotated, Literal
 
 import msgpack
+import pydantic
 import zmq
+from pydantic import Field, TypeAdapter
+from pydantic.dataclasses import dataclass
+
+from common.cluster_auth import ClusterKey, registry_sealer
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 NODE_TYPES = ("P", "D")
+MAX_MESSAGE_BYTES = 8192  # a real heartbeat is ~300 bytes; every field at its limit fits
+MAX_HEARTBEAT_INTERVAL_S = 60.0  # so a node is evicted at most ~3 minutes after it goes silent
+_HOST_PORT = re.compile(r"^[A-Za-z0-9._\-\[\]:%]{1,253}:(\d{1,5})$")
+_COUNT = Annotated[int, Field(strict=True, ge=0, le=2**31)]
+_NAME = Annotated[str, Field(strict=True, min_length=1, max_length=1024)]  # model names may be paths
+_INTERVAL = Annotated[float, Field(strict=True, gt=0, le=MAX_HEARTBEAT_INTERVAL_S)]
+_SECONDS = Annotated[float, Field(strict=True, ge=0, le=1e9)]
 
 
 class RegistrationError(ValueError):
     """A registration message that cannot be understood."""
 
 
+def check_host_port(value: str) -> str:
+    m = _HOST_PORT.match(value)
+    if m is None or not 1 <= int(m.group(1)) <= 65535:
+        raise ValueError("must be HOST:PORT with a port in 1..65535")
+    return value
+
+
+_ADDRESS = Annotated[str, Field(strict=True, max_length=262), pydantic.AfterValidator(check_host_port)]
+
+
 @dataclass(frozen=True)
 class RegistrationMessage:
     """One heartbeat. ``zmq_address`` is the node's KV (transfer control) endpoint."""
 
-    type: str  # "P" (prefill) or "D" (decode)
-    http_address: str  # "host:port" of the node's OpenAI HTTP server
-    zmq_address: str  # "host:port" of the node's KV transfer ROUTER
-    model: str | None = None  # served model name; None for vLLM-format nodes
-    kv_fingerprint: str | None = None  # KVLayout.fingerprint()
-    version: int | None = None  # PROTOCOL_VERSION of the sender
-    node_id: str | None = None
-    num_running: int = 0
-    num_waiting: int = 0
-    num_free_blocks: int | None = None
-    num_total_blocks: int | None = None
-    heartbeat_interval_s: float | None = None
+    type: Literal["P", "D"]  # "P" (prefill) or "D" (decode)
+    http_address: _ADDRESS  # "host:port" of the node's OpenAI HTTP server
+    zmq_address: _ADDRESS  # "host:port" of the node's KV transfer ROUTER
+    model: _NAME | None = None  # served model name; None for vLLM-format nodes
+    kv_fingerprint: _NAME | None = None  # KVLayout.fingerprint()
+    version: _COUNT | None = None  # PROTOCOL_VERSION of the sender
+    node_id: _NAME | None = None
+    num_running: _COUNT = 0
+    num_waiting: _COUNT = 0
+    num_free_blocks: _COUNT | None = None
+    num_total_blocks: _COUNT | None = None
+    heartbeat_interval_s: _INTERVAL | None = None
+    engine_stalled_s: _SECONDS | None = None  # time in the engine's current iteration; 0 when idle
+    goodbye: Annotated[bool, Field(strict=True)] | None = None  # True: stopping; stop routing here now
 
     @property
     def load(self) -> int:
@@ -57,21 +86,20 @@ class RegistrationMessage:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
     @classmethod
-    def from_dict(cls, data: dict) -> RegistrationMessage:
+    def from_dict(cls, data: object) -> RegistrationMessage:
         """Validate a decoded map; unknown keys are ignored (newer senders)."""
         if not isinstance(data, dict):
             raise RegistrationError(f"registration must be a map, got {type(data).__name__}")
-        data = {k.decode() if isinstance(k, bytes) else k: v for k, v in data.items()}
-        for key in ("type", "http_address", "zmq_address"):
-            if not isinstance(data.get(key), str) or not data[key]:
-                raise RegistrationError(f"registration needs a non-empty string {key!r}")
-        if data["type"] not in NODE_TYPES:
-            raise RegistrationError(f"registration type must be 'P' or 'D', got {data['type']!r}")
         known = {f.name for f in fields(cls)}
         try:
-            return cls(**{k: v for k, v in data.items() if k in known})
-        except TypeError as exc:
-            raise RegistrationError(str(exc)) from exc
+            return _ADAPTER.validate_python({k: v for k, v in data.items() if k in known})
+        except pydantic.ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"]) or "message"
+            raise RegistrationError(f"{where}: {err['msg'][:200]}") from None
+
+
+_ADAPTER = TypeAdapter(RegistrationMessage)
 
 
 def encode(msg: RegistrationMessage) -> bytes:
@@ -80,11 +108,13 @@ def encode(msg: RegistrationMessage) -> bytes:
 
 
 def decode(frame: bytes) -> RegistrationMessage:
-    """Parse one frame; raises RegistrationError on anything malformed."""
+    """Parse one frame; raises RegistrationError on anything malformed or oversized."""
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise RegistrationError(f"message of {len(frame)} bytes (at most {MAX_MESSAGE_BYTES})")
     try:
         data = msgpack.unpackb(frame, raw=False)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
-        raise RegistrationError(f"not a msgpack map: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types on garbage
+        raise RegistrationError(f"not a msgpack map: {type(exc).__name__}") from None
     return RegistrationMessage.from_dict(data)
 
 
@@ -111,10 +141,12 @@ class Heartbeater:
         beat = Heartbeater("10.0.0.1:30001", info); beat.start(); ...; beat.stop()
     """
 
-    def __init__(self, proxy_address: str, info: Callable[[], dict], interval_s: float = 2.0):
+    def __init__(self, proxy_address: str, info: Callable[[], dict], interval_s: float = 2.0,
+                 key: ClusterKey | None = None):
         self.proxy_address = proxy_address
         self.interval_s = interval_s
         self._info = info
+        self._sealer = registry_sealer(key)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.beats_sent = 0
@@ -132,11 +164,13 @@ class Heartbeater:
             self._thread.join(timeout=max(2.0, self.interval_s))
             self._thread = None
 
-    def _message(self) -> bytes:
+    def _message(self, goodbye: bool = False) -> list[bytes]:
         data = dict(self._info())
         data.setdefault("version", PROTOCOL_VERSION)
         data.setdefault("heartbeat_interval_s", self.interval_s)
-        return encode(RegistrationMessage.from_dict(data))
+        if goodbye:
+            data["goodbye"] = True
+        return self._sealer.frames(encode(RegistrationMessage.from_dict(data)))
 
     def _run(self) -> None:
         ctx = zmq.Context()
@@ -149,22 +183,27 @@ class Heartbeater:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.connect(zmq_endpoint(self.proxy_address))
+        linger = 0
         try:
             while not self._stop.is_set():
                 self._beat(sock)
                 self._stop.wait(self.interval_s)
+            # a graceful stop says goodbye, so the proxy stops routing here now, not at eviction
+            linger = 500 if self._beat(sock, goodbye=True) else 0
         finally:
-            sock.close(linger=0)
+            sock.close(linger=linger)
             ctx.term()
 
-    def _beat(self, sock: zmq.Socket) -> None:
+    def _beat(self, sock: zmq.Socket, goodbye: bool = False) -> bool:
         try:
-            frame = self._message()
+            frames = self._message(goodbye)
         except Exception as exc:  # noqa: BLE001 - a daemon callback must not kill the heartbeat thread
             logger.error("heartbeat info failed, beat not sent: %s", exc)
-            return
+            return False
         try:
-            sock.send(frame, zmq.NOBLOCK)
+            sock.send_multipart(frames, zmq.NOBLOCK)
             self.beats_sent += 1
+            return True
         except zmq.Again:
             logger.debug("proxy %s not reachable, heartbeat dropped", self.proxy_address)
+            return False

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from decode_node.daemon import main
+from common.node import parse_config
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the flags first, so ``--help`` and bad flags answer before torch is imported."""
+    config = parse_config(argv, "decode")
+    from decode_node.daemon import serve
+
+    serve(config)
+
 
 if __name__ == "__main__":
     main()

@@ -1,15 +1,21 @@
-"""The consumer connector: the engine's hooks on the decode daemon, backed by the transfer engine.
+"""The consumer connector: the decode daemon's two connector halves.
 
-For a tagged request (its id names a prefill node) the scheduler allocates blocks for
-the whole prompt and parks the request (blocks held, no running slot); ``on_blocks_allocated``
-asks the prefill node for the KV, which lands straight in those blocks. ``get_finished``
-reports the landed requests with the prefill node's first token (the engine appends
-it and decodes on: no recompute of the last prompt token) and the failed ones (the
-request ends with an error and its blocks are freed).
+A tagged request's life here (its id names a prefill node), by the scheduler side's
+table (:class:`~common.engine.kv_connector.ConnectorState`):
 
-A request aborted while its KV is still arriving (client gone, timeout) must not free
-its blocks at once: the receiving thread could still be writing into them. Its blocks
-are held until the transfer engine confirms the transfer has stopped.
+1. **LOAD_PENDING** — the scheduler allocated blocks for the whole prompt and parked the
+   request (blocks held, no running slot). Blocks of a prefix this node already has cached
+   are taken as they are; the ``LoadSpec`` asks only for the blocks after them
+   (``first_block``; the prefill node still computes what it lacks itself).
+2. **LOADING** — the load went out in the step's metadata; the worker asked the prefill
+   node, and the KV lands straight in the blocks. The worker reports the landed request
+   with the prefill node's first token (and its logprobs): the engine appends it and
+   decodes on, no recompute of the last prompt token. A failed transfer ends the request
+   with an error and frees its blocks.
+3. **ABORTING** — aborted (client gone, timeout) while LOADING: the receiving thread could
+   still be writing into the blocks, so they are held until the worker reports the
+   receive stopped. Aborted while LOAD_PENDING (not yet handed to the worker), the load is
+   dropped and the blocks are freed at once.
 """
 
 from __future__ import annotations
@@ -17,67 +23,104 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import torch
-
-from common.engine.kv_connector import FinishedTransfers, KVConnectorBase
+from common.engine.kv_connector import (ConnectorState, FinishedTransfers, KVConnector, KVConnectorMetadata,
+                                        KVConnectorScheduler, LoadSpec, TransferWorker)
+from common.kv_transfer.config import TransferError
 
 if TYPE_CHECKING:
     from common.engine.sequence import Sequence
-    from common.kv_transfer.engine import KVTransferEngine
 
 logger = logging.getLogger(__name__)
 
 
 def prefill_addr(seq: Sequence) -> str | None:
-    return seq.kv_transfer_params.get("prefill_addr")
+    return seq.kv_transfer_params.get("prefill_addr") or None
 
 
-class ConsumerConnector(KVConnectorBase):
-    """Bound to a transfer engine and the KV cache once the engine exists (``bind``)."""
-
-    def __init__(self) -> None:
-        self.transfer: KVTransferEngine | None = None
-        self.kv_caches: list[torch.Tensor] = []
-        self._in_flight: set[str] = set()
-        self._aborting: set[str] = set()
-
-    def bind(self, transfer: KVTransferEngine, kv_caches: list[torch.Tensor]) -> None:
-        self.transfer, self.kv_caches = transfer, kv_caches
+class ConsumerScheduler(KVConnectorScheduler):
+    """Decides which requests load which blocks from which peer; holds no transfer engine."""
 
     def num_external_tokens(self, seq: Sequence) -> int:
         return seq.num_prompt_tokens if prefill_addr(seq) else 0
 
-    def on_blocks_allocated(self, seq: Sequence, block_ids: list[int]) -> None:
-        assert self.transfer is not None
+    def on_blocks_allocated(self, seq: Sequence, first_block: int) -> None:
         addr = prefill_addr(seq)
         assert addr is not None
-        self._in_flight.add(seq.request_id)
-        logger.info("request %s: %d blocks allocated, asking %s for %d tokens of KV", seq.request_id,
-                    len(block_ids), addr, seq.num_prompt_tokens)
-        self.transfer.consumer.request(seq.request_id, addr, block_ids, seq.num_prompt_tokens, self.kv_caches)
+        self.table[seq.request_id] = ConnectorState.LOAD_PENDING
+        self._loads.append(LoadSpec(seq.request_id, addr, tuple(seq.block_table[first_block:]), first_block,
+                                    seq.num_prompt_tokens))
+        logger.info("request %s: %d blocks allocated (%d cached), asking %s for %d tokens of KV",
+                    seq.request_id, len(seq.block_table), first_block, addr, seq.num_uncomputed_tokens)
 
     def request_finished(self, seq: Sequence) -> bool:
         rid = seq.request_id
-        if rid not in self._in_flight:
+        state = self.table.get(rid)
+        if state is ConnectorState.LOAD_PENDING:  # the worker never heard of it: nothing writes there
+            del self.table[rid]
+            self._loads = [load for load in self._loads if load.request_id != rid]
             return False
-        assert self.transfer is not None
-        self._in_flight.discard(rid)
-        self._aborting.add(rid)
+        if state is not ConnectorState.LOADING:
+            return False
+        self.table[rid] = ConnectorState.ABORTING
+        self._aborts.append(rid)
         logger.info("request %s: aborted while its KV was arriving; blocks held until the receive stops", rid)
-        self.transfer.consumer.abort(rid)
-        return True  # held until the transfer engine confirms nothing writes into the blocks
+        return True
 
-    def get_finished(self) -> FinishedTransfers:
-        if self.transfer is None:
-            return FinishedTransfers()
-        done, failed = self.transfer.consumer.poll_finished()
-        stopped = self.transfer.consumer.poll_aborted() & self._aborting
-        self._aborting -= stopped
-        done = {rid: tok for rid, tok in done.items() if rid in self._in_flight}
-        failed = {rid: err for rid, err in failed.items() if rid in self._in_flight}
-        self._in_flight -= done.keys() | failed.keys()
+    def update_finished(self, finished: FinishedTransfers) -> FinishedTransfers:
+        table = self.table
+
+        def loading(rid: str) -> bool:
+            return table.get(rid) is ConnectorState.LOADING
+
+        # a landing or failure that raced an abort is dropped: the abort's stop report frees the blocks
+        done = {rid: tok for rid, tok in finished.done_recving.items() if loading(rid)}
+        failed = {rid: err for rid, err in finished.failed_recving.items() if loading(rid)}
+        stopped = {rid for rid in finished.done_sending if table.get(rid) is ConnectorState.ABORTING}
+        for rid in (*done, *failed, *stopped):
+            del table[rid]
         for rid in done:
             logger.info("request %s: KV received, decoding", rid)
         for rid, err in failed.items():
             logger.warning("request %s: KV transfer failed: %s", rid, err)
-        return FinishedTransfers(done_sending=stopped, done_recving=done, failed_recving=failed)
+        logprobs = {rid: lp for rid, lp in finished.first_logprobs.items() if rid in done}
+        return FinishedTransfers(done_sending=stopped, done_recving=done, failed_recving=failed,
+                                 first_logprobs=logprobs)
+
+
+class ConsumerWorker(TransferWorker):
+    """Moves the bytes: the only half bound to the transfer engine and the KV cache (``bind``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._refused: dict[str, str] = {}  # loads the transfer engine refused; reported as failed
+
+    def start_step(self, meta: KVConnectorMetadata) -> None:
+        if self.transfer is None:
+            return
+        consumer = self.transfer.consumer
+        for rid in meta.aborts:
+            consumer.abort(rid)
+        for load in meta.loads:
+            try:
+                consumer.request(load.request_id, load.prefill_addr, list(load.block_ids),
+                                 load.num_prompt_tokens, self.kv_caches, first_block=load.first_block)
+            except (ValueError, TransferError) as e:  # one bad load fails its request, not the engine
+                self._refused[load.request_id] = str(e)
+
+    def get_finished(self) -> FinishedTransfers:
+        if self.transfer is None:
+            return FinishedTransfers()
+        consumer = self.transfer.consumer
+        done, failed = consumer.poll_finished()
+        if self._refused:
+            failed, self._refused = {**failed, **self._refused}, {}
+        first_logprobs = consumer.take_first_logprobs(done) if done else {}
+        return FinishedTransfers(done_sending=consumer.poll_aborted(), done_recving=done,
+                                 failed_recving=failed, first_logprobs=first_logprobs)
+
+
+class ConsumerConnector(KVConnector):
+    """Both halves; the daemon binds the worker to its transfer engine once that exists."""
+
+    def __init__(self) -> None:
+        super().__init__(ConsumerScheduler(), ConsumerWorker())

@@ -32,7 +32,13 @@ from decode_node.release import ReleaseRefusedKV
 
 def add_release_on_refusal(app: FastAPI, daemon: Daemon) -> None:
     assert daemon.transfer is not None
-    app.add_middleware(ReleaseRefusedKV, release=daemon.transfer.consumer.release_remote)
+    consumer = daemon.transfer.consumer
+
+    def release(request_id: str, prefill_addr: str) -> None:
+        # keyless, the id is unverified and may name any address: only an open connection is used
+        consumer.release_remote(request_id, prefill_addr, connect=daemon.key is not None)
+
+    app.add_middleware(ReleaseRefusedKV, release=release)
 
 
 def serve(config: NodeConfig) -> None:

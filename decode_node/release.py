@@ -4,7 +4,14 @@ The proxy's prefill leg runs with ``max_tokens: 1``, so a body the decode node r
 (bad ``max_tokens``, prompt too long for this node…) may still have been prefilled; the
 prefill node would hold that KV until its lease ends. An ASGI middleware (not Starlette's
 BaseHTTPMiddleware, which would buffer and re-wrap every streamed response) watches the
-status and, on a 4xx for a tagged id, tells the prefill node to drop the request.
+status and, on a 4xx for a tagged id, tells the prefill node to drop the request. The same
+holds for the 499 a non-streaming reply ends with when the proxy hangs up (it gave up on the
+request: a prefill timeout, the client gone): nobody will ask for that KV either.
+
+A refused id must cost nothing: with a cluster key the signature check sits outside this
+middleware, so an unsigned id is refused (403) before it gets here and no connection is
+opened for it; without a key the id is unverified, and ``release`` only uses a connection
+to the prefill node that is already open (see decode_node.daemon).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from common.request_id import parse_tags
 
 logger = logging.getLogger(__name__)
+CLIENT_CLOSED = 499  # what a non-streaming reply ends with when the caller hung up (never sent)
 
 
 class ReleaseRefusedKV:
@@ -30,15 +38,16 @@ class ReleaseRefusedKV:
 
         async def watch(message: Message) -> None:
             if message["type"] == "http.response.start" and 400 <= message["status"] < 500:
-                self._release(scope)
+                self._release(scope, message["status"])
             await send(message)
 
         await self.app(scope, receive, watch)
 
-    def _release(self, scope: Scope) -> None:
+    def _release(self, scope: Scope, status: int) -> None:
         request_id = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
         tags = parse_tags(request_id)
         if tags is None or request_id is None:
             return
-        logger.info("request %s refused here: telling %s to drop its KV", request_id, tags.prefill_addr)
+        why = "the proxy gave up on it" if status == CLIENT_CLOSED else f"refused here ({status})"
+        logger.info("request %s %s: telling %s to drop its KV", request_id, why, tags.prefill_addr)
         self.release(request_id, tags.prefill_addr)

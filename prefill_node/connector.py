@@ -1,13 +1,25 @@
-"""The producer connector: the engine's hooks on the prefill daemon, backed by the transfer engine.
+"""The producer connector: the prefill daemon's two connector halves.
 
-For a tagged request (its id names a decode node) the engine runs prefill as usual;
-after each layer of the pass that completes the prompt, ``save_kv_layer`` offers that
-layer to the transfer engine, which pushes it only if the decode node has already
-asked (else the KV stays in the paged blocks). Sampling the first token finishes the
-request (max_tokens is 1 here); ``request_finished`` then hands it to the transfer
-engine with ``finish`` (the lease starts; the rest of the KV and the first token go out
-whenever the decode node asks) and keeps its blocks until the transfer engine reports
-it freeable: acknowledged by the decode node, aborted, failed, or its lease expired.
+A tagged request's life here (its id names a decode node):
+
+1. **prefill** — the engine schedules it like any request (chunked when long). For the
+   pass that completes the prompt the scheduler side puts a ``SaveSpec`` (row, decode
+   node, block table) in the step's metadata (state SAVING); after each layer the worker
+   offers that layer to the transfer engine, which pushes it only if the decode node has
+   already asked (else the KV stays in the paged blocks).
+2. **hand-over** — sampling the first token finishes the request (max_tokens is 1 here).
+   The scheduler side records a ``HandoverSpec`` (first token, its logprobs, blocks) and
+   holds the blocks (HANDED_OVER); the engine passes it to the worker at the end of that
+   same step, which calls the transfer engine's ``finish`` (the lease starts; the rest of
+   the KV and the first token go out whenever the decode node asks).
+3. **release** — the worker reports the request freeable (acknowledged by the decode
+   node, aborted, failed, or its lease expired); the scheduler frees the blocks.
+
+A request that ends before its first token (aborted, failed) is discarded: its blocks are
+freed at once (no layer was pushed: that happens only in the pass that samples) and the
+worker tells a decode node that already asked. With prefix caching the engine computes
+only the tokens after its cached prefix; the blocks sent still start where the decode
+node's own cache ends (cached blocks included).
 """
 
 from __future__ import annotations
@@ -17,66 +29,90 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.engine.kv_connector import FinishedTransfers, KVConnectorBase
+from common.engine.kv_connector import (ConnectorState, DiscardSpec, FinishedTransfers, HandoverSpec,
+                                        KVConnector, KVConnectorMetadata, KVConnectorScheduler,
+                                        SaveSpec, TransferWorker)
 
 if TYPE_CHECKING:
     from common.engine.sequence import Sequence
-    from common.kv_transfer.engine import KVTransferEngine
-    from common.model.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
 
-def is_tagged(seq: Sequence) -> bool:
-    return bool(seq.kv_transfer_params.get("decode_addr"))
+def decode_addr(seq: Sequence) -> str | None:
+    return seq.kv_transfer_params.get("decode_addr") or None
 
 
-class ProducerConnector(KVConnectorBase):
-    """Bound to a transfer engine and the KV cache once the engine exists (``bind``)."""
+class ProducerScheduler(KVConnectorScheduler):
+    """Decides what the prefill node saves, hands over and discards; holds no transfer engine."""
 
-    def __init__(self) -> None:
-        self.transfer: KVTransferEngine | None = None
-        self.kv_caches: list[torch.Tensor] = []
-        self._handed_over: set[str] = set()  # finish() called; blocks held until freeable
-
-    def bind(self, transfer: KVTransferEngine, kv_caches: list[torch.Tensor]) -> None:
-        self.transfer, self.kv_caches = transfer, kv_caches
-
-    def save_kv_layer(
-        self, layer_idx: int, kv_layer: torch.Tensor, seqs: list[Sequence], attn_metadata: AttentionMetadata
-    ) -> None:
-        assert self.transfer is not None
-        for seq, seq_len in zip(seqs, attn_metadata.seq_lens):
+    def saves(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[SaveSpec]:
+        out = []
+        for row, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            addr = decode_addr(seq)
             # only the pass that completes the prompt: earlier chunks are sent from the blocks later
-            if is_tagged(seq) and seq_len == seq.num_prompt_tokens:
-                self.transfer.producer.save_layer(seq.request_id, layer_idx, kv_layer, seq.block_table)
+            if addr and seq.num_computed_tokens + n == seq.num_prompt_tokens:
+                self.table[seq.request_id] = ConnectorState.SAVING
+                out.append(SaveSpec(seq.request_id, row, addr, tuple(seq.block_table), seq.num_prompt_tokens))
+        return out
 
     def request_finished(self, seq: Sequence) -> bool:
-        """Hand a tagged request that sampled its first token to the transfer engine and hold
-        its blocks; free the rest now."""
-        if not is_tagged(seq) or self.transfer is None:
+        """Hand a tagged request that sampled its first token over and hold its blocks;
+        discard the others (blocks freed now)."""
+        addr = decode_addr(seq)
+        if addr is None:
             return False
         rid = seq.request_id
         if seq.output_token_ids and seq.finish_reason in ("length", "stop"):
-            self._handed_over.add(rid)
-            logger.info("request %s: prefill done, KV held for %s (%d blocks)", rid,
-                        seq.kv_transfer_params.get("decode_addr"), len(seq.block_table))
-            self.transfer.producer.finish(
-                rid, seq.output_token_ids[0], self.kv_caches, list(seq.block_table), seq.num_prompt_tokens
-            )
+            self.table[rid] = ConnectorState.HANDED_OVER
+            logprobs = tuple(seq.logprobs[0].items()) if seq.logprobs else None
+            self._handovers.append(HandoverSpec(rid, addr, seq.output_token_ids[0], logprobs,
+                                                tuple(seq.block_table), seq.num_prompt_tokens))
+            logger.info("request %s: prefill done, KV held for %s (%d blocks)", rid, addr,
+                        len(seq.block_table))
             return True
-        # ended before its first token (aborted, failed): nothing reads its blocks after the
-        # layer pushes (those were copies), so they can go now; tell a waiting decode node
+        self.table.pop(rid, None)
         why = f"prefill ended ({seq.finish_reason}) before the first token"
         logger.info("request %s: %s; KV dropped", rid, why)
-        self.transfer.producer.discard(rid, why)
+        self._discards.append(DiscardSpec(rid, why))
         return False
+
+    def update_finished(self, finished: FinishedTransfers) -> FinishedTransfers:
+        freeable = {rid for rid in finished.done_sending if self.table.get(rid) is ConnectorState.HANDED_OVER}
+        for rid in freeable:
+            del self.table[rid]
+            logger.info("request %s: KV released", rid)
+        return FinishedTransfers(done_sending=freeable)
+
+
+class ProducerWorker(TransferWorker):
+    """Moves the bytes: the only half bound to the transfer engine and the KV cache (``bind``)."""
+
+    def start_step(self, meta: KVConnectorMetadata) -> None:
+        if self.transfer is None:
+            return
+        producer = self.transfer.producer
+        for d in meta.discards:
+            producer.discard(d.request_id, d.why)
+        for h in meta.handovers:
+            logprobs = dict(h.first_logprobs) if h.first_logprobs is not None else None
+            producer.finish(h.request_id, h.first_token, self.kv_caches, list(h.block_ids),
+                            h.num_prompt_tokens, first_logprobs=logprobs)
+
+    def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, meta: KVConnectorMetadata) -> None:
+        if self.transfer is None:
+            return
+        for s in meta.saves:
+            self.transfer.producer.save_layer(s.request_id, layer_idx, kv_layer, list(s.block_ids))
 
     def get_finished(self) -> FinishedTransfers:
         if self.transfer is None:
             return FinishedTransfers()
-        freeable = self.transfer.producer.poll_freeable()
-        self._handed_over -= freeable
-        for rid in freeable:
-            logger.info("request %s: KV released", rid)
-        return FinishedTransfers(done_sending=freeable)
+        return FinishedTransfers(done_sending=self.transfer.producer.poll_freeable())
+
+
+class ProducerConnector(KVConnector):
+    """Both halves; the daemon binds the worker to its transfer engine once that exists."""
+
+    def __init__(self) -> None:
+        super().__init__(ProducerScheduler(), ProducerWorker())

@@ -14,27 +14,64 @@ A request's life here:
    decode daemon asks. The HTTP answer (that one token) goes back to the proxy.
 4. **release** — the blocks stay held until the decode daemon acknowledges, aborts,
    the transfer fails, or the lease (``--kv-lease-s``) expires; then they are freed.
+
+KV held for requests no decode daemon has asked for yet is capped at
+``--max-unclaimed-kv-share`` of the cache: past it a new prefill leg gets a 503 (the
+proxy tries another prefill node), so ids that nobody will ever pull cannot pin the cache.
 """
 
 from __future__ import annotations
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 
 from common.config import NodeConfig
-from common.daemon import run_daemon
+from common.daemon import Daemon, run_daemon
+from common.kv_transfer.producer import KVProducer
 from common.node import parse_config
 from common.serving.context import PreparedRequest
+from common.serving.errors import OpenAIError
 from prefill_node.connector import ProducerConnector
 
 
-def prepare_request(prepared: PreparedRequest, http_request: Request) -> None:
-    """A prefill leg produces exactly the first token, whatever the body asked for."""
-    prepared.params.max_tokens = 1
-    prepared.params.stop = []  # the decode side applies stop strings to the whole text
+class PrefillAdmission:
+    """The prefill role's ``prepare_request``: one token, and room for KV nobody claimed yet."""
+
+    def __init__(self, max_unclaimed_share: float) -> None:
+        self.max_unclaimed_share = max_unclaimed_share
+        self.producer: KVProducer | None = None
+        self.limit_blocks = self.block_size = 0
+
+    def bind(self, app: FastAPI, daemon: Daemon) -> None:
+        assert daemon.transfer is not None
+        self.producer = daemon.transfer.producer
+        self.block_size = daemon.transfer.layout.block_size
+        total = app.state.serving.engine.stats().num_total_blocks
+        self.limit_blocks = max(1, int(total * self.max_unclaimed_share))
+
+    def __call__(self, prepared: PreparedRequest, http_request: Request) -> None:
+        prepared.params.max_tokens = 1  # a prefill leg produces exactly the first token
+        # the decode node checks the client's min_tokens against its max_tokens; here only
+        # "may the first token be a stop token" matters
+        prepared.params.min_tokens = min(prepared.params.min_tokens, 1)
+        prepared.params.stop = []  # the decode side applies stop strings to the whole text
+        if prepared.tags is None or self.producer is None:
+            return
+        prepared.admit = lambda: self._reserve(prepared)
+
+    def _reserve(self, prepared: PreparedRequest) -> None:
+        assert self.producer is not None
+        need = -(-len(prepared.prompts[0]) // self.block_size)
+        if not self.producer.reserve_unclaimed(prepared.request_id, need, self.limit_blocks):
+            raise OpenAIError(
+                f"this prefill node already holds its limit of KV that no decode node has asked for "
+                f"({self.limit_blocks} blocks, --max-unclaimed-kv-share); retry later or on another node",
+                status=503, type="service_unavailable", code="unclaimed_kv_limit",
+            )
 
 
 def serve(config: NodeConfig) -> None:
-    run_daemon(config, ProducerConnector(), prepare_request)
+    admission = PrefillAdmission(config.max_unclaimed_kv_share)
+    run_daemon(config, ProducerConnector(), admission, on_app=admission.bind)
 
 
 def main(argv: list[str] | None = None) -> None:

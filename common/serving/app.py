@@ -13,6 +13,8 @@ from common.metrics import NodeMetrics
 from common.serving import chat, completions, system
 from common.serving.context import PrepareHook, ServingContext
 from common.serving.errors import install_error_handlers
+from common.serving.limits import BodyLimits
+from common.serving.write_stall import bound_writes
 
 
 def build_app(
@@ -26,7 +28,7 @@ def build_app(
 ) -> FastAPI:
     """Routes over ``engine``; ``ready`` gates /ready, ``prepare_request`` lets a role adjust requests.
 
-    ``prepare_request(prepared, http_request)`` runs after validation (may be async); it
+    ``prepare_request(prepared, http_request)`` runs before the range checks (may be async); it
     can change ``prepared.params`` / ``prepared.kv_transfer_params`` or raise ``OpenAIError``.
     """
     app = FastAPI(title=f"pdserve {config.role} node", version="0.1.0")
@@ -40,6 +42,8 @@ def build_app(
         prepare_request=prepare_request,
     )
     install_error_handlers(app, metrics)
+    app.add_middleware(BodyLimits, max_bytes=config.max_request_bytes)
     for module in (completions, chat, system):
         app.include_router(module.router)
+    bound_writes(app, config.stream_write_timeout_s)
     return app

@@ -9,8 +9,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.engine.outputs import RequestOutput
-from common.serving.context import ServingContext, get_context, request_id_of
-from common.serving.errors import REQUEST_ID_HEADER, OpenAIError, engine_error, openai_errors
+from common.serving.context import (DECODES_PER_TOKEN, ServingContext, get_context, request_id_of,
+                                    response_headers, response_id)
+from common.serving.disconnect import ClientGone, unless_disconnected
+from common.serving.errors import OpenAIError, engine_error, openai_errors
 from common.serving.generation import GenerationRun
 from common.serving.logprobs import chat_logprobs
 from common.serving.protocol import ChatCompletionRequest
@@ -24,7 +26,8 @@ def chat_prompt_token_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[i
     if not body.messages:
         raise OpenAIError("messages is empty", param="messages")
     if tokenizer is None:
-        raise OpenAIError("this model has no tokenizer, so no chat template; use /v1/completions", param="messages")
+        raise OpenAIError("this model has no tokenizer, so no chat template; use /v1/completions",
+                          param="messages")
     messages = [m.as_template_input() for m in body.messages]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -41,19 +44,31 @@ def chat_prompt_token_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[i
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, ctx: ServingContext = Depends(get_context)
 ) -> Response:
-    request_id = request_id_of(request)
-    headers = {REQUEST_ID_HEADER: request_id}
+    request_id = request_id_of(request, "chatcmpl-")
+    public_id = response_id(request_id, "chatcmpl-")
+    headers = response_headers(request, public_id)
     with openai_errors(request_id):
         ctx.check_model(body)
-        prepared = await ctx.prepare(body, [chat_prompt_token_ids(ctx.tokenizer, body)], request)
+        num_chars = sum(m.num_chars() for m in body.messages)
+        ctx.check_prompt_chars(num_chars, "messages")
+        prompt = await ctx.off_loop(num_chars, chat_prompt_token_ids, ctx.tokenizer, body)
+        prepared = await ctx.prepare(body, [prompt], request)
         run = GenerationRun(ctx, prepared)
-        formatter = _ChatChunks(ctx, request_id, body.logprobs)
+        formatter = _ChatChunks(ctx, public_id, body.logprobs)
         if body.stream:
-            return ClosingStreamingResponse(sse_stream(run, formatter, body.include_usage, request_id), headers)
-        (result,) = await run.collect()
+            stream = sse_stream(run, formatter, body.include_usage, request_id, body.continuous_usage)
+            return ClosingStreamingResponse(stream, headers)
+        try:
+            (result,) = await unless_disconnected(run.collect(), request)
+        except ClientGone:
+            return Response(status_code=499)  # never sent: the client is gone
         if result.finish_reason == "error":
             raise engine_error(result.error)
-        logprobs = chat_logprobs(ctx.tokenizer, result.token_ids, result.logprobs) if body.logprobs else None
+        logprobs = None
+        if body.logprobs:  # one decode per candidate token: a long reply's worth goes off the loop
+            size = len(result.token_ids) * DECODES_PER_TOKEN * (1 + (body.top_logprobs or 0))
+            logprobs = await ctx.off_loop(size, chat_logprobs, ctx.tokenizer, result.token_ids,
+                                          result.logprobs)
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": result.text},
@@ -61,7 +76,7 @@ async def create_chat_completion(
         "finish_reason": result.finish_reason,
     }
     reply = {
-        "id": request_id,
+        "id": public_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": ctx.model_name,
@@ -84,7 +99,8 @@ class _ChatChunks:
             "model": ctx.model_name,
         }
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None,
+               logprobs: Any = None) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self.base, "choices": [choice]}
 

@@ -9,8 +9,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.engine.outputs import RequestOutput
-from common.serving.context import ServingContext, get_context, request_id_of
-from common.serving.errors import REQUEST_ID_HEADER, OpenAIError, engine_error, openai_errors
+from common.serving.context import (DECODES_PER_TOKEN, ServingContext, get_context, request_id_of,
+                                    response_headers, response_id)
+from common.serving.disconnect import ClientGone, unless_disconnected
+from common.serving.errors import OpenAIError, engine_error, openai_errors
 from common.serving.generation import ChoiceResult, GenerationRun
 from common.serving.logprobs import completion_logprobs
 from common.serving.protocol import CompletionRequest, Prompt
@@ -40,28 +42,45 @@ def prompt_token_ids(tokenizer: Any, prompt: Prompt) -> list[list[int]]:
     return prompts
 
 
+def prompt_chars(prompt: Prompt) -> int:
+    """Characters of text (token ids count one each): what bounds the tokenizer's work."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) if isinstance(p, str | list) else 1 for p in prompt)
+
+
 @router.post("/v1/completions")
 async def create_completion(
     body: CompletionRequest, request: Request, ctx: ServingContext = Depends(get_context)
 ) -> Response:
     request_id = request_id_of(request)
-    headers = {REQUEST_ID_HEADER: request_id}
+    public_id = response_id(request_id, "cmpl-")
+    headers = response_headers(request, public_id)
     with openai_errors(request_id):
         ctx.check_model(body)
         if body.echo:
             raise OpenAIError("echo is not supported", param="echo")
-        prepared = await ctx.prepare(body, prompt_token_ids(ctx.tokenizer, body.prompt), request)
+        num_chars = prompt_chars(body.prompt)
+        ctx.check_prompt_chars(num_chars, "prompt")
+        prompts = await ctx.off_loop(num_chars, prompt_token_ids, ctx.tokenizer, body.prompt)
+        prepared = await ctx.prepare(body, prompts, request)
         run = GenerationRun(ctx, prepared)
-        formatter = _CompletionChunks(ctx, request_id, body.logprobs is not None)
+        formatter = _CompletionChunks(ctx, public_id, body.logprobs is not None)
         if body.stream:
-            return ClosingStreamingResponse(sse_stream(run, formatter, body.include_usage, request_id), headers)
-        results = await run.collect()
+            stream = sse_stream(run, formatter, body.include_usage, request_id, body.continuous_usage)
+            return ClosingStreamingResponse(stream, headers)
+        try:
+            results = await unless_disconnected(run.collect(), request)
+        except ClientGone:
+            return Response(status_code=499)  # never sent: the client is gone
         failed = next((r for r in results if r.finish_reason == "error"), None)
         if failed is not None:
             raise engine_error(failed.error)
-        choices = [_choice(ctx, r, body.logprobs is not None) for r in results]
+        with_logprobs = body.logprobs is not None
+        size = sum(len(r.token_ids) for r in results) * DECODES_PER_TOKEN * (1 + (body.logprobs or 0))
+        choices = await ctx.off_loop(size if with_logprobs else 0, _choices, ctx, results, with_logprobs)
     reply = {
-        "id": request_id,
+        "id": public_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": ctx.model_name,
@@ -71,9 +90,16 @@ async def create_completion(
     return JSONResponse(reply, headers=headers)
 
 
+def _choices(ctx: ServingContext, results: list[ChoiceResult], with_logprobs: bool) -> list[dict[str, Any]]:
+    return [_choice(ctx, r, with_logprobs) for r in results]
+
+
 def _choice(ctx: ServingContext, result: ChoiceResult, with_logprobs: bool) -> dict[str, Any]:
-    logprobs = completion_logprobs(ctx.tokenizer, result.token_ids, result.logprobs) if with_logprobs else None
-    return {"index": result.index, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
+    logprobs = None
+    if with_logprobs:
+        logprobs = completion_logprobs(ctx.tokenizer, result.token_ids, result.logprobs)
+    return {"index": result.index, "text": result.text, "logprobs": logprobs,
+            "finish_reason": result.finish_reason}
 
 
 class _CompletionChunks:
@@ -82,10 +108,12 @@ class _CompletionChunks:
     def __init__(self, ctx: ServingContext, request_id: str, with_logprobs: bool) -> None:
         self.ctx = ctx
         self.with_logprobs = with_logprobs
-        self.base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
+        self.base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                     "model": ctx.model_name}
         self.text_offsets: dict[int, int] = {}
 
-    def _chunk(self, index: int, text: str, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+    def _chunk(self, index: int, text: str, finish_reason: str | None,
+               logprobs: Any = None) -> dict[str, Any]:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self.base, "choices": [choice]}
 
@@ -98,7 +126,8 @@ class _CompletionChunks:
         logprobs = None
         if self.with_logprobs:
             offset = self.text_offsets.get(index, 0)
-            logprobs = completion_logprobs(self.ctx.tokenizer, out.new_token_ids, out.new_logprobs or [], offset)
+            logprobs = completion_logprobs(self.ctx.tokenizer, out.new_token_ids, out.new_logprobs or [],
+                                           offset)
         self.text_offsets[index] = self.text_offsets.get(index, 0) + len(out.new_text)
         return self._chunk(index, out.new_text, None, logprobs)
 

@@ -2,19 +2,20 @@
 request into a :class:`PreparedRequest` the engine can run.
 
 Preparation order: request id (the ``X-Request-Id`` header exactly as received, else
-``cmpl-<uuid hex>``) -> model name -> sampling params -> prompt token ids -> length and
-vocabulary checks -> role and request-id tags -> the role's ``prepare_request`` hook
-(the seam where the prefill / decode daemons adjust a request). Each check raises an
+``cmpl-<uuid hex>``) -> model name -> prompt token ids -> role and request-id tags -> the
+role's ``prepare_request`` hook (the seam where the prefill / decode daemons adjust a
+request) -> sampling-param ranges -> length and vocabulary checks. Each check raises an
 :class:`OpenAIError` that becomes a 400.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -24,10 +25,15 @@ from common.engine.sampling_params import SamplingParams, SamplingParamsError
 from common.logging_setup import current_request_id
 from common.metrics import NodeMetrics
 from common.request_id import Tags, parse_tags
-from common.serving.errors import REQUEST_ID_HEADER, OpenAIError
+from common.serving.errors import REQUEST_ID_HEADER, OpenAIError, client_visible_id, model_not_served
+from common.serving.limits import MAX_REQUEST_ID_CHARS
 from common.serving.protocol import SamplingRequest
 
 TAG_FORMAT = "___prefill_addr_HOST:PORT___decode_addr_HOST:PORT_<uuid hex>"
+OFF_LOOP_CHARS = 16_384  # prompts longer than this are tokenized in a worker thread
+DECODES_PER_TOKEN = 16  # a logprobs entry's decode costs about as much as tokenizing this many chars
+DEFAULT_MAX_TOKEN_CHARS = 64  # when the tokenizer cannot list its vocabulary
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -40,6 +46,9 @@ class PreparedRequest:
     tags: Tags | None
     kv_transfer_params: dict[str, Any] | None
     arrival_time: float = field(default_factory=time.monotonic)
+    # set by a role's hook: runs once the request passed every check (e.g. the prefill node's
+    # KV admission, which must not count a request that is about to be refused)
+    admit: Callable[[], None] | None = None
 
     def engine_request_id(self, index: int) -> str:
         # One prompt keeps the id exactly (P and D key transfers by it); only a batch of
@@ -58,6 +67,32 @@ class ServingContext:
     metrics: NodeMetrics
     ready: Callable[[], bool]
     prepare_request: PrepareHook | None = None
+    max_token_chars: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.max_token_chars = _longest_token_chars(self.tokenizer, self.vocab_size)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """No prompt longer than this can fit: every token covers at most ``max_token_chars``."""
+        return self.engine.max_model_len * self.max_token_chars
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Refuse a text that cannot fit ``max_model_len`` before spending time tokenizing it."""
+        if num_chars > self.max_prompt_chars:
+            raise OpenAIError(
+                f"this model's maximum context length is {self.engine.max_model_len} tokens; a {num_chars}-"
+                f"character prompt cannot fit (at most {self.max_token_chars} characters per token)",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def off_loop(self, num_chars: int, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)``, in a worker thread when the input is large, so /health and other
+        requests are not starved while a big prompt is tokenized or checked."""
+        if num_chars <= OFF_LOOP_CHARS:
+            return fn(*args)
+        return await asyncio.to_thread(fn, *args)
 
     @property
     def model_name(self) -> str:
@@ -71,30 +106,36 @@ class ServingContext:
                 return size
         return None
 
-    async def prepare(self, body: SamplingRequest, prompts: list[list[int]], request: Request) -> PreparedRequest:
+    async def prepare(self, body: SamplingRequest, prompts: list[list[int]],
+                      request: Request) -> PreparedRequest:
         """Validate what the route tokenized and apply the node role's rules."""
         params = body.sampling_params()
-        try:
-            params.validate()
-        except SamplingParamsError as exc:
-            raise OpenAIError(str(exc), param=exc.param) from exc
-        self._check_prompts(prompts, params.max_tokens)
         request_id = request_id_of(request)
         tags = parse_tags(request_id)
         self._check_role(tags, len(prompts))
         kv_params = {"prefill_addr": tags.prefill_addr, "decode_addr": tags.decode_addr} if tags else None
         prepared = PreparedRequest(request_id, prompts, params, tags, kv_params)
-        if self.prepare_request is not None:
+        if self.prepare_request is not None:  # before the range checks: a prefill leg bounds min_tokens
             result = self.prepare_request(prepared, request)
             if result is not None:
                 await result
+        try:
+            params.validate()
+        except SamplingParamsError as exc:
+            param = exc.param
+            if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+                param = "max_completion_tokens"  # the field this client actually sent
+            raise OpenAIError(str(exc), param=param, code="invalid_value") from exc
+        await self.off_loop(sum(map(len, prompts)), self._check_prompts, prompts, params.max_tokens)
+        if prepared.admit is not None:
+            prepared.admit()
         return prepared
 
     def check_model(self, body: SamplingRequest) -> None:
         if body.model is not None and body.model != self.model_name:
             raise OpenAIError(
-                f"model '{body.model}' is not served here; this node serves '{self.model_name}'",
-                type="not_found_error",
+                model_not_served(body.model, [self.model_name]),
+                status=404,
                 param="model",
                 code="model_not_found",
             )
@@ -110,7 +151,15 @@ class ServingContext:
             if vocab is not None:
                 bad = next((t for t in tokens if not 0 <= t < vocab), None)
                 if bad is not None:
-                    raise OpenAIError(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+                    raise OpenAIError(f"token id {bad} is outside the vocabulary [0, {vocab})",
+                                      param="prompt")
+            if len(tokens) >= limit:  # no room for a token; not phrased by max_tokens (a prefill leg's is 1)
+                raise OpenAIError(
+                    f"this model's maximum context length is {limit} tokens; "
+                    f"the prompt has {len(tokens)} tokens",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
             if len(tokens) + max_tokens > limit:
                 raise OpenAIError(
                     f"this model's maximum context length is {limit} tokens; the request has "
@@ -134,14 +183,44 @@ class ServingContext:
             raise OpenAIError(f"a {role} node serves one prompt per request", param="prompt")
 
 
-def request_id_of(request: Request) -> str:
-    """The client's ``X-Request-Id`` exactly as received, else a fresh ``cmpl-<uuid hex>``."""
+def request_id_of(request: Request, prefix: str = "cmpl-") -> str:
+    """The engine's (and the logs') id: ``X-Request-Id`` exactly as received (a proxy's tag or
+    a client's own id), else a fresh ``<prefix><uuid hex>``, which is also the reply's ``id``."""
     request_id = getattr(request.state, "pdserve_request_id", None)
     if request_id is None:
-        request_id = request.headers.get(REQUEST_ID_HEADER) or f"cmpl-{uuid.uuid4().hex}"
+        request_id = request.headers.get(REQUEST_ID_HEADER) or f"{prefix}{uuid.uuid4().hex}"
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise OpenAIError(f"X-Request-Id is longer than {MAX_REQUEST_ID_CHARS} characters",
+                              param="X-Request-Id", code="invalid_value")
         request.state.pdserve_request_id = request_id
         current_request_id.set(request_id)  # log lines of this request carry it
     return request_id
+
+
+def response_id(request_id: str, prefix: str) -> str:
+    """The ``id`` a client sees (``cmpl-``/``chatcmpl-`` + a base, as vLLM builds it).
+
+    The base of a proxy's tagged id is its uuid: the routing tag never reaches a client.
+    """
+    base = client_visible_id(request_id)
+    return base if base.startswith(prefix) else prefix + base
+
+
+def response_headers(request: Request, public_id: str) -> dict[str, str]:
+    """Echo the client's own ``X-Request-Id``; without one, name the reply's ``id``."""
+    return {REQUEST_ID_HEADER: request.headers.get(REQUEST_ID_HEADER) or public_id}
+
+
+def _longest_token_chars(tokenizer: Any, vocab_size: int | None) -> int:
+    """The most characters one token can stand for (its vocabulary string's length bounds it:
+    byte-level and sentencepiece tokens spell at least one symbol per decoded character)."""
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    if convert is None or not vocab_size:
+        return DEFAULT_MAX_TOKEN_CHARS
+    try:
+        return max((len(t) for t in convert(list(range(vocab_size))) if t), default=1)
+    except Exception:  # a tokenizer that cannot list every id: fall back to the generous bound
+        return DEFAULT_MAX_TOKEN_CHARS
 
 
 def get_context(request: Request) -> ServingContext:

@@ -18,10 +18,36 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.metrics import NodeMetrics
+from common.request_id import parse_tags
 
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
+
+# OpenAI's ``type`` for each status it uses; ``code`` is a word (``model_not_found``), never the status.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    499: "invalid_request_error",
+    500: "server_error",
+    502: "server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+def error_type(status: int) -> str:
+    """The OpenAI ``type`` for an HTTP status (4xx: the client's request, 5xx: ours)."""
+    return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}``: the one error shape of proxy and nodes."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class OpenAIError(Exception):
@@ -32,24 +58,37 @@ class OpenAIError(Exception):
         message: str,
         *,
         status: int = 400,
-        type: str = "invalid_request_error",
+        type: str | None = None,
         param: str | None = None,
         code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
-        self.type = type
+        self.type = type or error_type(status)
         self.param = param
         self.code = code
         self.request_id: str | None = None  # set once the route knows it, echoed in the header
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(hide_tag(self.message, self.request_id), self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
         headers = {REQUEST_ID_HEADER: self.request_id} if self.request_id else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def client_visible_id(request_id: str) -> str:
+    """What a client may see of a request id: a proxy's tag shrinks to its uuid (the topology
+    stays private)."""
+    return request_id.rsplit("_", 1)[-1] if parse_tags(request_id) is not None else request_id
+
+
+def hide_tag(message: str, request_id: str | None) -> str:
+    """``message`` with a tagged request id in it replaced by its uuid."""
+    if request_id and parse_tags(request_id) is not None:
+        return message.replace(request_id, client_visible_id(request_id))
+    return message
 
 
 def error_kind(status: int) -> str | None:
@@ -66,7 +105,7 @@ def error_kind(status: int) -> str | None:
 
 
 def engine_error(message: str | None) -> OpenAIError:
-    return OpenAIError(message or "the engine failed the request", status=502, type="engine_error")
+    return OpenAIError(message or "the engine failed the request", status=502, code="engine_error")
 
 
 @contextmanager
@@ -86,27 +125,68 @@ def internal_error(request_id: str | None) -> OpenAIError:
     err = OpenAIError(
         f"internal server error (request id {request_id}); see the server log",
         status=500,
-        type="internal_server_error",
+        code="internal_error",
     )
     err.request_id = request_id
     return err
+
+
+def model_not_served(model: object, served: list[str]) -> str:
+    """vLLM's words for a model nobody here serves, and what is (proxy and nodes say the same)."""
+    return f"The model `{model}` does not exist; served here: {', '.join(served) or 'none'} (see /v1/models)."
+
+
+def invalid_json(position: int | None) -> OpenAIError:
+    """One message for a body that does not parse, whichever parser found it (proxy or node)."""
+    where = f" (at character {position})" if position is not None else ""
+    return OpenAIError(f"request body is not valid JSON{where}", param="body", code="invalid_json")
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:
     """The first problem of a body that failed validation, naming the field."""
     errors = exc.errors()
     if not errors:
-        return OpenAIError("invalid request body")
+        return OpenAIError("invalid request body", param="body")
     first = errors[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
-        return OpenAIError(f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "))
-    param = loc[0] if loc else None
-    field = ".".join(loc) if loc else "body"
-    message = first.get("msg", "invalid value").replace("Input should", "should")
+        # FastAPI puts the parser's character offset in the location, after "body"
+        return invalid_json(next((p for p in first.get("loc", ()) if isinstance(p, int)), None))
+    if not loc:  # the body itself: empty, or not an object
+        if first.get("type") == "missing":
+            return OpenAIError("the request body is empty; send a JSON object", param="body",
+                               code="missing_body")
+        return OpenAIError("the request body must be a JSON object", param="body", code="invalid_body")
+    param = loc[0]
+    field = ".".join(loc)
+    message = first.get("msg", "invalid value").replace("Input should", "should").replace("Value error, ", "")
     if first.get("type") == "missing":
         return OpenAIError(f"'{param}' is required", param=param, code="missing_field")
-    return OpenAIError(f"'{field}': {message}", param=param)
+    return OpenAIError(f"'{field}': {message}", param=param, code="invalid_value")
+
+
+def body_error(content_type: str | None, body: bytes) -> OpenAIError | None:
+    """What is wrong with a body as a whole (not JSON at all, or nothing), as the proxy says it too."""
+    if content_type and "json" not in content_type.lower():
+        return OpenAIError(f"Content-Type must be application/json, not {content_type!r}", param="body",
+                           code="invalid_content_type")
+    if not body.strip():
+        return OpenAIError("the request body is empty; send a JSON object", param="body", code="missing_body")
+    return None
+
+
+def http_error(request: Request, status: int, detail: str) -> OpenAIError:
+    """Starlette's own errors (no such route, wrong method, unparsable body) in OpenAI's shape."""
+    method, path = request.method, request.url.path
+    if status == 404:
+        return OpenAIError(f"no route {method} {path}; this server has /v1/completions, "
+                           "/v1/chat/completions, /v1/models, /health, /ready, /metrics",
+                           status=404, code="unknown_url")
+    if status == 405:
+        return OpenAIError(f"method {method} is not allowed on {path}", status=405, code="method_not_allowed")
+    if status == 400:
+        return OpenAIError(f"cannot parse the request body: {detail}", param="body", code="invalid_json")
+    return OpenAIError(detail, status=status)
 
 
 def install_error_handlers(app: FastAPI, metrics: NodeMetrics) -> None:
@@ -121,15 +201,19 @@ def install_error_handlers(app: FastAPI, metrics: NodeMetrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = validation_error(exc)
+        err = body_error(request.headers.get("content-type"), await request.body()) or validation_error(exc)
         err.request_id = request.headers.get(REQUEST_ID_HEADER)
         metrics.observe_error("invalid_request")
         return err.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = OpenAIError(str(exc.detail), status=exc.status_code, type="invalid_request_error")
-        return err.response()
+        err = http_error(request, exc.status_code, str(exc.detail))
+        err.request_id = request.headers.get(REQUEST_ID_HEADER)
+        metrics.observe_error("invalid_request" if exc.status_code < 500 else "internal")
+        response = err.response()
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -2,23 +2,44 @@
 
 Strict mode makes ``"max_tokens": "5"`` or ``"prompt": [true]`` a 400 instead of a silent
 coercion. Unknown fields (``user``, ``frequency_penalty``...) are accepted and ignored,
-as clients send them routinely.
+as clients send them routinely. Integers are bounded here (a 2^70 seed would overflow
+the sampler's int64) and every text must be encodable (a lone surrogate ``"\ud800"``
+is valid JSON but no tokenizer can read it), so both are 400s naming the field.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from common.engine.sampling_params import SamplingParams
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+def _encodable(value: Any) -> Any:
+    """Strings (also inside lists) must be valid Unicode: no unpaired surrogates."""
+    for text in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"contains invalid Unicode (an unpaired surrogate at {exc.start})") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]  # semantic ranges: SamplingParams.validate
+Prompt = Text | list[Text] | list[TokenId] | list[list[TokenId]]
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk (with include_usage)
 
 
 class SamplingRequest(BaseModel):
@@ -26,23 +47,29 @@ class SamplingRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    model: str | None = None
-    max_tokens: int | None = None
+    model: Text | None = None
+    max_tokens: Count | None = None
+    min_tokens: Count = 0
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    top_k: Count = -1
+    seed: Annotated[int, Field(ge=-(2**63), le=INT64_MAX)] | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
-    n: int = 1
+    n: Count = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk: vLLM asks for ``include_usage`` and ``continuous_usage_stats``."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def requested_max_tokens(self) -> int:
         return 16 if self.max_tokens is None else self.max_tokens
@@ -59,6 +86,7 @@ class SamplingRequest(BaseModel):
             top_k=self.top_k,
             seed=self.seed,
             max_tokens=self.requested_max_tokens(),
+            min_tokens=self.min_tokens,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
@@ -70,7 +98,7 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
     prompt: Prompt
-    logprobs: int | None = None
+    logprobs: Count | None = None
     echo: bool = False
 
     def requested_logprobs(self) -> int | None:
@@ -80,14 +108,19 @@ class CompletionRequest(SamplingRequest):
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+
+    def num_chars(self) -> int:
+        if isinstance(self.content, list):
+            return sum(len(part.text) for part in self.content)
+        return len(self.content or "")
 
     def as_template_input(self) -> dict[str, Any]:
         """The plain ``{"role", "content"}`` dict a chat template expects (text parts joined)."""
@@ -102,9 +135,9 @@ class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Count | None = None
 
     def requested_max_tokens(self) -> int:
         if self.max_completion_tokens is not None:

@@ -59,32 +59,42 @@ class ChunkFormatter(Protocol):
 
 
 async def sse_stream(
-    run: GenerationRun, formatter: ChunkFormatter, include_usage: bool, request_id: str
+    run: GenerationRun, formatter: ChunkFormatter, include_usage: bool, request_id: str,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """Opening chunks, a chunk per output, a finish chunk per choice, usage, ``[DONE]``.
 
-    An engine error or an unexpected exception becomes one ``data: {"error": ...}`` event;
-    closing the generator early (client gone) closes ``run.events()``, which aborts.
+    ``continuous_usage`` (vLLM's ``continuous_usage_stats``) adds the usage so far to
+    every chunk. An engine error or an unexpected exception becomes one
+    ``data: {"error": ...}`` event; closing the generator early (client gone) closes
+    ``run.events()``, which aborts.
     """
     failed = False
+
+    def event(chunk: dict[str, Any]) -> str:
+        return sse_event({**chunk, "usage": run.usage()} if continuous_usage else chunk)
+
     try:
         for chunk in formatter.opening():
-            yield sse_event(chunk)
+            yield event(chunk)
         async with aclosing(run.events()) as events:
             async for index, out in events:
                 if out.finish_reason == "error":
-                    yield sse_event(engine_error(out.error).body())
+                    error = engine_error(out.error)
+                    error.request_id = request_id  # its body never shows the routing tag
+                    yield sse_event(error.body())
                     failed = True
                     break
                 chunk = formatter.delta(index, out)
                 if chunk is not None:
-                    yield sse_event(chunk)
+                    yield event(chunk)
                 if out.finished:
-                    yield sse_event(formatter.finish(index, out.finish_reason or "stop"))
+                    yield event(formatter.finish(index, out.finish_reason or "stop"))
         if include_usage and not failed:
             yield sse_event(formatter.usage(run.usage()))
     except OpenAIError as exc:
         run.ctx.metrics.observe_error("invalid_request")
+        exc.request_id = exc.request_id or request_id
         yield sse_event(exc.body())
     except Exception:
         logger.exception("stream failed (request id %s)", request_id)

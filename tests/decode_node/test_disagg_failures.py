@@ -58,14 +58,14 @@ def test_prefill_killed_after_decode_allocated(pair) -> None:
             leg = pool.submit(post, decode.url, "/v1/completions", BODY, rid)
             _wait_until_allocated(decode)  # D allocated blocks and asked P for the KV
             victim.kill()
-            killed_at = time.monotonic()
             r = leg.result()
-        elapsed = time.monotonic() - killed_at
     finally:
         victim.kill()
     assert r.status_code >= 500
-    assert "producer" in r.json()["error"]["message"] or "prefill" in r.json()["error"]["message"]
-    assert elapsed < TIMEOUT_S + 3, f"decode noticed the dead prefill node only after {elapsed:.1f} s"
+    msg = r.json()["error"]["message"]
+    assert "producer" in msg or "prefill" in msg
+    # noticed by the pings (or the pair), not by D's own give-up deadline (lease + timeout)
+    assert "timed out waiting" not in msg, msg
     wait_idle(decode.url, timeout=5)
     assert metric(decode.url, "pdserve:kv_transfer_failures_total") >= 1
     _still_serves(prefill, decode)
@@ -88,6 +88,14 @@ def test_decode_killed_mid_transfer_frees_prefill_blocks(pair) -> None:
     _still_serves(prefill, decode)
 
 
+def test_prefill_times_each_transfer_it_sends(pair) -> None:
+    _, prefill, decode = pair
+    before = metric(prefill.url, "pdserve:kv_transfer_seconds_count")
+    _still_serves(prefill, decode)  # waits until prefill freed the blocks, i.e. got the ACK
+    assert metric(prefill.url, "pdserve:kv_transfer_seconds_count") == before + 1
+    assert metric(prefill.url, "pdserve:kv_transfer_seconds_sum") > 0
+
+
 def test_unclaimed_kv_is_freed_when_the_lease_expires(pair) -> None:
     _, prefill, decode = pair
     before = metric(prefill.url, "pdserve:kv_leases_expired_total")
@@ -96,24 +104,22 @@ def test_unclaimed_kv_is_freed_when_the_lease_expires(pair) -> None:
     assert p.status_code == 200
     assert metric(prefill.url, "pdserve:kv_cache_usage_perc") > 0  # held for the decode node
     wait_idle(prefill.url, timeout=LEASE_S + 5)
+    expired = [line for line in prefill.log.read_text().splitlines() if f"request {rid}: KV lease" in line]
+    assert len(expired) == 1 and " WARNING " in expired[0] and "before any decode node asked" in expired[0]
     assert metric(prefill.url, "pdserve:kv_leases_expired_total") == before + 1
-    # a decode leg arriving after the lease gets a clear error, not a hang
-    t0 = time.monotonic()
+    # a decode leg arriving after the lease gets the producer's clear answer, not a hang
     r = post(decode.url, "/v1/completions", BODY, rid)
-    assert r.status_code >= 500 and "lease" in r.json()["error"]["message"]
-    assert time.monotonic() - t0 < TIMEOUT_S + 3
+    assert r.status_code >= 500 and "lease expired" in r.json()["error"]["message"]
     wait_idle(decode.url)
 
 
 def test_unreachable_prefill_node_fails_fast(pair) -> None:
     _, prefill, decode = pair
     rid = make_request_id(f"127.0.0.1:{free_port()}", decode.kv_addr)
-    t0 = time.monotonic()
     r = post(decode.url, "/v1/completions", BODY, rid)
-    elapsed = time.monotonic() - t0
     assert r.status_code >= 500
-    assert "127.0.0.1" in r.json()["error"]["message"]
-    assert elapsed < TIMEOUT_S + 3
+    msg = r.json()["error"]["message"]
+    assert "127.0.0.1" in msg and "unreachable" in msg, msg  # the handshake's deadline, named
     wait_idle(decode.url)
     _still_serves(prefill, decode)
 
@@ -133,12 +139,17 @@ def test_client_disconnect_while_waiting_for_kv_frees_decode_blocks(pair) -> Non
 
 def test_request_refused_by_decode_releases_prefill_kv_at_once(pair) -> None:
     """The prefill leg (max_tokens 1) succeeds, the decode node refuses the real body: the
-    prefill node must drop the KV now, not hold it until its lease ends."""
+    prefill node must drop the KV now, not hold it until its lease ends. Keyless, the id is
+    unverified, so decode tells only a prefill node it already talks to (never connects for a
+    refused id): one served request first opens that connection."""
     _, prefill, decode = pair
+    _still_serves(prefill, decode)
+    leases_before = metric(prefill.url, "pdserve:kv_leases_expired_total")
     rid = make_request_id(prefill.kv_addr, decode.kv_addr)
     p = post(prefill.url, "/v1/completions", prefill_body(BODY), rid)
     assert p.status_code == 200
     assert metric(prefill.url, "pdserve:kv_cache_usage_perc") > 0
     r = post(decode.url, "/v1/completions", {**BODY, "max_tokens": -1}, rid)
     assert r.status_code == 400
-    wait_idle(prefill.url, timeout=LEASE_S / 2)
+    wait_idle(prefill.url, timeout=LEASE_S + 10)
+    assert metric(prefill.url, "pdserve:kv_leases_expired_total") == leases_before  # released, not expired

@@ -1,6 +1,6 @@
 """Prefill -> decode through two real daemon processes is token-identical to a colocated node.
 
-Greedy output of a prefill daemon + decode daemon pair (KV pushed over a gloo pair)
+Greedy output of a prefill daemon + decode daemon pair (KV pushed over the pair's tcp plane)
 must equal a role-``both`` node's output — on the embedded model and on a tiny random
 Qwen3 checkpoint —, in both dispatch orders, streaming or not,
 for short prompts, prompts spanning many blocks, chunked prefills, and many requests
@@ -14,6 +14,7 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 from disagg_client import disaggregated, post
 
@@ -120,3 +121,7 @@ def test_transfer_metrics_count_bytes(nodes: dict, tmp_path: Path) -> None:
     disaggregated(nodes["prefill"], nodes["decode"], "/v1/completions", _body(_prompt(50, seed=3)))
     assert metric(nodes["decode"].url, "pdserve:kv_transfer_bytes_total") > 0
     assert metric(nodes["prefill"].url, "pdserve:kv_transfer_bytes_total") > 0
+    for role in ("prefill", "decode"):  # the pair's transport, chosen at its handshake (CPU: tcp)
+        text = httpx.get(nodes[role].url + "/metrics", timeout=5).text
+        assert f'pdserve:kv_pairs{{role="{role}",transport="tcp"}} 1.0' in text
+        assert f'pdserve:kv_pairs{{role="{role}",transport="gloo"}} 0.0' in text

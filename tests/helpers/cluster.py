@@ -6,12 +6,14 @@ gets ready fails the test with the tail of its log.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,3 +129,23 @@ def wait_idle(base_url: str, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{base_url} not idle: usage {usage}, running {running}, waiting {waiting}")
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def pd_cluster(tmp: Path, proxy_args: tuple[str, ...] = (), node_args: tuple[str, ...] = (),
+               colocated_args: tuple[str, ...] | None = ()) -> Iterator[dict[str, Proc]]:
+    """A proxy with a prefill and a decode daemon registered (heartbeats every 0.5 s) and, unless
+    ``colocated_args`` is None, a colocated node: ``{"proxy", "prefill", "decode"[, "both"]}``."""
+    procs: dict[str, Proc] = {}
+    try:
+        proxy = procs["proxy"] = start("proxy", tmp, *proxy_args, wait=False)
+        for role in ("prefill", "decode"):
+            procs[role] = start(role, tmp, "--proxy", f"127.0.0.1:{proxy.kv_port}",
+                                "--heartbeat-interval-s", "0.5", *node_args)
+        if colocated_args is not None:
+            procs["both"] = start("both", tmp, *colocated_args)
+        proxy.wait_ready(timeout=60)  # ready = a compatible P and D registered
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()

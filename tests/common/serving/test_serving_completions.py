@@ -100,7 +100,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "temperature": 3.0}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "top_k": -5}, "top_k"),
-    ({"prompt": "x", "model": "gpt-4"}, "model"),
     ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": ""}, "prompt"),
@@ -122,6 +121,13 @@ def test_bad_completion_gets_400_and_server_keeps_serving(client: TestClient, bo
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and error["message"]
     assert _complete(client, prompt="ok", max_tokens=1).status_code == 200
+
+
+def test_unknown_model_is_404_model_not_found(client: TestClient) -> None:
+    reply = _complete(client, prompt="x", model="gpt-4")
+    assert reply.status_code == 404
+    assert reply.json()["error"] | {"message": ""} == {
+        "message": "", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
 
 
 def test_error_messages_say_what_is_wrong(client: TestClient) -> None:

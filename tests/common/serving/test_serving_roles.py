@@ -25,17 +25,47 @@ def _client(engine: FakeEngine, role: str = "both", **kwargs) -> TestClient:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_request_id_is_echoed_unchanged(stream: bool) -> None:
+def test_tagged_id_reaches_the_engine_but_never_the_reply_body(stream: bool) -> None:
     engine = FakeEngine()
     reply = _client(engine).post(
         "/v1/completions", json={"prompt": "x", "max_tokens": 1, "stream": stream}, headers={"X-Request-Id": TAGGED}
     )
-    assert reply.headers["X-Request-Id"] == TAGGED
+    assert reply.headers["X-Request-Id"] == TAGGED  # only the proxy reads a node's headers
     assert engine.calls[0].request_id == TAGGED
+    assert "prefill_addr" not in reply.text
     if not stream:
-        assert reply.json()["id"] == TAGGED
+        assert reply.json()["id"] == "cmpl-abc123"
     else:
-        assert f'"id":"{TAGGED}"' in reply.text
+        assert '"id":"cmpl-abc123"' in reply.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_error_messages_never_show_the_routing_tag(stream: bool) -> None:
+    engine = FakeEngine(error=f"KV for {TAGGED} never came", error_after=0)
+    body = {"prompt": "x", "max_tokens": 2, "stream": stream}
+    failed = _client(engine).post("/v1/completions", json=body, headers={"X-Request-Id": TAGGED})
+    assert "never came" in failed.text and "abc123" in failed.text and "prefill_addr" not in failed.text
+    busy = FakeEngine()
+    busy.running.add(TAGGED)  # the engine refuses a duplicate id, naming it
+    refused = _client(busy).post("/v1/completions", json=body, headers={"X-Request-Id": TAGGED})
+    assert "already running" in refused.text and "prefill_addr" not in refused.text
+
+
+@pytest.mark.parametrize(("path", "prefix"),
+                         [("/v1/completions", "cmpl-"), ("/v1/chat/completions", "chatcmpl-")])
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_request_id_is_echoed_and_body_id_has_the_openai_prefix(path: str, prefix: str,
+                                                                        stream: bool) -> None:
+    engine = FakeEngine()
+    body = {"max_tokens": 1, "stream": stream}
+    body |= {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    reply = _client(engine).post(path, json=body, headers={"X-Request-Id": "my-id-42"})
+    assert reply.headers["X-Request-Id"] == "my-id-42"
+    assert engine.calls[0].request_id == "my-id-42"
+    assert f'"id":"{prefix}my-id-42"' in reply.text.replace(" ", "")
+    fresh = _client(FakeEngine()).post(path, json=body)
+    assert re.search(f'"id":"{prefix}[0-9a-f]{{32}}"', fresh.text.replace(" ", ""))
+    assert fresh.headers["X-Request-Id"].startswith(prefix)
 
 
 def test_request_id_is_generated_when_absent() -> None:

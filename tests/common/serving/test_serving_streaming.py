@@ -73,8 +73,8 @@ def test_engine_error_in_stream_is_one_error_event_then_done(engine: FakeEngine,
     engine.error, engine.error_after = "prefill node 10.0.0.1:14579 unreachable", 2
     events = _events(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "stream": True}).text)
     assert [e["choices"][0]["text"] for e in events[:2]] == ["a", "b"]
-    assert events[2] == {"error": {"message": "prefill node 10.0.0.1:14579 unreachable", "type": "engine_error",
-                                   "param": None, "code": None}}
+    assert events[2] == {"error": {"message": "prefill node 10.0.0.1:14579 unreachable", "type": "server_error",
+                                   "param": None, "code": "engine_error"}}
     assert len(events) == 3
 
 

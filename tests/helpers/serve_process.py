@@ -1,0 +1,50 @@
+"""One ``pdserve serve`` process for a test: started, awaited on /ready, stopped cleanly."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serving(argv: list[str], port: int, log: Path, *, cwd: Path, env: Mapping[str, str] | None = None,
+            ready_timeout: float = 180.0) -> Iterator[str]:
+    """Run ``argv`` (a serve command listening on ``port``) until the block ends; yields its URL.
+
+    Fails with the log if it exits or is not ready in time, and if SIGTERM does not end it
+    with status 0 (a graceful stop)."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "not ready in time:\n" + log.read_text()
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()
