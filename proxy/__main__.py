@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 import uvicorn
 
 from common.config import load_config
+from common.logging_setup import configure_logging
 from proxy.app import build_app
 from proxy.config import ProxyConfig
 
@@ -16,22 +15,14 @@ DESCRIPTION = (
 )
 
 
-def setup_logging(level: str, log_file: str | None) -> None:
-    handlers: list[logging.Handler] = [logging.StreamHandler()]
-    if log_file:
-        handlers.append(logging.FileHandler(log_file))
-    logging.basicConfig(
-        level=level.upper(), handlers=handlers, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
-    )
-
-
 def main(argv: list[str] | None = None) -> None:
     """Run the proxy until interrupted."""
     config = load_config(ProxyConfig, argv, prog="pdserve proxy", description=DESCRIPTION)
-    setup_logging(config.log_level, config.log_file)
+    configure_logging(config.log_level, f"proxy:{config.port}", config.log_file)
     app = build_app(config)
     # Our own per-request log line names the tagged id and the pair; uvicorn's access log would repeat it.
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
+                timeout_keep_alive=config.keep_alive_timeout_s)
 
 
 if __name__ == "__main__":

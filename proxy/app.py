@@ -7,37 +7,49 @@ and the registry's listener thread, so nothing outlives the app.
 from __future__ import annotations
 
 import hmac
-import time
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from common.serving.errors import error_body, error_type, http_error
+from common.serving.limits import BodyLimits
+from common.serving.write_stall import bound_writes
+from common.cluster_auth import ClusterKey, warn_if_open
 from proxy.config import ProxyConfig
-from proxy.errors import ProxyError, Unauthorized, error_body
+from proxy.errors import NoNodeAvailable, ProxyError, Unauthorized
 from proxy.legs import Legs
+from proxy.model_cards import ModelCards
 from proxy.metrics import ProxyMetrics
 from proxy.registry import ServiceRegistry
 from proxy.relay import Dispatcher
 from proxy.routing import Router
 from proxy.transport import PooledTransport
 
+logger = logging.getLogger(__name__)
+
 
 def registry_from_config(config: ProxyConfig) -> ServiceRegistry:
+    key = ClusterKey.optional(config.cluster_key_file)
+    warn_if_open("proxy registry", config.registry_host, key, "register a node and receive clients' prompts")
     return ServiceRegistry(
         host=config.registry_host,
         port=config.registry_port,
         heartbeat_timeout_s=config.heartbeat_timeout_s,
         sweep_interval_s=config.sweep_interval_s,
         static_nodes=config.static_nodes(),
+        key=key,
+        max_nodes=config.max_nodes,
     )
 
 
 def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> FastAPI:
     """The proxy app; the registry starts and stops with it."""
     registry = registry or registry_from_config(config)
-    router = Router(registry, config.policy)
+    router = Router(registry, config.policy, config.node_stall_timeout_s)
     metrics = ProxyMetrics()
 
     @asynccontextmanager
@@ -46,22 +58,45 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
         async with PooledTransport(max_idle_per_origin=config.max_idle_connections,
                                    connect_timeout_s=config.connect_timeout_s) as transport:
             app.state.dispatcher = Dispatcher(Legs(transport, config, metrics), router, config, metrics)
+            app.state.model_cards = ModelCards(registry)
             try:
                 yield
             finally:
                 registry.stop()
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)
-    app.state.config, app.state.registry, app.state.router, app.state.metrics = config, registry, router, metrics
+    app.state.config, app.state.registry = config, registry
+    app.state.router, app.state.metrics = router, metrics
+
+    _add_error_handlers(app, metrics)
+    app.add_middleware(BodyLimits, max_bytes=config.max_request_bytes)
+    app.include_router(_openai_routes(config, router), dependencies=[Depends(_api_key_check(config))])
+    _add_ops_routes(app, router, registry, metrics)
+    bound_writes(app, config.stream_write_timeout_s)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, metrics: ProxyMetrics) -> None:
+    """Every answer the proxy itself makes is an OpenAI error body (unknown path, wrong method, a bug)."""
 
     @app.exception_handler(ProxyError)
     async def _proxy_error(request: Request, exc: ProxyError) -> Response:
         metrics.count_error(exc.kind)
-        return exc.response()
+        return exc.response(request.headers.get("x-request-id"))
 
-    app.include_router(_openai_routes(config, router), dependencies=[Depends(_api_key_check(config))])
-    _add_ops_routes(app, router, registry, metrics)
-    return app
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        metrics.count_error("bad_request")
+        response = http_error(request, exc.status_code, str(exc.detail)).response()
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unexpected error serving %s %s", request.method, request.url.path)
+        metrics.count_error("internal")
+        error = ProxyError("internal proxy error; see the proxy log")
+        return error.response(request.headers.get("x-request-id"))
 
 
 def _api_key_check(config: ProxyConfig):
@@ -89,10 +124,8 @@ def _openai_routes(config: ProxyConfig, router: Router) -> APIRouter:
         return await request.app.state.dispatcher.handle(request, "/v1/chat/completions")
 
     @api.get("/v1/models")
-    async def models() -> dict:
-        created = int(time.time())
-        data = [{"id": m, "object": "model", "created": created, "owned_by": "pdserve"} for m in router.models()]
-        return {"object": "list", "data": data}
+    async def models(request: Request) -> dict:
+        return {"object": "list", "data": await request.app.state.model_cards.cards(router.models())}
 
     return api
 
@@ -104,11 +137,12 @@ def _add_ops_routes(app: FastAPI, router: Router, registry: ServiceRegistry, met
 
     @app.get("/ready")
     async def ready() -> Response:
-        if router.has_pair():
+        if router.has_pair() and registry.listening:
             return JSONResponse({"status": "ready", "nodes": registry.counts()})
         message = f"no compatible prefill/decode pair registered yet (nodes: {registry.counts()})"
-        return JSONResponse(error_body(message, "service_unavailable", 503), status_code=503)
+        return JSONResponse(error_body(message, error_type(503), None, NoNodeAvailable.code), status_code=503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(registry.counts()), media_type="text/plain; version=0.0.4")
+        text = metrics.render(registry.counts(), registry.rejected())
+        return Response(text, media_type="text/plain; version=0.0.4")

@@ -6,7 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from common.cluster_auth import check_key_file
 from common.registry_client import RegistrationMessage
+from common.config import PROXY_HTTP_PORT, PROXY_REGISTRY_PORT
 
 
 class ProxyConfig(BaseModel):
@@ -15,13 +17,15 @@ class ProxyConfig(BaseModel):
     model_config = {"extra": "forbid"}
 
     host: str = Field("127.0.0.1", description="Address the OpenAI HTTP server binds.")
-    port: int = Field(10001, ge=0, le=65535, description="Port of the OpenAI HTTP server.")
+    port: int = Field(PROXY_HTTP_PORT, ge=0, le=65535, description="Port of the OpenAI HTTP server.")
     registry_host: str = Field("127.0.0.1", description="Address the ZMQ registration ROUTER binds.")
     registry_port: int = Field(
-        30001, ge=0, le=65535, description="Port of the ZMQ registration ROUTER (0 picks a free port)."
+        PROXY_REGISTRY_PORT, ge=0, le=65535,
+        description="Port of the ZMQ registration ROUTER (0 picks a free port).",
     )
-    policy: Literal["round_robin", "least_loaded"] = Field(
-        "round_robin", description="How a prefill node and a decode node are each chosen."
+    policy: Literal["round_robin", "least_loaded", "prefix_aware"] = Field(
+        "round_robin", description="How a prefill node and a decode node are each chosen "
+        "(prefix_aware: where the prompt's prefix is likely cached, balanced against load)."
     )
     dispatch: Literal["concurrent", "prefill_first"] = Field(
         "concurrent",
@@ -33,22 +37,48 @@ class ProxyConfig(BaseModel):
     sweep_interval_s: float = Field(1.0, gt=0, description="How often silent nodes are looked for.")
     static_prefill: list[str] = Field(
         default_factory=list,
-        description="Prefill nodes that need no registration: 'HTTP_HOST:PORT@KV_HOST:PORT[@MODEL[@FINGERPRINT]]'.",
+        description="Prefill nodes that need no registration: "
+        "'HTTP_HOST:PORT@KV_HOST:PORT[@MODEL[@FINGERPRINT]]'.",
     )
     static_decode: list[str] = Field(
         default_factory=list,
         description="Decode nodes that need no registration, same format as static_prefill.",
     )
     api_key: str | None = Field(None, description="If set, clients must send 'Authorization: Bearer KEY'.")
+    cluster_key_file: str | None = Field(
+        None, description="Shared secret file (same on every node): signs ids, authenticates registration."
+    )
+    max_nodes: int = Field(1024, ge=1, le=1_000_000, description="Most nodes the registry holds.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Opening a connection to a node.")
-    prefill_timeout_s: float = Field(300.0, gt=0, description="The whole prefill leg.")
+    prefill_timeout_s: float = Field(300.0, gt=0, description="The whole prefill leg, queueing included.")
+    node_stall_timeout_s: float = Field(
+        60.0, gt=0, description="A node whose heartbeats say its engine has been stuck in one step this long "
+        "(a hung kernel, a deadlock) fails the legs it holds with a 504 and gets no new requests."
+    )
     first_token_timeout_s: float = Field(
         300.0, gt=0, description="From dispatch to the decode node's first bytes."
     )
     total_timeout_s: float = Field(3600.0, gt=0, description="A whole request, stream included.")
     max_idle_connections: int = Field(256, gt=0, description="Keep-alive connections kept open to each node.")
+    stream_idle_timeout_s: float = Field(
+        30.0, gt=0, description="A stream that relayed nothing this long is ended (SSE error + [DONE]) and "
+        "both legs are cancelled."
+    )
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body (413 above).")
+    keep_alive_timeout_s: float = Field(
+        5.0, gt=0, le=3600, description="Idle client connections are closed after this many seconds."
+    )
+    stream_write_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="A client that accepted no bytes of a stream this long is cut off "
+        "(connection reset) and both legs are cancelled."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_file: str | None = Field(None, description="Also write logs to this file.")
+
+    @field_validator("cluster_key_file")
+    @classmethod
+    def _key_file(cls, value: str | None) -> str | None:
+        return check_key_file(value)
 
     @field_validator("static_prefill", "static_decode")
     @classmethod

@@ -10,59 +10,70 @@ import json
 
 from starlette.responses import Response
 
-
-def error_body(message: str, err_type: str, code: int | str | None = None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+from common.serving.errors import error_body, error_type
 
 
 class ProxyError(Exception):
-    """An error the client should see; ``kind`` labels the errors metric."""
+    """An error the client should see; ``kind`` labels the errors metric, ``code`` is OpenAI's word."""
 
     status = 500
-    err_type = "internal_error"
+    code: str | None = "internal_error"
     kind = "internal"
+    param: str | None = None
+    role: str | None = None  # the node's role and address, when a node is to blame
+    node: str | None = None
 
-    def __init__(self, message: str, status: int | None = None, body: bytes | None = None):
+    def __init__(self, message: str, status: int | None = None, body: bytes | None = None,
+                 param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message = message
         if status is not None:
             self.status = status
+        if param is not None:
+            self.param = param
+        if code is not None:
+            self.code = code
         self._body = body  # a node's own OpenAI-style error body, relayed as is
+
+    def body_dict(self) -> dict:
+        return error_body(self.message, error_type(self.status), self.param, self.code)
 
     def body_bytes(self) -> bytes:
         if self._body is not None:
             return self._body
-        return json.dumps(error_body(self.message, self.err_type, self.status)).encode()
+        return json.dumps(self.body_dict(), separators=(",", ":")).encode()
 
-    def response(self) -> Response:
-        return Response(self.body_bytes(), status_code=self.status, media_type="application/json")
+    def response(self, request_id: str | None = None) -> Response:
+        headers = {"x-request-id": request_id} if request_id else None
+        return Response(self.body_bytes(), status_code=self.status, media_type="application/json",
+                        headers=headers)
 
     def sse_event(self) -> bytes:
         """The same error as an SSE event followed by [DONE], for a stream already begun."""
-        body = json.dumps(error_body(self.message, self.err_type, self.status))
+        body = json.dumps(self.body_dict(), separators=(",", ":"))
         return f"data: {body}\n\ndata: [DONE]\n\n".encode()
 
 
 class BadRequest(ProxyError):
-    status, err_type, kind = 400, "invalid_request_error", "bad_request"
+    status, code, kind, param = 400, "invalid_value", "bad_request", "body"
 
 
 class Unauthorized(ProxyError):
-    status, err_type, kind = 401, "authentication_error", "unauthorized"
+    status, code, kind = 401, "invalid_api_key", "unauthorized"
 
 
 class ModelNotFound(ProxyError):
-    status, err_type, kind = 404, "not_found_error", "model_not_found"
+    status, code, kind, param = 404, "model_not_found", "model_not_found", "model"
 
 
 class NoNodeAvailable(ProxyError):
-    status, err_type, kind = 503, "service_unavailable", "no_node"
+    status, code, kind = 503, "no_node_available", "no_node"
 
 
 class UpstreamError(ProxyError):
     """A node answered with an error status; its body is relayed when it is OpenAI-style."""
 
-    err_type, kind = "upstream_error", "upstream_status"
+    code, kind = "upstream_error", "upstream_status"
 
     def __init__(self, role: str, node: str, status: int, body: bytes):
         message = f"{role} node {node} answered {status}: {_short(body)}"
@@ -73,7 +84,7 @@ class UpstreamError(ProxyError):
 class UpstreamUnreachable(ProxyError):
     """Could not connect to or talk with a node (or it answered nothing usable)."""
 
-    status, err_type, kind = 502, "bad_gateway", "upstream_unreachable"
+    status, code, kind = 502, "upstream_unreachable", "upstream_unreachable"
 
     def __init__(self, role: str, node: str, detail: str):
         super().__init__(f"{role} node {node} failed: {detail}")
@@ -81,15 +92,39 @@ class UpstreamUnreachable(ProxyError):
 
 
 class UpstreamTimeout(ProxyError):
-    status, err_type, kind = 504, "gateway_timeout", "timeout"
+    status, code, kind = 504, "timeout", "timeout"
 
     def __init__(self, role: str, node: str, phase: str, seconds: float):
-        super().__init__(f"{role} node {node} exceeded the {phase} timeout ({seconds:g} s)")
+        # ``phase`` names the flag that set the bound: "prefill" -> --prefill-timeout-s
+        super().__init__(f"{role} node {node} did not answer within the {phase} timeout "
+                         f"({seconds:g} s, --{phase}-timeout-s)")
+        self.role, self.node = role, node
+
+
+class UpstreamStalled(ProxyError):
+    """A node that still heartbeats but whose engine has been stuck for ``--node-stall-timeout-s``."""
+
+    status, code, kind = 504, "node_stalled", "stalled"
+
+    def __init__(self, role: str, node: str, stalled_s: float, limit_s: float):
+        super().__init__(f"{role} node {node} is stalled: its engine has made no progress for "
+                         f"{stalled_s:.0f} s (--node-stall-timeout-s {limit_s:g}) although it still heartbeats")
         self.role, self.node = role, node
 
 
 class RequestTimeout(ProxyError):
-    status, err_type, kind = 504, "gateway_timeout", "timeout"
+    status, code, kind = 504, "timeout", "timeout"
+
+
+class StreamIdle(ProxyError):
+    """A stream that sent nothing for ``--stream-idle-timeout-s``: ended, both legs cancelled."""
+
+    status, code, kind = 504, "stream_idle_timeout", "stream_idle"
+
+    def __init__(self, node: str, seconds: float):
+        super().__init__(f"decode node {node} sent nothing for {seconds:g} s (--stream-idle-timeout-s); "
+                         "the stream was ended")
+        self.role, self.node = "decode", node
 
 
 class ClientDisconnected(Exception):

@@ -12,6 +12,7 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from common.cluster_auth import SIGNATURE_HEADER, ClusterKey
 from common.registry_client import RegistrationMessage
 from proxy.config import ProxyConfig
 from proxy.errors import UpstreamError, UpstreamTimeout, UpstreamUnreachable
@@ -38,10 +39,17 @@ class Legs:
         self.transport = transport
         self.config = config
         self.metrics = metrics
+        self.key = ClusterKey.optional(config.cluster_key_file)  # signs each tagged id it sends
+
+    def _headers(self, request_id: str) -> list[tuple[str, str]]:
+        headers = [("x-request-id", request_id)]
+        if self.key is not None:
+            headers.append((SIGNATURE_HEADER.lower(), self.key.sign_id(request_id)))
+        return headers
 
     async def _send(self, node: RegistrationMessage, path: str, body: bytes, request_id: str,
                     stream: bool = False) -> Response:
-        resp = await self.transport.post(node.http_address, path, body, [("x-request-id", request_id)])
+        resp = await self.transport.post(node.http_address, path, body, self._headers(request_id))
         if not stream:
             await resp.aread()
         return resp

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -27,7 +28,7 @@ class ProxyMetrics:
         )
         self.ttft = Histogram(
             "pdserve:time_to_first_token_seconds",
-            "Streaming requests: arrival to the first decode bytes relayed, as the proxy sees it.",
+            "Streaming requests: arrival to the first content token relayed (as a client times it).",
             ["role"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -36,10 +37,16 @@ class ProxyMetrics:
             "pdserve:proxy_node_requests", "Legs sent to each node.", ["role", "node"], registry=r
         )
         self.registered = Gauge(
-            "pdserve:registered_nodes", "Nodes in the registry, by type (P or D).", ["role", "type"], registry=r
+            "pdserve:registered_nodes", "Nodes in the registry, by type (P or D).", ["role", "type"],
+            registry=r,
         )
         self.errors = Counter("pdserve:proxy_errors", "Errors, by kind.", ["role", "kind"], registry=r)
         self.retries = Counter("pdserve:proxy_prefill_retries", "Prefill legs retried.", ["role"], registry=r)
+        self.registry_rejected = Counter(
+            "pdserve:proxy_registry_rejected", "Registry messages dropped, by reason.", ["role", "reason"],
+            registry=r,
+        )
+        self._rejected_seen: dict[str, int] = {}
 
     def observe_request(self, status: int, latency_s: float) -> None:
         self.requests.labels("proxy", str(status)).inc()
@@ -57,8 +64,65 @@ class ProxyMetrics:
     def count_retry(self) -> None:
         self.retries.labels("proxy").inc()
 
-    def render(self, node_counts: Mapping[str, int]) -> bytes:
-        """Prometheus text; the node gauge is refreshed here so it is never stale."""
+    def render(self, node_counts: Mapping[str, int], rejected: Mapping[str, int] | None = None) -> bytes:
+        """Prometheus text; the node gauge and the registry's reject counts are refreshed here."""
         for node_type in ("P", "D"):
             self.registered.labels("proxy", node_type).set(node_counts.get(node_type, 0))
+        for reason, total in dict(rejected or {}).items():
+            delta = total - self._rejected_seen.get(reason, 0)
+            if delta > 0:
+                self.registry_rejected.labels("proxy", reason).inc(delta)
+            self._rejected_seen[reason] = total
         return generate_latest(self.registry)
+
+
+class StreamWatch:
+    """Reads the SSE bytes the proxy relays (never changing them) for two moments: the first
+    content token (what clients time as TTFT; the chat role chunk carries none) and ``[DONE]``
+    (after which a client that hangs up has not cut the request short)."""
+
+    _CARRY = 1 << 16  # an event split across reads is kept at most this long
+
+    def __init__(self) -> None:
+        self.first_content_seen = False
+        self.done = False
+        self._partial = b""
+
+    def feed(self, chunk: bytes) -> bool:
+        """Note ``chunk``; True when it completes the stream's first content event."""
+        if self.done:
+            return False
+        data = self._partial + chunk
+        if self.first_content_seen:  # only [DONE] is left to find: no JSON parsing from here
+            self.done = b"data: [DONE]" in data
+            self._partial = data[-16:]
+            return False
+        *events, self._partial = data.split(b"\n\n")
+        if len(self._partial) > self._CARRY:
+            self._partial = b""
+        found = False
+        for event in events:
+            for line in event.split(b"\n"):
+                payload = line[5:].strip() if line.startswith(b"data:") else None
+                if payload == b"[DONE]":
+                    self.done = True
+                elif payload and not self.first_content_seen and _has_content(payload):
+                    self.first_content_seen = found = True
+        return found
+
+
+def _has_content(payload: bytes) -> bool:
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        return False
+    choices = event.get("choices") if isinstance(event, dict) else None
+    for choice in choices if isinstance(choices, list) else []:
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if choice.get("text"):
+            return True
+        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
+            return True
+    return False

@@ -1,10 +1,21 @@
 """The service registry: which prefill and decode nodes exist, fed by ZMQ heartbeats.
 
-A listener thread owns a ROUTER socket. Each frame is a registration message
-(vLLM's three keys or our richer heartbeat, see common.registry_client); it adds or
-refreshes the node keyed by (type, http_address). The same thread sweeps every
-``sweep_interval_s``: a node silent for ``heartbeat_timeout_s`` (or three of its own
-heartbeat intervals, if longer) is evicted even when no other node is sending. Static nodes from config are never evicted.
+A listener thread owns a ROUTER socket. Each message is a registration (vLLM's three
+keys or our richer heartbeat, see common.registry_client); it adds or refreshes the
+node keyed by (type, http_address), and ``goodbye`` removes it. The same thread sweeps
+every ``sweep_interval_s``: a node silent for ``heartbeat_timeout_s`` (or three of its
+own heartbeat intervals, if longer) is evicted even when no other node is sending.
+Static nodes from config are never evicted.
+
+Anyone who can reach the port can send anything, so every message passes, in order:
+libzmq's size cap (an oversized message closes its connection before it is buffered),
+the sender's rate limit, the cluster key's seal (when a key is set), the one validating
+model, and ``max_nodes``. A rejected message is dropped, counted by reason
+(:meth:`rejected`), and logged at most once per sender per minute. Nothing a message holds
+can end the thread.
+
+Nodes are indexed by (model, KV fingerprint), the unit the router pairs within; the
+router reads :meth:`groups`, a snapshot rebuilt only when membership changes.
 """
 
 from __future__ import annotations
@@ -12,19 +23,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
-from common.registry_client import RegistrationError, RegistrationMessage, decode, zmq_endpoint
+from common.cluster_auth import ClusterKey, registry_sealer
+from common.registry_client import (MAX_MESSAGE_BYTES, RegistrationError, RegistrationMessage, decode,
+                                    zmq_endpoint)
 
 logger = logging.getLogger(__name__)
+GroupKey = tuple[str | None, str | None]  # (model, kv_fingerprint)
 
 
 @dataclass
 class Node:
-    """A registered node as the router sees it."""
+    """A registered node as the router sees it (refreshed in place by each heartbeat)."""
 
     info: RegistrationMessage
     last_seen: float
@@ -33,6 +48,27 @@ class Node:
     @property
     def key(self) -> tuple[str, str]:
         return (self.info.type, self.info.http_address)
+
+    @property
+    def group(self) -> GroupKey:
+        return (self.info.model, self.info.kv_fingerprint)
+
+
+@dataclass(frozen=True)
+class Group:
+    """Nodes that can pair with each other: same model and KV layout, sorted by address."""
+
+    model: str | None
+    kv_fingerprint: str | None
+    prefills: tuple[Node, ...]
+    decodes: tuple[Node, ...]
+
+
+@dataclass
+class _Sender:
+    tokens: float
+    stamp: float
+    last_log: float = field(default=-1e18)
 
 
 class ServiceRegistry:
@@ -46,14 +82,24 @@ class ServiceRegistry:
         sweep_interval_s: float = 1.0,
         static_nodes: list[RegistrationMessage] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        key: ClusterKey | None = None,
+        max_nodes: int = 1024,
+        rate_per_s: float = 20.0,
     ):
         self.host = host
         self.port = port  # 0 until start() binds a free port
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.sweep_interval_s = sweep_interval_s
+        self.max_nodes = max_nodes
+        self.rate_per_s = rate_per_s  # per sender; a daemon beats every ~2 s
+        self._sealer = registry_sealer(key)
         self._clock = clock
         self._lock = threading.Lock()
         self._nodes: dict[tuple[str, str], Node] = {}
+        self._groups: tuple[Group, ...] | None = None  # snapshot; None = rebuild on next read
+        self._senders: OrderedDict[bytes, _Sender] = OrderedDict()
+        self._rejected: Counter[str] = Counter()  # reason -> messages dropped
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._bound = threading.Event()
@@ -63,16 +109,32 @@ class ServiceRegistry:
 
     # -- node table -------------------------------------------------------------
 
-    def register(self, msg: RegistrationMessage, static: bool = False) -> None:
-        """Add or refresh a node; a heartbeat from a static node keeps it static."""
+    def register(self, msg: RegistrationMessage, static: bool = False) -> str | None:
+        """Add, refresh or (``goodbye``) remove a node; None when done, else why it was refused.
+        A heartbeat from a static node keeps it static."""
         now = self._clock()
         key = (msg.type, msg.http_address)
         with self._lock:
             old = self._nodes.get(key)
+            if msg.goodbye:
+                if old is not None and not old.static:
+                    del self._nodes[key]
+                    self._groups = None
+                    logger.info("node said goodbye: %s %s", msg.type, msg.http_address)
+                return None
             if old is None:
+                if len(self._nodes) >= self.max_nodes:
+                    return "full"
+                self._nodes[key] = Node(msg, now, static)
+                self._groups = None
                 logger.info("node registered: %s %s kv=%s model=%s", msg.type, msg.http_address,
                             msg.zmq_address, msg.model)
-            self._nodes[key] = Node(msg, now, static or (old is not None and old.static))
+                return None
+            regrouped = (msg.model, msg.kv_fingerprint) != old.group
+            old.info, old.last_seen, old.static = msg, now, static or old.static
+            if regrouped:
+                self._groups = None
+        return None
 
     def timeout_for(self, node: Node) -> float:
         """Silence allowed: the configured timeout, or three of the node's own intervals if longer
@@ -86,6 +148,8 @@ class ServiceRegistry:
             dead = [n for n in self._nodes.values() if not n.static and now - n.last_seen > self.timeout_for(n)]
             for node in dead:
                 del self._nodes[node.key]
+            if dead:
+                self._groups = None
         for node in dead:
             logger.warning("node evicted after %.1f s without heartbeat: %s %s",
                            self.timeout_for(node), node.info.type, node.info.http_address)
@@ -96,10 +160,41 @@ class ServiceRegistry:
         with self._lock:
             return [n for n in self._nodes.values() if node_type is None or n.info.type == node_type]
 
+    def get(self, node_type: str, http_address: str) -> Node | None:
+        """The node of that type at that address, if registered."""
+        with self._lock:
+            return self._nodes.get((node_type, http_address))
+
+    def stalled_for(self, node: Node) -> float:
+        """How long ``node``'s engine has been stuck in one iteration, as of now: what its last
+        heartbeat said plus that heartbeat's age (0 for a node that does not report it)."""
+        reported = node.info.engine_stalled_s
+        return reported + max(0.0, self._clock() - node.last_seen) if reported else 0.0
+
+    def groups(self) -> tuple[Group, ...]:
+        """Nodes by (model, fingerprint); the same snapshot until membership changes."""
+        with self._lock:
+            if self._groups is None:
+                by_key: dict[GroupKey, tuple[list[Node], list[Node]]] = {}
+                for n in sorted(self._nodes.values(), key=lambda n: n.info.http_address):
+                    by_key.setdefault(n.group, ([], []))[0 if n.info.type == "P" else 1].append(n)
+                self._groups = tuple(Group(m, fp, tuple(p), tuple(d)) for (m, fp), (p, d) in by_key.items())
+            return self._groups
+
+    def rejected(self) -> dict[str, int]:
+        """Messages dropped so far, by reason (a metric label)."""
+        with self._lock:
+            return dict(self._rejected)
+
+    def _reject(self, reason: str) -> None:
+        with self._lock:
+            self._rejected[reason] += 1
+
     def counts(self) -> dict[str, int]:
         out = {"P": 0, "D": 0}
-        for node in self.nodes():
-            out[node.info.type] += 1
+        for group in self.groups():
+            out["P"] += len(group.prefills)
+            out["D"] += len(group.decodes)
         return out
 
     # -- listener thread ----------------------------------------------------------
@@ -107,6 +202,11 @@ class ServiceRegistry:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def listening(self) -> bool:
+        """The listener thread runs (readiness: a registry that cannot hear nodes is not ready)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
         """Bind the ROUTER and start the listener; raises zmq.ZMQError if the port is taken."""
@@ -132,6 +232,9 @@ class ServiceRegistry:
     def _bind(self, ctx: zmq.Context) -> zmq.Socket:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        # libzmq drops the connection of a peer sending more: a 50 MB frame is never buffered
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
         try:
             if self.port == 0:
                 self.port = sock.bind_to_random_port(zmq_endpoint(self.host))
@@ -157,22 +260,58 @@ class ServiceRegistry:
         next_sweep = self._clock() + self.sweep_interval_s
         try:
             while not self._stop.is_set():
-                if sock.poll(poll_ms, zmq.POLLIN):
-                    self._receive(sock)
-                if self._clock() >= next_sweep:
-                    self.sweep()
-                    next_sweep = self._clock() + self.sweep_interval_s
+                try:
+                    if sock.poll(poll_ms, zmq.POLLIN):
+                        self._receive(sock)
+                    if self._clock() >= next_sweep:
+                        self.sweep()
+                        next_sweep = self._clock() + self.sweep_interval_s
+                except Exception:  # noqa: BLE001 - the registry outlives any bug a message finds
+                    self._reject("internal")
+                    logger.exception("registry: unexpected error; still listening")
         finally:
             sock.close(linger=0)
             ctx.term()
 
     def _receive(self, sock: zmq.Socket) -> None:
-        while True:
+        for _ in range(1000):  # then sweep: a flood must not starve eviction
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                self.register(decode(frames[-1]))
-            except RegistrationError as exc:
-                logger.warning("ignored a bad registration message: %s", exc)
+            sender, body = frames[0], frames[1:]
+            reason = self._admit(sender)
+            if reason is None:
+                payload, reason = self._sealer.open(body) if body else (None, "frame_count")
+                if payload is not None:
+                    try:
+                        reason = self.register(decode(payload))
+                    except RegistrationError as exc:
+                        reason = "invalid"
+                        self._log(sender, f"ignored a bad registration message: {exc}")
+            if reason is not None:
+                self._reject(reason)
+                self._log(sender, f"registration rejected ({reason})")
+
+    def _admit(self, sender: bytes) -> str | None:
+        """Token bucket per sender (its ZMQ connection); the table keeps the 4,096 latest senders."""
+        now = self._clock()
+        state = self._senders.get(sender)
+        if state is None:
+            state = self._senders[sender] = _Sender(tokens=2 * self.rate_per_s, stamp=now)
+            while len(self._senders) > 4096:
+                self._senders.popitem(last=False)
+        self._senders.move_to_end(sender)
+        state.tokens = min(2 * self.rate_per_s, state.tokens + (now - state.stamp) * self.rate_per_s)
+        state.stamp = now
+        if state.tokens < 1:
+            return "rate_limited"
+        state.tokens -= 1
+        return None
+
+    def _log(self, sender: bytes, message: str) -> None:
+        state = self._senders.get(sender)
+        now = self._clock()
+        if state is not None and now - state.last_log >= 60.0:
+            state.last_log = now
+            logger.warning("%s (sender %s; more from it are not logged for a minute)", message, sender.hex())

@@ -9,9 +9,13 @@ A request's lifecycle here:
    (unreachable, 503) is retried once on another P with a new id. D failed -> P is
    cancelled. The client left -> both are cancelled.
 4. relay: non-stream -> D's JSON as is; stream -> D's bytes chunk by chunk, never
-   buffered. If P fails after streaming began, the client gets an SSE error event
-   and [DONE] (the status line was already sent).
+   buffered. If P fails after streaming began, or D sends nothing for
+   ``--stream-idle-timeout-s``, the client gets an SSE error event and [DONE] (the
+   status line was already sent).
 Cancelling a leg closes its connection; the daemons abort a request on disconnect.
+Ids: the tag (both KV addresses + a uuid) goes only to the daemons; the client sees
+``cmpl-<uuid>`` / ``chatcmpl-<uuid>`` (the daemons build the body's id from the tag's
+uuid) and its own ``X-Request-Id`` echoed back.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -27,31 +32,64 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from common.logging_setup import current_request_id
+from common.registry_client import RegistrationMessage
 from common.request_id import make_request_id
+from common.serving.errors import body_error, invalid_json
+from common.serving.limits import MAX_REQUEST_ID_CHARS
 from proxy.config import ProxyConfig
-from proxy.errors import (BadRequest, ClientDisconnected, ProxyError, RequestTimeout, UpstreamUnreachable,
-                          is_retryable)
+from proxy.errors import (BadRequest, ClientDisconnected, ProxyError, RequestTimeout, StreamIdle,
+                          UpstreamUnreachable, is_retryable)
 from proxy.legs import Legs, prefill_body, read_chunks
-from proxy.metrics import ProxyMetrics
+from proxy.liveness import CHECK_INTERVAL_S, LostCheck, node_lost, watched
+from proxy.metrics import ProxyMetrics, StreamWatch
+from proxy.prefix_policy import prompt_text
 from proxy.routing import Pair, Router
 from proxy.transport import Response as NodeResponse
 
 logger = logging.getLogger(__name__)
 _CLIENT_CLOSED = 499  # nginx's status for "client closed request": logged, never sent
+_OFF_LOOP_BYTES = 256 * 1024  # bodies larger than this are parsed and re-encoded in a worker thread
+
+
+@dataclass
+class Incoming:
+    """What the client sent that outlives an attempt: its path, its own id, the arrival time."""
+
+    path: str
+    client_id: str | None
+    start: float
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)  # the first attempt's uuid
+
+    @property
+    def id_prefix(self) -> str:
+        return "chatcmpl-" if self.path.endswith("/chat/completions") else "cmpl-"
+
+    @property
+    def public_id(self) -> str:
+        """The id a client sees when no attempt was made (a refusal before routing)."""
+        return self.id_prefix + self.uid
 
 
 @dataclass
 class Call:
-    """One attempt: a pair, its tagged id, and the legs in flight."""
+    """One attempt: a pair, its tagged id (daemons only), its public id, and the legs in flight."""
 
     pair: Pair
     request_id: str
+    public_id: str
     start: float
     prefill: asyncio.Task | None = None
     decode: asyncio.Task | None = None
     response: NodeResponse | None = None  # the open decode stream
     tasks: list[asyncio.Task] = field(default_factory=list)
     closed: bool = False
+    client_id: str | None = None
+
+    @property
+    def echo_id(self) -> str:
+        """The response's X-Request-Id: the client's own, else the id in the body."""
+        return self.client_id or self.public_id
 
     def spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -64,7 +102,8 @@ class Call:
         for task in self.tasks:
             task.cancel()
         d = self.decode
-        if self.response is None and d is not None and d.done() and not d.cancelled() and d.exception() is None:
+        opened = d is not None and d.done() and not d.cancelled() and d.exception() is None
+        if self.response is None and opened:
             self.response = d.result()  # opened just as we gave up on it: must still be closed
         if self.response is not None:
             with anyio.CancelScope(shield=True):  # runs while our own task may be cancelled
@@ -78,41 +117,57 @@ class Dispatcher:
         self.legs, self.router, self.config, self.metrics = legs, router, config, metrics
 
     async def handle(self, request: Request, path: str) -> Response:
-        start = time.perf_counter()
+        incoming = Incoming(path, request.headers.get("x-request-id"), time.perf_counter())
+        current_request_id.set(incoming.public_id)  # every line logged for this request carries it
         try:
+            if incoming.client_id is not None and len(incoming.client_id) > MAX_REQUEST_ID_CHARS:
+                incoming.client_id = None  # not echoed: it is what is wrong
+                raise BadRequest(f"X-Request-Id is longer than {MAX_REQUEST_ID_CHARS} characters",
+                                 param="X-Request-Id")
             body_bytes = await request.body()
-            body = _parse_body(body_bytes)
+            refused = body_error(request.headers.get("content-type"), body_bytes)  # as a node says it
+            if refused is not None:
+                raise BadRequest(refused.message, code=refused.code)
+            body = await _off_loop(len(body_bytes), _parse_body, body_bytes)
         except ProxyError as exc:
-            return self._failed(exc, start)
+            return self._failed(exc, incoming)
         watcher = asyncio.ensure_future(_wait_disconnect(request))  # only after the body is read
+        attempts: list[Call] = []
         try:
             async with asyncio.timeout(self.config.total_timeout_s):
-                return await self._with_retry(body, body_bytes, path, start, watcher)
+                return await self._with_retry(body, body_bytes, incoming, watcher, attempts)
         except TimeoutError:
-            return self._failed(RequestTimeout(f"request exceeded {self.config.total_timeout_s:g} s"), start)
+            exc = RequestTimeout(f"request exceeded {self.config.total_timeout_s:g} s")
+            return self._failed(exc, incoming, attempts[-1] if attempts else None)
         except ProxyError as exc:
-            return self._failed(exc, start)
+            return self._failed(exc, incoming, attempts[-1] if attempts else None)
         except ClientDisconnected:
-            self._finish(None, _CLIENT_CLOSED, start)
+            last = attempts[-1] if attempts else None
+            self._finish(last, _CLIENT_CLOSED, incoming.start, "client went away", incoming)
             return Response(status_code=_CLIENT_CLOSED)
         finally:
             watcher.cancel()
 
     async def _with_retry(
-        self, body: dict, body_bytes: bytes, path: str, start: float, watcher: asyncio.Task
+        self, body: dict, body_bytes: bytes, incoming: Incoming, watcher: asyncio.Task, attempts: list[Call]
     ) -> Response:
-        model = body.get("model") if isinstance(body.get("model"), str) else None
-        p_bytes = prefill_body(body, path)
+        path = incoming.path
+        model = body.get("model") if _is_text(body.get("model")) else None  # else the nodes refuse it
+        p_bytes = await _off_loop(len(body_bytes), prefill_body, body, path)
         stream = body.get("stream") is True
         failed_prefills: set[str] = set()
+        prompt = prompt_text(body) if self.config.policy == "prefix_aware" else ""
         while True:
-            pair = self.router.pick(model, frozenset(failed_prefills))
-            call = Call(pair, make_request_id(pair.prefill.zmq_address, pair.decode.zmq_address), start)
+            pair = self.router.pick(model, frozenset(failed_prefills), prompt)
+            uid = uuid.uuid4().hex if attempts else incoming.uid
+            tagged = make_request_id(pair.prefill.zmq_address, pair.decode.zmq_address, uid)
+            call = Call(pair, tagged, incoming.id_prefix + uid, incoming.start, client_id=incoming.client_id)
+            attempts.append(call)
             self.router.begin(pair)
             try:
                 self._spawn_prefill(call, path, p_bytes)
                 if self.config.dispatch == "prefill_first":
-                    await _until(call.prefill, call, watcher)
+                    await _until(call.prefill, call, watcher)  # the leg watches its node itself
                 if stream:
                     return await self._open_stream(call, path, body_bytes, watcher)
                 return await self._run_full(call, path, body_bytes, watcher)
@@ -122,67 +177,89 @@ class Dispatcher:
                     raise
                 failed_prefills.add(pair.prefill.http_address)
                 self.metrics.count_retry()
-                logger.warning("request %s: prefill refused (%s), retrying on another node", call.request_id, exc)
+                logger.warning("request %s: prefill refused (%s), retrying on another node", call.public_id,
+                               exc)
             except BaseException:
                 await self._close(call)
                 raise
 
     def _spawn_prefill(self, call: Call, path: str, p_bytes: bytes) -> None:
-        call.prefill = call.spawn(self.legs.prefill(call.pair.prefill, path, p_bytes, call.request_id))
+        # watched in either dispatch order: a stalled P must fail the leg, not wait out --prefill-timeout-s
+        leg = self.legs.prefill(call.pair.prefill, path, p_bytes, call.request_id)
+        call.prefill = call.spawn(watched(leg, self._lost("prefill", call.pair.prefill)))
 
     async def _run_full(self, call: Call, path: str, body_bytes: bytes, watcher: asyncio.Task) -> Response:
         call.decode = call.spawn(self.legs.decode_full(call.pair.decode, path, body_bytes, call.request_id))
-        resp = await _until(call.decode, call, watcher)
+        resp = await _until(call.decode, call, watcher, self._lost("decode", call.pair.decode))
         await self._close(call)  # a prefill leg still open after D finished has nothing left to do
         self._finish(call, resp.status_code, call.start)
         headers = {"content-type": resp.headers.get("content-type", "application/json"),
-                   "x-request-id": call.request_id}
+                   "x-request-id": call.echo_id}
         return Response(resp.content, status_code=resp.status_code, headers=headers)
 
     async def _open_stream(self, call: Call, path: str, body_bytes: bytes, watcher: asyncio.Task) -> Response:
         decode = call.pair.decode
         call.decode = call.spawn(self.legs.decode_open(decode, path, body_bytes, call.request_id))
         try:
+            gone = self._lost("decode", decode)
             async with asyncio.timeout(self.config.first_token_timeout_s):
-                call.response = await _until(call.decode, call, watcher)
+                try:  # a live node sends a stream's headers at once, before any compute: none is a stall
+                    async with asyncio.timeout(self.config.stream_idle_timeout_s):
+                        call.response = await _until(call.decode, call, watcher, gone)
+                except TimeoutError:
+                    raise StreamIdle(decode.http_address, self.config.stream_idle_timeout_s) from None
                 chunks = read_chunks(call.response, decode.http_address)
-                first = await _until(call.spawn(_next(chunks)), call, watcher)
+                first = await _until(call.spawn(_next(chunks)), call, watcher, gone)
         except TimeoutError as exc:
             raise RequestTimeout(f"decode node {decode.http_address} sent nothing within the first-token "
                                  f"timeout ({self.config.first_token_timeout_s:g} s)") from exc
         if first is None:
             raise UpstreamUnreachable("decode", decode.http_address, "stream ended before any data")
         headers = {"content-type": call.response.headers.get("content-type", "text/event-stream"),
-                   "x-request-id": call.request_id}
+                   "x-request-id": call.echo_id}
         return StreamingResponse(self._relay(call, first, chunks), headers=headers)
 
     async def _relay(self, call: Call, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        status = _CLIENT_CLOSED  # stays so if the client's disconnect cancels us
-        deadline = asyncio.get_running_loop().time() + self.config.total_timeout_s - (time.perf_counter()
-                                                                                     - call.start)
+        status = _CLIENT_CLOSED  # stays so if the client's disconnect cancels us (unless [DONE] went out)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.total_timeout_s - (time.perf_counter() - call.start)
+        idle_s = self.config.stream_idle_timeout_s
+        watch = StreamWatch()
+        detail = ""
         try:
-            yield first
-            self.metrics.observe_ttft(time.perf_counter() - call.start)
+            chunk: bytes | None = first
             try:
-                # The deadline wraps each read, never a yield: a timeout armed across a yield
-                # would fire inside Starlette's send, outside this generator.
-                while True:
-                    async with asyncio.timeout_at(deadline):
-                        chunk = await self._next_relayed(call, chunks)
-                    if chunk is None:
-                        break
+                while chunk is not None:
+                    first_content = watch.feed(chunk)
                     yield chunk
+                    if first_content:  # what a client's TTFT measures: content, not the role chunk
+                        self.metrics.observe_ttft(time.perf_counter() - call.start)
+                    # The deadlines wrap each read, never a yield: a timeout armed across a yield
+                    # would fire inside Starlette's send, outside this generator.
+                    idle_at = loop.time() + idle_s
+                    try:
+                        async with asyncio.timeout_at(min(deadline, idle_at)):
+                            chunk = await self._next_relayed(call, chunks)
+                    except TimeoutError:
+                        if idle_at < deadline:
+                            raise StreamIdle(call.pair.decode.http_address, idle_s) from None
+                        raise
                 status = 200
             except TimeoutError:
-                exc = RequestTimeout(f"request exceeded {self.config.total_timeout_s:g} s")
-                status = self._count_error(exc)
+                exc: ProxyError = RequestTimeout(f"request exceeded {self.config.total_timeout_s:g} s")
+                status, detail = self._count_error(exc), str(exc)
                 yield exc.sse_event()
             except ProxyError as exc:
-                status = self._count_error(exc)
+                status, detail = self._count_error(exc), str(exc)
                 yield exc.sse_event()
         finally:
+            if status == _CLIENT_CLOSED and watch.done:
+                status = 200  # the client left after [DONE]: the request completed
             await self._close(call)
-            self._finish(call, status, call.start)
+            self._finish(call, status, call.start, detail)
+
+    def _lost(self, role: str, node: RegistrationMessage) -> LostCheck:
+        return node_lost(self.router.registry, role, node, self.config.node_stall_timeout_s)
 
     async def _next_relayed(self, call: Call, chunks: AsyncIterator[bytes]) -> bytes | None:
         # While the prefill leg runs, its failure must interrupt the stream; after, read plainly.
@@ -198,37 +275,50 @@ class Dispatcher:
         self.router.end(call.pair)
         await call.abort()
 
-    def _failed(self, exc: ProxyError, start: float) -> Response:
-        self._finish(None, self._count_error(exc), start, str(exc))
-        return exc.response()
+    def _failed(self, exc: ProxyError, incoming: Incoming, call: Call | None = None) -> Response:
+        self._finish(call, self._count_error(exc), incoming.start, str(exc), incoming)
+        return exc.response(call.echo_id if call is not None else incoming.client_id or incoming.public_id)
 
     def _count_error(self, exc: ProxyError) -> int:
         self.metrics.count_error(exc.kind)
         return exc.status
 
-    def _finish(self, call: Call | None, status: int, start: float, detail: str = "") -> None:
+    def _finish(self, call: Call | None, status: int, start: float, detail: str = "",
+                incoming: Incoming | None = None) -> None:
+        """One log line per request: its ids, the nodes, the status, and what failed (naming the node)."""
         latency = time.perf_counter() - start
         self.metrics.observe_request(status, latency)
+        level = logging.INFO if status < 500 else logging.WARNING
         if call is None:
-            logger.info("request failed status=%d latency=%.1fms %s", status, latency * 1e3, detail)
-        else:
-            logger.info("request %s P=%s D=%s status=%d latency=%.1fms", call.request_id,
-                        call.pair.prefill.http_address, call.pair.decode.http_address, status, latency * 1e3)
+            assert incoming is not None
+            client = f" client_id={incoming.client_id}" if incoming.client_id else ""
+            logger.log(level, "request %s%s status=%d latency=%.1fms %s", incoming.public_id, client, status,
+                       latency * 1e3, detail)
+            return
+        client = f" client_id={call.client_id}" if call.client_id else ""
+        logger.log(level, "request %s%s tag=%s P=%s D=%s status=%d latency=%.1fms %s", call.public_id, client,
+                   call.request_id, call.pair.prefill.http_address, call.pair.decode.http_address, status,
+                   latency * 1e3, detail)
 
 
-async def _until(task: asyncio.Task, call: Call, watcher: asyncio.Task | None):
-    """``task``'s result, unless the prefill leg fails or the client leaves first."""
+async def _until(task: asyncio.Task, call: Call, watcher: asyncio.Task | None,
+                 gone: LostCheck | None = None):
+    """``task``'s result, unless the prefill leg fails, the client leaves, or ``gone()`` (checked
+    every second) says the node answering it was evicted first."""
     while not task.done():
         waiting = {task}
         if watcher is not None:
             waiting.add(watcher)
         if call.prefill is not None and call.prefill is not task and not call.prefill.done():
             waiting.add(call.prefill)
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED,
+                           timeout=CHECK_INTERVAL_S if gone is not None else None)
         if watcher is not None and watcher.done():
             raise ClientDisconnected()
         if call.prefill is not task:
             _raise_if_failed(call.prefill)
+        if gone is not None and not task.done() and (error := gone()) is not None:
+            raise error
     return task.result()
 
 
@@ -255,11 +345,34 @@ def _retrieve(task: asyncio.Task) -> None:
         task.exception()
 
 
+async def _off_loop(size: int, fn, *args):
+    """``fn(*args)``; in a worker thread for a large body, so /health and other requests go on."""
+    if size <= _OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def _is_text(value: object) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:  # a lone surrogate: no node serves such a name
+        return False
+    return True
+
+
 def _parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
-    except ValueError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        err = invalid_json(exc.pos)
+        raise BadRequest(err.message, code=err.code) from exc
+    except ValueError as exc:  # bytes that are not UTF-8
+        err = invalid_json(None)
+        raise BadRequest(err.message, code=err.code) from exc
+    except RecursionError as exc:  # BodyLimits bounds the depth first; this is the last line
+        raise BadRequest("request body nests JSON too deeply", code="nesting_too_deep") from exc
     if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+        raise BadRequest("request body must be a JSON object", code="invalid_body")
     return body

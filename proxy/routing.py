@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from common.registry_client import RegistrationMessage
-from proxy.errors import ModelNotFound, NoNodeAvailable
-from proxy.registry import Node, ServiceRegistry
+from common.serving.errors import model_not_served
+from proxy.errors import ModelNotFound, NoNodeAvailable, ProxyError
+from proxy.prefix_policy import PrefixAware
+from proxy.registry import Group, GroupKey, Node, ServiceRegistry
 
 
 def compatible(p: RegistrationMessage, d: RegistrationMessage) -> bool:
@@ -30,18 +32,21 @@ class Pair:
 
 
 class Policy(Protocol):
-    def choose(self, nodes: list[Node], inflight: Counter) -> Node: ...
+    """Picks one of ``nodes``: never empty, sorted by http_address, shared (read, do not change).
+    ``prompt`` is the request's text (prefix_aware reads it)."""
+
+    def choose(self, nodes: list[Node], inflight: Counter, prompt: str = "") -> Node: ...
 
 
 class RoundRobin:
-    """Each role's own counter walks its candidates in address order."""
+    """Each role's own counter walks its candidates in address order (the router hands them
+    over sorted, so a pick costs the same for 2 nodes or 2,000)."""
 
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, nodes: list[Node], inflight: Counter) -> Node:
-        ordered = sorted(nodes, key=lambda n: n.info.http_address)
-        return ordered[next(self._counter) % len(ordered)]
+    def choose(self, nodes: list[Node], inflight: Counter, prompt: str = "") -> Node:
+        return nodes[next(self._counter) % len(nodes)]
 
 
 class LeastLoaded:
@@ -51,7 +56,7 @@ class LeastLoaded:
     a burst between two heartbeats would all land on the same node.
     """
 
-    def choose(self, nodes: list[Node], inflight: Counter) -> Node:
+    def choose(self, nodes: list[Node], inflight: Counter, prompt: str = "") -> Node:
         def score(n: Node) -> tuple:
             free = n.info.num_free_blocks if n.info.num_free_blocks is not None else 0
             return (n.info.load + inflight[n.key], -free, n.info.http_address)
@@ -64,45 +69,62 @@ def make_policy(name: str) -> Policy:
         return RoundRobin()
     if name == "least_loaded":
         return LeastLoaded()
-    raise ValueError(f"unknown routing policy {name!r}: use round_robin or least_loaded")
+    if name == "prefix_aware":
+        return PrefixAware()
+    raise ValueError(f"unknown routing policy {name!r}: use round_robin, least_loaded or prefix_aware")
 
 
 class Router:
-    """Picks pairs from the registry and counts the legs in flight on each node."""
+    """Picks pairs from the registry and counts the legs in flight on each node.
 
-    def __init__(self, registry: ServiceRegistry, policy: str = "round_robin"):
+    Cost per request: one pass over the registry's (model, fingerprint) groups, the
+    policy's pass over the prefill candidates, then over the chosen group's decodes --
+    never P x D. Candidate lists are cached until the registry's membership changes.
+    """
+
+    def __init__(self, registry: ServiceRegistry, policy: str = "round_robin",
+                 stall_limit_s: float = float("inf")):
         self.registry = registry
+        self.stall_limit_s = stall_limit_s  # a node stuck in one engine step this long gets no new work
         self._prefill_policy = make_policy(policy)
         self._decode_policy = make_policy(policy)
         self._inflight: Counter = Counter()
+        self._cache: tuple[tuple[Group, ...], dict[str | None, _Candidates]] = ((), {})
 
-    def pick(self, model: str | None, exclude_prefill: frozenset[str] = frozenset()) -> Pair:
-        """A compatible pair for ``model``; raises NoNodeAvailable or ModelNotFound."""
-        prefills = [n for n in self.registry.nodes("P") if n.info.http_address not in exclude_prefill]
-        decodes = self.registry.nodes("D")
+    def pick(self, model: str | None, exclude_prefill: frozenset[str] = frozenset(),
+             prompt: str = "") -> Pair:
+        """A compatible pair for ``model`` (``prompt``: its text, for prefix_aware); raises
+        NoNodeAvailable or ModelNotFound."""
+        c = self._candidates(model)
+        prefills = c.prefills
+        if exclude_prefill:
+            prefills = [n for n in prefills if n.info.http_address not in exclude_prefill]
         if not prefills:
-            raise NoNodeAvailable("no prefill node is registered" + (" (besides ones that just failed)"
-                                                                      if exclude_prefill else ""))
-        if not decodes:
-            raise NoNodeAvailable("no decode node is registered")
-        prefills, decodes = _serving(prefills, model), _serving(decodes, model)
-        if not prefills or not decodes:
-            raise ModelNotFound(f"the model {model!r} is not served here; see /v1/models")
-        usable_p = [p for p in prefills if any(compatible(p.info, d.info) for d in decodes)]
-        if not usable_p:
-            raise NoNodeAvailable(f"no compatible prefill/decode pair: {_describe(prefills)} vs {_describe(decodes)}"
-                                  " (model and KV layout fingerprint must match)")
-        p = self._prefill_policy.choose(usable_p, self._inflight)
-        d = self._decode_policy.choose([d for d in decodes if compatible(p.info, d.info)], self._inflight)
+            if c.error is not None:
+                raise type(c.error)(c.error.message)  # a fresh one each time: no traceback pile-up
+            raise NoNodeAvailable("no prefill node is registered (besides ones that just failed)")
+        p = self._choose(self._prefill_policy, prefills, prompt, "prefill")
+        d = self._choose(self._decode_policy, c.decodes_of[p.group], prompt, "decode")
         return Pair(p.info, d.info)
+
+    def _choose(self, policy: Policy, nodes: list[Node], prompt: str, role: str) -> Node:
+        """The policy's pick among ``nodes``, skipping any whose engine is stuck past the stall
+        limit (checked on the pick first, so the common case costs no pass over the list)."""
+        node = policy.choose(nodes, self._inflight, prompt)
+        if self.registry.stalled_for(node) < self.stall_limit_s:
+            return node
+        live = [n for n in nodes if self.registry.stalled_for(n) < self.stall_limit_s]
+        if not live:
+            raise NoNodeAvailable(f"every compatible {role} node is stalled (its engine has made no "
+                                  f"progress for {self.stall_limit_s:g} s, --node-stall-timeout-s)")
+        return policy.choose(live, self._inflight, prompt)
 
     def has_pair(self) -> bool:
         """True when at least one compatible (P, D) pair is registered (readiness)."""
-        decodes = self.registry.nodes("D")
-        return any(compatible(p.info, d.info) for p in self.registry.nodes("P") for d in decodes)
+        return any(g.prefills and g.decodes for g in self.registry.groups())
 
     def models(self) -> list[str]:
-        return sorted({n.info.model for n in self.registry.nodes() if n.info.model})
+        return sorted({g.model for g in self.registry.groups() if g.model})
 
     def begin(self, pair: Pair) -> None:
         """Count both legs as in flight (least-loaded reads it) until ``end(pair)``."""
@@ -115,11 +137,46 @@ class Router:
             if self._inflight[key] <= 0:
                 del self._inflight[key]
 
+    def _candidates(self, model: str | None) -> _Candidates:
+        groups = self.registry.groups()
+        if groups is not self._cache[0]:
+            self._cache = (groups, {})
+        by_model = self._cache[1]
+        if model not in by_model:
+            if len(by_model) > 256:  # model names come from clients: keep the cache bounded
+                by_model.clear()
+            by_model[model] = _Candidates.of(groups, model)
+        return by_model[model]
 
-def _serving(nodes: list[Node], model: str | None) -> list[Node]:
-    if model is None:
-        return nodes
-    return [n for n in nodes if n.info.model is None or n.info.model == model]
+
+@dataclass
+class _Candidates:
+    """For one requested model: prefills that have a partner, each group's decodes, or the error."""
+
+    prefills: list[Node]  # sorted by address; policies read, never change, these lists
+    decodes_of: dict[GroupKey, list[Node]]
+    error: ProxyError | None
+
+    @classmethod
+    def of(cls, groups: tuple[Group, ...], model: str | None) -> _Candidates:
+        all_p = [n for g in groups for n in g.prefills]
+        all_d = [n for g in groups for n in g.decodes]
+        serving = [g for g in groups if model is None or g.model is None or g.model == model]
+        usable = [g for g in serving if g.prefills and g.decodes]
+        error: ProxyError | None = None
+        if not all_p:
+            error = NoNodeAvailable("no prefill node is registered")
+        elif not all_d:
+            error = NoNodeAvailable("no decode node is registered")
+        elif not any(g.prefills for g in serving) or not any(g.decodes for g in serving):
+            error = ModelNotFound(model_not_served(model, sorted({g.model for g in groups if g.model})))
+        elif not usable:
+            ps = [n for g in serving for n in g.prefills]
+            ds = [n for g in serving for n in g.decodes]
+            error = NoNodeAvailable(f"no compatible prefill/decode pair: {_describe(ps)} vs {_describe(ds)}"
+                                    " (model and KV layout fingerprint must match)")
+        prefills = sorted((n for g in usable for n in g.prefills), key=lambda n: n.info.http_address)
+        return cls(prefills, {(g.model, g.kv_fingerprint): list(g.decodes) for g in usable}, error)
 
 
 def _describe(nodes: list[Node]) -> str:

@@ -42,7 +42,7 @@ class Behavior:
     delay_s: float = 0.0  # before answering (P: the whole leg; D: before the first chunk)
     chunk_delay_s: float = 0.0
     chunks: list[bytes] = field(default_factory=lambda: list(SSE_CHUNKS))
-    error_body: bytes = b'{"error":{"message":"fake failure","type":"server_error","param":null,"code":500}}'
+    error_body: bytes = b'{"error":{"message":"fake failure","type":"server_error","param":null,"code":"internal_error"}}'
 
 
 class FakeNode:

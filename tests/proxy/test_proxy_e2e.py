@@ -12,25 +12,13 @@ import httpx
 import openai
 import pytest
 
-from helpers.cluster import metric, start, wait_idle
+from helpers.cluster import metric, pd_cluster, start, wait_idle
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("proxy-e2e")
-    procs = []
-    try:
-        proxy = start("proxy", tmp, "--heartbeat-timeout-s", "6", wait=False)
-        procs.append(proxy)
-        registry = f"127.0.0.1:{proxy.kv_port}"
-        for role in ("prefill", "decode"):
-            procs.append(start(role, tmp, "--proxy", registry, "--heartbeat-interval-s", "0.5"))
-        procs.append(start("both", tmp))
-        proxy.wait_ready(timeout=30)  # ready = a compatible P and D registered
-        yield dict(zip(("proxy", "prefill", "decode", "both"), procs))
-    finally:
-        for p in procs:
-            p.stop()
+    with pd_cluster(tmp_path_factory.mktemp("proxy-e2e"), ("--heartbeat-timeout-s", "6")) as procs:
+        yield procs
 
 
 def _client(proc) -> openai.OpenAI:
@@ -44,6 +32,8 @@ MESSAGES = [{"role": "user", "content": "What does the with statement do?"}]
 def test_models_lists_the_registered_model(cluster) -> None:
     models = _client(cluster["proxy"]).models.list()
     assert [m.id for m in models.data] == ["pdserve-tiny"]
+    node = httpx.get(cluster["decode"].url + "/v1/models").json()["data"][0]
+    assert models.data[0].max_model_len == node["max_model_len"] > 0  # type: ignore[attr-defined]
 
 
 def test_chat_through_the_proxy_matches_colocated(cluster) -> None:
@@ -51,7 +41,7 @@ def test_chat_through_the_proxy_matches_colocated(cluster) -> None:
     got = _client(cluster["proxy"]).chat.completions.create(model="pdserve-tiny", messages=MESSAGES, **GREEDY)
     assert got.choices[0].message.content == expected.choices[0].message.content
     assert got.usage.completion_tokens == expected.usage.completion_tokens == 12
-    assert got.id.startswith("___prefill_addr_")  # the tagged id both legs used
+    assert got.id.startswith("chatcmpl-") and "prefill_addr" not in got.id  # the tag stays between proxy and nodes
 
     stream = _client(cluster["proxy"]).chat.completions.create(
         model="pdserve-tiny", messages=MESSAGES, stream=True, **GREEDY)
@@ -82,6 +72,19 @@ def test_metrics_and_idle_after_traffic(cluster) -> None:
     text = httpx.get(cluster["proxy"].url + "/metrics").text
     assert 'pdserve:registered_nodes{role="proxy",type="P"} 1.0' in text
     assert 'pdserve:registered_nodes{role="proxy",type="D"} 1.0' in text
+
+
+def test_proxy_log_lines_name_the_node_and_the_request(cluster) -> None:
+    proxy = cluster["proxy"]
+    got = _client(proxy).completions.create(model="pdserve-tiny", prompt="logged", **GREEDY)
+    # The same "[node] [request id]" prefix as the daemons' lines, so one grep for the id finds them all.
+    marker = f"[proxy:{proxy.port}] [{got.id}]"
+    deadline = time.monotonic() + 30
+    while marker not in proxy.log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, proxy.log_tail()
+        time.sleep(0.1)
+    line = next(ln for ln in proxy.log.read_text(errors="replace").splitlines() if marker in ln)
+    assert "status=200" in line and "P=" in line and "D=" in line
 
 
 def test_a_dead_decode_node_is_evicted(cluster, tmp_path) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import httpx
 import msgpack
+import pytest
 import zmq
 from proxy_fakes import FakeNode, ServerThread, wait_for
 
@@ -103,3 +105,35 @@ def _get_ok(url: str) -> bool:
         return httpx.get(url).status_code == 200
     except httpx.TransportError:
         return False
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_leg_whose_node_is_evicted_fails_instead_of_waiting_out_its_timeout(stream):
+    """A stopped decode node: the proxy evicts it after missed heartbeats, and the request it
+    holds fails then (502 naming it), not after the minutes-long total / first-token timeout."""
+    p, d = FakeNode("P", "p0"), FakeNode("D", "d0")
+    config = ProxyConfig(port=0, registry_port=0, heartbeat_timeout_s=0.5, sweep_interval_s=0.05)
+    app = build_app(config)
+    with ServerThread(p.app) as p_srv, ServerThread(d.app) as d_srv, ServerThread(app) as proxy:
+        def beat(srv: ServerThread, node_type: str, kv_port: int) -> Heartbeater:
+            message = {"type": node_type, "http_address": srv.address, "zmq_address": f"127.0.0.1:{kv_port}"}
+            return Heartbeater(app.state.registry.address, lambda: message, interval_s=0.1)
+
+        beats = [beat(p_srv, "P", 14579), beat(d_srv, "D", 14580)]
+        for heartbeater in beats:
+            heartbeater.start()
+        try:
+            assert wait_for(lambda: httpx.get(f"{proxy.url}/ready").status_code == 200)
+            d.behavior.delay_s = 60  # answers nothing, like a SIGSTOPped process
+            stopper = threading.Timer(0.5, beats[1].stop)  # ... and stops heartbeating
+            stopper.start()
+            r = httpx.post(f"{proxy.url}/v1/completions", json={**BODY, "stream": stream}, timeout=30)
+            stopper.join()
+            assert r.status_code == 502, r.text
+            error = r.json()["error"]
+            assert "evicted" in error["message"] and d_srv.address in error["message"]
+            assert error["code"] == "upstream_unreachable"
+            assert wait_for(lambda: d.seen[0].cancelled, timeout=5)
+        finally:
+            for heartbeater in beats:
+                heartbeater.stop()

@@ -21,8 +21,10 @@ def test_tagged_id_reaches_both_legs_identically(make_cluster):
     r = httpx.post(f"{c.url}/v1/completions", json=BODY)
     assert r.status_code == 200, r.text
     p_seen, d_seen = c.prefills[0].seen[0], c.decodes[0].seen[0]
-    assert p_seen.request_id == d_seen.request_id == r.headers["x-request-id"]
+    assert p_seen.request_id == d_seen.request_id
     m = TAGGED.match(p_seen.request_id)
+    # the client sees cmpl-<the tag's uuid>, never the routing tag
+    assert r.headers["x-request-id"] == "cmpl-" + p_seen.request_id.rsplit("_", 1)[1]
     assert m and f"{m[1]}:{m[2]}" == c.kv_of["p0"] and f"{m[3]}:{m[4]}" == c.kv_of["d0"]
     # P gets a one-token non-stream request, D the client's own body.
     assert p_seen.body["max_tokens"] == 1 and p_seen.body["stream"] is False
@@ -75,7 +77,8 @@ def test_node_error_reaches_client_with_its_status_and_body(make_cluster, leg, s
     node = c.prefills[0] if leg == "P" else c.decodes[0]
     node.behavior.status = 400
     c.decodes[0].behavior.delay_s = 0.2 if leg == "P" else 0.0  # a real D waits for P's KV
-    node.behavior.error_body = b'{"error":{"message":"prompt too long","type":"invalid_request_error","param":null,"code":400}}'
+    node.behavior.error_body = (b'{"error":{"message":"prompt too long","type":"invalid_request_error",'
+                                b'"param":"prompt","code":"context_length_exceeded"}}')
     r = httpx.post(f"{c.url}/v1/completions", json={**BODY, "stream": stream})
     assert r.status_code == 400
     assert r.json()["error"]["message"] == "prompt too long"
@@ -160,7 +163,7 @@ def test_api_key(make_cluster):
     c = make_cluster(api_key="s3cret")
     assert httpx.post(f"{c.url}/v1/completions", json=BODY).status_code == 401
     bad = httpx.post(f"{c.url}/v1/completions", json=BODY, headers={"Authorization": "Bearer nope"})
-    assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
     ok = httpx.post(f"{c.url}/v1/completions", json=BODY, headers={"Authorization": "Bearer s3cret"})
     assert ok.status_code == 200
     assert httpx.get(f"{c.url}/health").status_code == 200  # ops routes stay open

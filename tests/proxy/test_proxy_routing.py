@@ -78,3 +78,17 @@ def test_no_nodes_messages():
     r = router_with(node("P", 1), node("D", 11))
     with pytest.raises(NoNodeAvailable, match="besides ones that just failed"):
         r.pick("m", frozenset({"127.0.0.1:1"}))
+
+
+def test_a_node_reported_stalled_gets_no_new_work_until_it_recovers():
+    registry = ServiceRegistry(port=0)
+    for n in (node("P", 1), node("P", 2, engine_stalled_s=90.0), node("D", 11), node("D", 12)):
+        registry.register(n)
+    r = Router(registry, "round_robin", stall_limit_s=60.0)
+    assert {r.pick("m").prefill.http_address for _ in range(6)} == {"127.0.0.1:1"}
+    registry.register(node("P", 2))  # next heartbeat: the engine moved again
+    assert {r.pick("m").prefill.http_address for _ in range(6)} == {"127.0.0.1:1", "127.0.0.1:2"}
+    registry.register(node("D", 11, engine_stalled_s=61.0))
+    registry.register(node("D", 12, engine_stalled_s=120.0))
+    with pytest.raises(NoNodeAvailable, match="every compatible decode node is stalled"):
+        r.pick("m")

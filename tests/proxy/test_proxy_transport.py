@@ -63,5 +63,5 @@ def test_total_timeout_mid_stream_ends_with_an_sse_error(make_cluster):
     with httpx.stream("POST", f"{c.url}/v1/completions", json={**BODY, "stream": True}, timeout=10) as r:
         assert r.status_code == 200
         text = r.read().decode()
-    assert '"type": "gateway_timeout"' in text and text.endswith("data: [DONE]\n\n")
+    assert '"code":"timeout"' in text and text.endswith("data: [DONE]\n\n")
     assert wait_for(lambda: c.decodes[0].seen[0].cancelled, timeout=3)
