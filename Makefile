@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PDSERVE := $(VENV)/bin/pdserve
+# Written after a successful install: `make up`/`make test` reinstall only when pyproject.toml
+# is newer (the editable install picks up code changes by itself).
+STAMP := $(VENV)/.pdserve-installed
 
 .PHONY: install up down test bench clean
 
@@ -11,10 +14,13 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-install: $(PY)
+$(STAMP): pyproject.toml | $(PY)
 	# torch is pinned first so the CPU wheel is used (an unpinned torch pulls a multi-GB CUDA build)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(STAMP)
 
 up: install
 	$(PDSERVE) up

@@ -16,8 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prefill": ("prefill_node.__main__", "a prefill daemon"),
     "decode": ("decode_node.__main__", "a decode daemon"),
     "proxy": ("proxy.__main__", "the proxy: OpenAI front, registry, P/D pairing"),
-    "up": ("common.launcher", "proxy + prefill + decode on loopback with the embedded model"),
-    "down": ("common.launcher", "stop what 'pdserve up' started"),
+    "up": ("common.launcher_cli", "proxy + prefill + decode on loopback with the embedded model"),
+    "down": ("common.launcher_cli", "stop what 'pdserve up' started"),
 }
 
 
@@ -37,7 +37,7 @@ def _entry(command: str) -> Callable[[list[str]], int | None]:
         sys.exit(f"pdserve {command}: not available in this build ({module_name} is missing)")
     if command == "serve":
         return lambda rest: module.main(rest, role="both")
-    if module_name == "common.launcher":
+    if module_name == "common.launcher_cli":
         return lambda rest: module.main([command, *rest])
     return module.main
 

@@ -1,208 +1,66 @@
-"""One typed configuration object per process, from flags, ``PDSERVE_*`` env and a TOML file.
+"""The node (serve / prefill / decode) configuration: :class:`NodeConfig` and role defaults.
 
-:func:`load_config` turns any pydantic model into a command line: every field becomes
-``--field-name`` (bools ``--flag/--no-flag``), plus ``--config PATH``. Precedence, highest
-first: CLI flags, ``PDSERVE_<FIELD_NAME>`` environment variables, the TOML file (a
-``[<command>]`` table overrides its top-level keys), the model's defaults. A bad value
-prints one line naming the option and the problem and exits with status 2.
+The generic flags/env/TOML loader lives in :mod:`common.options`; its public names are
+re-exported here so ``from common.config import load_config`` keeps working.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-import tomllib
-import typing
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
-import annotated_types
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
-from pydantic.fields import FieldInfo
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
+
+from common.options import ENV_PREFIX, env_name, flag_name, load_config
+
+from common.cluster_auth import check_key_file
+from common.registry_client import MAX_HEARTBEAT_INTERVAL_S
 
 if TYPE_CHECKING:
     from common.engine.config import EngineConfig
 
-M = TypeVar("M", bound=BaseModel)
-ENV_PREFIX = "PDSERVE_"
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line (the full usage is in --help)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-@dataclass
-class _Source:
-    """Where a value came from, so an error names what the person actually typed."""
-
-    kind: Literal["cli", "env", "file"]
-    detail: str = ""
-
-    def describe(self, field: str) -> str:
-        if self.kind == "env":
-            return env_name(field)
-        if self.kind == "file":
-            return f"{field} (in {self.detail})"
-        return flag_name(field)
-
-
-def flag_name(field: str) -> str:
-    return "--" + field.replace("_", "-")
-
-
-def env_name(field: str) -> str:
-    return ENV_PREFIX + field.upper()
-
-
-def load_config(
-    cls: type[M],
-    argv: list[str] | None,
-    prog: str,
-    description: str = "",
-    *,
-    defaults: dict[str, Any] | None = None,
-    fixed: dict[str, Any] | None = None,
-    env: typing.Mapping[str, str] | None = None,
-) -> M:
-    """Parse ``argv`` (default ``sys.argv[1:]``) into a validated ``cls``; exit 2 on bad input.
-
-    ``defaults`` replaces field defaults (shown in --help); ``fixed`` sets fields the command
-    decides (e.g. the node role) and hides their flags.
-    """
-    defaults, fixed = defaults or {}, fixed or {}
-    env = os.environ if env is None else env
-    parser = _build_parser(cls, prog, description, defaults, fixed)
-    args = vars(parser.parse_args(argv))
-    values: dict[str, Any] = dict(defaults)
-    sources: dict[str, _Source] = {}
-    config_path = args.pop("config", None) or env.get(ENV_PREFIX + "CONFIG")
-    if config_path:
-        for key, value in _read_toml(parser, cls, config_path, prog, fixed).items():
-            values[key], sources[key] = value, _Source("file", config_path)
-    for name, info in cls.model_fields.items():
-        if name not in fixed and env_name(name) in env:
-            values[name] = _from_env(env[env_name(name)], info)
-            sources[name] = _Source("env")
-    for name, value in args.items():
-        values[name], sources[name] = value, _Source("cli")
-    values.update(fixed)
-    try:
-        return cls.model_validate(values)
-    except ValidationError as exc:
-        parser.exit(2, f"{prog}: error: {_first_error(cls, exc, sources)}\n")
-
-
-def _build_parser(
-    cls: type[BaseModel], prog: str, description: str, defaults: dict[str, Any], fixed: dict[str, Any]
-) -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog=prog, description=description, argument_default=argparse.SUPPRESS)
-    parser.add_argument(
-        "--config",
-        metavar="PATH",
-        help=f"TOML file of option values (keys are option names with '_'); "
-        f"a [{prog.split()[-1]}] table overrides top-level keys. Env: {env_name('config')}",
-    )
-    for name, info in cls.model_fields.items():
-        if name in fixed:
-            continue
-        default = defaults.get(name, info.default)
-        shown = "unset" if default is None else default
-        help_text = f"{info.description or ''} (default: {shown}; env: {env_name(name)})"
-        kwargs: dict[str, Any] = {"help": help_text.replace("%", "%%")}
-        if info.annotation is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif _is_list(info.annotation):
-            kwargs.update(nargs="*", metavar="VALUE")
-        else:
-            choices = _literal_choices(info.annotation)
-            kwargs["metavar"] = "{" + ",".join(choices) + "}" if choices else name.upper()
-        parser.add_argument(flag_name(name), dest=name, **kwargs)
-    return parser
-
-
-def _read_toml(
-    parser: argparse.ArgumentParser, cls: type[BaseModel], path: str, prog: str, fixed: dict[str, Any]
-) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        parser.exit(2, f"{prog}: error: --config: file not found: {path}\n")
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        parser.exit(2, f"{prog}: error: --config: cannot read {path}: {exc}\n")
-    section_names = {prog, prog.split()[-1]}
-    # every table is a command's section (no option is a table): `[proxy]` is not the `proxy` option
-    top = {k: v for k, v in data.items() if not isinstance(v, dict)}
-    for key, value in data.items():
-        if key in section_names and isinstance(value, dict):
-            top.update(value)
-    for key in top:
-        if key not in cls.model_fields or key in fixed:
-            known = ", ".join(n for n in cls.model_fields if n not in fixed)
-            parser.exit(2, f"{prog}: error: --config: unknown key '{key}' in {path} (known: {known})\n")
-    return top
-
-
-def _from_env(raw: str, info: FieldInfo) -> Any:
-    if _is_list(info.annotation):
-        return [item.strip() for item in raw.split(",") if item.strip()]
-    return raw
-
-
-def _first_error(cls: type[BaseModel], exc: ValidationError, sources: dict[str, _Source]) -> str:
-    err = exc.errors()[0]
-    field = str(err["loc"][0]) if err["loc"] else ""
-    if not field:
-        return err["msg"].removeprefix("Value error, ")
-    where = sources.get(field, _Source("cli")).describe(field)
-    bounds = _bounds(cls.model_fields[field]) if field in cls.model_fields else None
-    if err["type"] in ("less_than_equal", "greater_than_equal", "less_than", "greater_than") and bounds:
-        problem = bounds
-    else:
-        problem = err["msg"].removeprefix("Value error, ").replace("Input should", "should")
-    got = err.get("input")
-    return f"{where}: {problem} (got {got})" if not isinstance(got, dict) else f"{where}: {problem}"
-
-
-def _bounds(info: FieldInfo) -> str | None:
-    """'must be between 1 and 65535' style text from the field's ge/gt/le/lt constraints."""
-    lo = hi = None
-    for meta in info.metadata:
-        if isinstance(meta, annotated_types.Ge):
-            lo = (">=", meta.ge)
-        elif isinstance(meta, annotated_types.Gt):
-            lo = (">", meta.gt)
-        elif isinstance(meta, annotated_types.Le):
-            hi = ("<=", meta.le)
-        elif isinstance(meta, annotated_types.Lt):
-            hi = ("<", meta.lt)
-    if lo and hi and lo[0] == ">=" and hi[0] == "<=":
-        return f"must be between {lo[1]} and {hi[1]}"
-    parts = [f"{b[0]} {b[1]}" for b in (lo, hi) if b]
-    return "must be " + " and ".join(parts) if parts else None
-
-
-def _literal_choices(annotation: Any) -> list[str]:
-    for arg in (annotation, *typing.get_args(annotation)):
-        if typing.get_origin(arg) is Literal:
-            return [str(c) for c in typing.get_args(arg)]
-    return []
-
-
-def _is_list(annotation: Any) -> bool:
-    return any(typing.get_origin(a) is list for a in (annotation, *typing.get_args(annotation)))
-
-
-# ---------------------------------------------------------------------------------------
-# The node (serve / prefill / decode) configuration.
+__all__ = [
+    "EMBEDDED_MODEL_NAME", "ENV_PREFIX", "PROXY_HTTP_PORT", "PROXY_REGISTRY_PORT", "ROLE_HTTP_PORTS",
+    "ROLE_KV_PORTS", "NodeConfig", "Role", "check_model_dir", "env_name", "flag_name", "load_config",
+    "routable_host",
+]
 
 Role = Literal["both", "prefill", "decode"]
 ROLE_HTTP_PORTS: dict[str, int] = {"both": 8000, "prefill": 8100, "decode": 8200}
 ROLE_KV_PORTS: dict[str, int] = {"both": 14581, "prefill": 14579, "decode": 14580}
+# The embedded model's name in the API; here (torch-free) so the launcher need not load the model package.
+EMBEDDED_MODEL_NAME = "pdserve-tiny"
+# The proxy's defaults live here (not in proxy/) so `pdserve up` needs nothing from the proxy package.
+PROXY_HTTP_PORT = 10001
+PROXY_REGISTRY_PORT = 30001
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def check_model_dir(value: str) -> str:
+    """``value`` when it names a Hugging Face model directory; ValueError saying what is wrong otherwise.
+
+    Checked at start so a typo is one line and exit 2, not a traceback from the loader."""
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise ValueError("no such model directory")
+    if not (path / "config.json").is_file():
+        raise ValueError("not a Hugging Face model directory (no config.json in it)")
+    return value
+
+
+def routable_host() -> str | None:
+    """The address this host reaches other hosts from (its default route); None if only loopback.
+
+    A UDP ``connect`` picks the source address without sending a packet.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("198.51.100.1", 9))  # TEST-NET-2: never contacted, only routed
+            address = sock.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
 
 
 class NodeConfig(BaseModel):
@@ -224,24 +82,61 @@ class NodeConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV cache block")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; unset = sized from memory")
     kv_cache_memory_gb: float | None = Field(
-        None, gt=0, description="KV cache budget when num_kv_blocks is unset; unset = 0.5 on CPU, 85% of free GPU"
+        None, gt=0,
+        description="KV cache budget when num_kv_blocks is unset; unset = 0.5 on CPU, from --gpu-memory-utilization on GPU",
     )
     max_num_seqs: int = Field(64, ge=1, le=65536, description="Most sequences in one engine step")
     max_num_batched_tokens: int = Field(512, ge=1, description="Most tokens in one engine step")
     max_model_len: int | None = Field(None, ge=1, description="Prompt + output limit; unset = model's")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV of prompt prefixes seen before")
     seed: int = Field(0, description="Engine random seed (per-request seeds override it)")
-    kv_host: str | None = Field(None, description="Address other processes use to reach this node (KV endpoint and the address registered with the proxy); unset = host")
+    enforce_eager: bool = Field(False, description="No CUDA graphs for decode steps (GPU only)")
+    kv_host: str | None = Field(
+        None,
+        description="Address other processes use to reach this node (KV endpoint and the address registered "
+        "with the proxy); unset = host, or the host's routable address when host is 0.0.0.0",
+    )
     kv_port: int | None = Field(
         None, ge=1, le=65535, description="KV transfer (ZMQ) port (role default: 14579 prefill, 14580 decode)"
     )
     proxy: str | None = Field(None, description="Proxy registry HOST:PORT to register with; unset = none")
-    heartbeat_interval_s: float = Field(2.0, gt=0, le=3600, description="Seconds between heartbeats")
+    heartbeat_interval_s: float = Field(
+        2.0, gt=0, le=MAX_HEARTBEAT_INTERVAL_S, description="Seconds between heartbeats"
+    )
     kv_timeout_s: float = Field(5.0, gt=0, le=3600, description="Deadline of one KV transfer operation")
     kv_lease_s: float = Field(30.0, gt=0, le=86400, description="How long prefill holds KV nobody asked for")
+    kv_transport: Literal["auto", "cuda_ipc", "nccl", "tcp", "gloo"] = Field(
+        "auto", description="KV data plane, chosen per pair at its handshake; auto = cuda_ipc (CUDA, one "
+        "host), nccl (CUDA, two hosts), tcp (CPU)"
+    )
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="Share of the GPU's total memory this process may use (weights, "
+        "activations, KV cache); unset = 0.9"
+    )
+    max_unclaimed_kv_share: float = Field(
+        0.5, gt=0, le=1, description="Prefill: share of the KV cache held for requests nobody asked for yet"
+    )
+    cluster_key_file: str | None = Field(
+        None, description="Shared secret file (same on proxy and nodes): daemons serve only signed ids"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level")
     log_file: str | None = Field(None, description="Also write logs to this file")
     cache_dir: str = Field("~/.cache/pdserve", description="Where the embedded model is generated")
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body (413 above)")
+    keep_alive_timeout_s: float = Field(
+        5.0, gt=0, le=3600, description="Idle keep-alive connections close after (the proxy's pool drops them at 4 s)"
+    )
+    stream_write_timeout_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="A streamed reply whose client accepted no bytes this long is aborted (blocks freed, "
+        "connection reset)"
+    )
+
+    @field_validator("cluster_key_file")
+    @classmethod
+    def _key_file(cls, value: str | None) -> str | None:
+        return check_key_file(value)
 
     @field_validator("proxy")
     @classmethod
@@ -253,15 +148,36 @@ class NodeConfig(BaseModel):
             raise ValueError("must be HOST:PORT with a port in 1..65535")
         return value
 
+    _kv_host_chosen: bool = PrivateAttr(False)  # True when kv_host was picked for a wildcard bind
+
+    @field_validator("model")
+    @classmethod
+    def _model_dir(cls, value: str | None) -> str | None:
+        return None if value is None else check_model_dir(value)
+
     @model_validator(mode="after")
     def _role_defaults(self) -> NodeConfig:
         if self.port is None:
             self.port = ROLE_HTTP_PORTS[self.role]
         if self.kv_port is None:
             self.kv_port = ROLE_KV_PORTS[self.role]
-        if self.kv_host is None:
-            self.kv_host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        if self.kv_host is None and self.host not in WILDCARD_HOSTS:
+            self.kv_host = self.host
+        elif self.kv_host is None and self.role == "both":
+            self.kv_host = "127.0.0.1"  # a colocated node transfers nothing and registers nowhere
+        elif self.kv_host is None:
+            # Registering 127.0.0.1 would make the node unreachable from any other host.
+            self.kv_host = routable_host()
+            if self.kv_host is None:
+                raise ValueError(f"--host {self.host or '0.0.0.0'} needs --kv-host: this host has no address "
+                                 "other than loopback for peers and the proxy to reach it at")
+            self._kv_host_chosen = True
         return self
+
+    @property
+    def kv_host_chosen(self) -> bool:
+        """True when ``kv_host`` was not given and the host's routable address was chosen."""
+        return self._kv_host_chosen
 
     @property
     def kv_addr(self) -> str:
@@ -275,7 +191,8 @@ class NodeConfig(BaseModel):
         values = self.model_dump(
             include={
                 "model", "served_model_name", "device", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
-                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill", "seed",
+                "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                "enable_chunked_prefill", "seed", "enforce_eager", "enable_prefix_caching",
             }
         )
         return EngineConfig(**{k: v for k, v in values.items() if v is not None})

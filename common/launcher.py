@@ -4,32 +4,34 @@
 embedded model once (so the two daemons do not race to write it), starts proxy, prefill
 and decode as detached process groups logging to ``<run-dir>/logs/<name>.log``, records
 them in ``<run-dir>/pids.json`` and waits until each answers ``GET /ready`` with 200.
-``down`` reads ``pids.json``, sends SIGTERM to each process group, SIGKILLs what is
-left after a grace period and removes the file. Both are also plain functions
-(``up(options)``, ``down(run_dir)``) so tests can call them in-process.
+Any exception (a signal turned into one included) before that stops whatever had started.
+``down`` is in :mod:`common.run_dir`; the command line in :mod:`common.launcher_cli`. Both
+are plain functions (``up(options)``, ``down(run_dir)``) so tests can call them in-process.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from common.config import ROLE_HTTP_PORTS, ROLE_KV_PORTS
-from proxy.config import ProxyConfig
+from common.cluster_auth import ClusterKey
+from common.config import (
+    EMBEDDED_MODEL_NAME, PROXY_HTTP_PORT, PROXY_REGISTRY_PORT, ROLE_HTTP_PORTS, ROLE_KV_PORTS,
+)
+from common.run_dir import PIDS_FILE, down, is_alive, is_ours, read_pids, write_pids
+
+# down / is_alive / read_pids are re-exported: callers of `up` and `down` need only this module
+__all__ = ["LaunchError", "ProcessSpec", "UpOptions", "down", "is_alive", "process_specs", "read_pids", "up"]
 
 LOOPBACK = "127.0.0.1"
-PIDS_FILE = "pids.json"
-SERVED_MODEL_NAME = "pdserve-tiny"
+CLUSTER_KEY_FILE = "cluster.key"  # a fresh one per `up`, mode 0600, given to all three
 
 
 class LaunchError(Exception):
@@ -41,14 +43,18 @@ class UpOptions:
     """Everything `pdserve up` needs; the ports default to each command's own defaults."""
 
     run_dir: Path = Path(".pdserve")
-    proxy_port: int = ProxyConfig.model_fields["port"].default
+    proxy_port: int = PROXY_HTTP_PORT
     prefill_port: int = ROLE_HTTP_PORTS["prefill"]
     decode_port: int = ROLE_HTTP_PORTS["decode"]
-    registry_port: int = ProxyConfig.model_fields["registry_port"].default
+    registry_port: int = PROXY_REGISTRY_PORT
     prefill_kv_port: int = ROLE_KV_PORTS["prefill"]
     decode_kv_port: int = ROLE_KV_PORTS["decode"]
     model: str | None = None
     timeout: float = 120.0
+
+
+PORT_FLAGS = ("proxy_port", "prefill_port", "decode_port", "registry_port", "prefill_kv_port",
+              "decode_kv_port")
 
 
 @dataclass(frozen=True)
@@ -85,59 +91,6 @@ def process_specs(options: UpOptions, model_args: tuple[str, ...]) -> list[Proce
              "--proxy", registry, *model_args),
         ),
     ]
-
-
-# ---------------------------------------------------------------------------- pids.json
-
-def read_pids(run_dir: Path) -> list[dict]:
-    """The entries of ``<run_dir>/pids.json``; empty when there is no such file."""
-    path = run_dir / PIDS_FILE
-    if not path.exists():
-        return []
-    try:
-        entries = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return []
-    return [e for e in entries if isinstance(e, dict) and isinstance(e.get("pid"), int)]
-
-
-def write_pids(run_dir: Path, entries: list[dict]) -> None:
-    path = run_dir / PIDS_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(entries, indent=2) + "\n")
-    tmp.replace(path)
-
-
-def is_alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie child is reaped here and counts as dead)."""
-    try:
-        reaped, _ = os.waitpid(pid, os.WNOHANG)
-        if reaped == pid:
-            return False
-    except ChildProcessError:
-        pass  # not our child: only the kill(0) probe can tell
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def is_ours(entry: dict) -> bool:
-    """Alive and still running the module we started (guards against pid reuse)."""
-    pid = entry["pid"]
-    if not is_alive(pid):
-        return False
-    cmdline = Path(f"/proc/{pid}/cmdline")
-    if not cmdline.exists():
-        return True  # no /proc (macOS): trust the pid
-    try:
-        argv = cmdline.read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return entry.get("module", "").encode() in argv
 
 
 # ---------------------------------------------------------------------------- checks
@@ -232,10 +185,21 @@ def model_args(options: UpOptions) -> tuple[str, ...]:
     """The daemons' model flags; generates the embedded model first when it is the one."""
     if options.model:
         return ("--model", options.model)
-    from common.model.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model  # torch: lazy
+    from common.model.embedded import ensure_embedded_model  # torch: lazy
 
     # Both daemons load this one directory under the embedded model's public name.
     return ("--model", str(ensure_embedded_model()), "--served-model-name", EMBEDDED_MODEL_NAME)
+
+
+def memory_args() -> tuple[str, ...]:
+    """Both daemons land on the first GPU when there is one: each gets half the default share."""
+    import torch  # lazy: `pdserve down` and the CPU path need no torch here
+
+    from common.engine.gpu_memory import split_share
+
+    if not torch.cuda.is_available():
+        return ()
+    return ("--gpu-memory-utilization", str(split_share(2)))
 
 
 def up(options: UpOptions) -> dict:
@@ -248,129 +212,26 @@ def up(options: UpOptions) -> dict:
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     check_can_start(run_dir, process_specs(options, ()))
-    specs = process_specs(options, model_args(options))
+    key_args = ("--cluster-key-file", str(ClusterKey.generate(run_dir / CLUSTER_KEY_FILE).resolve()))
+    specs = [replace(s, args=(*s.args, *key_args))
+             for s in process_specs(options, model_args(options) + memory_args())]
     entries: list[dict] = []
     procs: list[subprocess.Popen] = []
     try:
         for spec in specs:
             proc = start_process(spec, log_dir)
             procs.append(proc)
-            entries.append({"name": spec.name, "pid": proc.pid, "port": spec.port,
-                            "module": spec.module, "log": str(log_dir / f"{spec.name}.log")})
+            entries.append(_pids_entry(spec, proc, log_dir))
             write_pids(run_dir, entries)
         wait_ready(specs, procs, log_dir, options.timeout)
     except BaseException:
+        # a signal may have landed between a start and its record
+        write_pids(run_dir, [_pids_entry(spec, proc, log_dir) for spec, proc in zip(specs, procs)])
         down(run_dir, quiet=True)
         raise
     return {"proxy_url": f"http://{LOOPBACK}:{options.proxy_port}", "processes": entries}
 
 
-# ---------------------------------------------------------------------------- stop
-
-def signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)  # start_new_session made pid the group id
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def down(run_dir: Path, grace: float = 10.0, quiet: bool = False) -> list[dict]:
-    """Stop what ``pids.json`` names (SIGTERM, then SIGKILL after `grace` s).
-
-    Returns the entries that were running; idempotent (nothing running -> []).
-    """
-    run_dir = Path(run_dir)
-    running = [e for e in read_pids(run_dir) if is_ours(e)]
-    for entry in running:
-        signal_group(entry["pid"], signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while any(is_alive(e["pid"]) for e in running) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for entry in running:
-        if is_alive(entry["pid"]):
-            signal_group(entry["pid"], signal.SIGKILL)
-            entry["killed"] = True
-    while any(is_alive(e["pid"]) for e in running) and time.monotonic() < deadline + 5:
-        time.sleep(0.05)
-    (run_dir / PIDS_FILE).unlink(missing_ok=True)
-    if not quiet:
-        _print_stopped(run_dir, running)
-    return running
-
-
-def _print_stopped(run_dir: Path, running: list[dict]) -> None:
-    if not running:
-        print(f"pdserve: nothing running (no live processes in {run_dir / PIDS_FILE})")
-    for entry in running:
-        how = "killed" if entry.get("killed") else "stopped"
-        print(f"pdserve: {how} {entry['name']} (pid {entry['pid']}, port {entry['port']})")
-
-
-# ---------------------------------------------------------------------------- CLI
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    up_p = sub.add_parser("up", help="start proxy + prefill + decode on loopback")
-    up_p.add_argument("--run-dir", type=Path, default=UpOptions.run_dir,
-                      help="where pids.json and logs/ go (default: .pdserve)")
-    for name in ("proxy_port", "prefill_port", "decode_port", "registry_port", "prefill_kv_port", "decode_kv_port"):
-        default = getattr(UpOptions, name)
-        up_p.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=f"default: {default}")
-    up_p.add_argument("--model", default=None,
-                      help="model directory (default: the embedded pdserve-tiny model)")
-    up_p.add_argument("--timeout", type=float, default=120.0,
-                      help="seconds to wait for all three to be ready (default: 120)")
-    down_p = sub.add_parser("down", help="stop what `pdserve up` started")
-    down_p.add_argument("--run-dir", type=Path, default=UpOptions.run_dir)
-    return parser
-
-
-def served_model_name(proxy_url: str) -> str:
-    """The first model the proxy lists (the embedded model's name if it lists none)."""
-    try:
-        with urllib.request.urlopen(f"{proxy_url}/v1/models", timeout=5) as response:
-            return json.loads(response.read())["data"][0]["id"]
-    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
-        return SERVED_MODEL_NAME
-
-
-def print_started(result: dict, run_dir: Path) -> None:
-    url = result["proxy_url"]
-    for entry in result["processes"]:
-        print(f"pdserve: {entry['name']:<8} pid {entry['pid']:<7} port {entry['port']:<6} "
-              f"log {entry['log']}")
-    body = json.dumps({"model": served_model_name(url), "max_tokens": 16,
-                       "messages": [{"role": "user", "content": "Hello"}]})
-    print(f"\nReady. OpenAI API at {url}/v1\n\n"
-          f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-          f"    -d '{body}'\n\n"
-          f"Stop with: pdserve down --run-dir {run_dir}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point for `pdserve up|down ...`; returns the exit code."""
-    args = build_parser().parse_args(argv)
-    if args.command == "down":
-        down(args.run_dir)
-        return 0
-    options = UpOptions(
-        run_dir=args.run_dir, proxy_port=args.proxy_port, prefill_port=args.prefill_port,
-        decode_port=args.decode_port, registry_port=args.registry_port,
-        prefill_kv_port=args.prefill_kv_port, decode_kv_port=args.decode_kv_port,
-        model=args.model, timeout=args.timeout,
-    )
-    try:
-        result = up(options)
-    except LaunchError as exc:
-        print(f"pdserve up: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("pdserve up: interrupted; stopped what had started", file=sys.stderr)
-        return 130
-    print_started(result, args.run_dir)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def _pids_entry(spec: ProcessSpec, proc: subprocess.Popen, log_dir: Path) -> dict:
+    return {"name": spec.name, "pid": proc.pid, "port": spec.port, "module": spec.module,
+            "log": str(log_dir / f"{spec.name}.log")}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from common import launcher
+from common import launcher, launcher_cli
 
 REPO = Path(__file__).resolve().parents[1]
 DAEMONS_WIRED = all((REPO / p / "daemon.py").exists() for p in ("prefill_node", "decode_node"))
@@ -45,7 +46,7 @@ def launcher_cmd(*args: str) -> list[str]:
     script = Path(sys.executable).with_name("pdserve")
     if script.exists():
         return [str(script), *args]
-    return [sys.executable, "-m", "common.launcher", *args]
+    return [sys.executable, "-m", "common.launcher_cli", *args]
 
 
 def run_launcher(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -60,6 +61,14 @@ def up_args(run_dir: Path, ports: list[int]) -> list[str]:
     for name, port in zip(names, ports):
         args += [name, str(port)]
     return args
+
+
+def fake_model(tmp_path: Path, config: str = "{}") -> str:
+    """A directory `up` accepts as a model (it has a config.json); no daemon can load it."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(config)
+    return str(model)
 
 
 def start_sleeper(module: str, ignore_sigterm: bool = False) -> subprocess.Popen:
@@ -124,7 +133,7 @@ def test_up_refuses_a_taken_port(tmp_path):
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", ports[2]))
         squatter.listen()
-        result = run_launcher(*up_args(run_dir, ports), "--model", str(tmp_path))
+        result = run_launcher(*up_args(run_dir, ports), "--model", fake_model(tmp_path))
     assert result.returncode == 1
     assert f"port already in use: {ports[2]} (decode)" in result.stderr
     assert not (run_dir / "pids.json").exists()
@@ -136,7 +145,7 @@ def test_up_refuses_while_processes_from_pids_json_live(tmp_path, sleepers):
     sleepers.append(start_sleeper("proxy"))
     write_pids(run_dir, [("proxy", "proxy", sleepers[0])])
 
-    result = run_launcher(*up_args(run_dir, free_ports(6)), "--model", str(tmp_path))
+    result = run_launcher(*up_args(run_dir, free_ports(6)), "--model", fake_model(tmp_path))
 
     assert result.returncode == 1
     assert f"already running from {run_dir}: proxy (pid {sleepers[0].pid})" in result.stderr
@@ -149,10 +158,11 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--port", type=int)
 args, _ = parser.parse_known_args()
 started = time.monotonic()
+READY_AFTER = {ready_after}
 
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        ready = self.path == "/ready" and time.monotonic() - started > 0.5
+        ready = self.path == "/ready" and time.monotonic() - started > READY_AFTER
         self.send_response(200 if ready or self.path == "/health" else 503)
         self.end_headers()
 
@@ -166,7 +176,7 @@ http.server.HTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
 def test_up_waits_for_ready_prints_how_to_use_it_and_down_stops_all(tmp_path, monkeypatch,
                                                                     capsys):
     """The launcher's happy path against stand-ins that serve /ready after 0.5 s."""
-    (tmp_path / "stub_daemon.py").write_text(STUB_DAEMON)
+    (tmp_path / "stub_daemon.py").write_text(STUB_DAEMON.format(ready_after=0.5))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     real_specs = launcher.process_specs
     monkeypatch.setattr(launcher, "process_specs", lambda options, model_args: [
@@ -175,7 +185,7 @@ def test_up_waits_for_ready_prints_how_to_use_it_and_down_stops_all(tmp_path, mo
     run_dir = tmp_path / "run"
     ports = free_ports(6)
     try:
-        assert launcher.main([*up_args(run_dir, ports), "--model", "unused"]) == 0
+        assert launcher_cli.main([*up_args(run_dir, ports), "--model", fake_model(tmp_path)]) == 0
         out = capsys.readouterr().out
         entries = json.loads((run_dir / "pids.json").read_text())
         assert [(e["name"], e["port"]) for e in entries] == list(
@@ -183,21 +193,82 @@ def test_up_waits_for_ready_prints_how_to_use_it_and_down_stops_all(tmp_path, mo
         assert all(launcher.is_alive(e["pid"]) for e in entries)
         assert f"curl -s http://127.0.0.1:{ports[0]}/v1/chat/completions" in out
         assert '"model": "pdserve-tiny"' in out
-        assert f"pdserve down --run-dir {run_dir}" in out
         assert all((run_dir / "logs" / f"{n}.log").exists() for n in ("proxy", "prefill", "decode"))
 
-        assert launcher.main(["down", "--run-dir", str(run_dir)]) == 0
-        assert capsys.readouterr().out.count("pdserve: stopped ") == 3
+        # The command it prints works from this shell as printed, whatever PATH holds.
+        stop = re.search(r"^Stop with: (.*)$", out, re.M).group(1)
+        assert stop.endswith(f"down --run-dir {run_dir}")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(REPO), str(tmp_path)))}
+        stopped = subprocess.run(stop, shell=True, cwd=Path.cwd(), env=env, capture_output=True,
+                                 text=True, timeout=60)
+        assert stopped.returncode == 0, stopped.stderr
+        assert stopped.stdout.count("pdserve: stopped ") == 3
         assert not any(launcher.is_alive(e["pid"]) for e in entries)
     finally:
         launcher.down(run_dir, grace=2.0, quiet=True)
 
 
-def test_up_reports_a_process_that_dies_and_stops_the_rest(tmp_path):
-    """A model path that is not a model: some process exits; up names it, cleans up."""
+# `pdserve up` in its own process, with stand-ins for the three processes (a signal test
+# must not depend on how fast real daemons become ready).
+STUBBED_LAUNCHER = """
+import sys
+from common import launcher, launcher_cli
+real = launcher.process_specs
+launcher.process_specs = lambda options, model_args: [
+    launcher.ProcessSpec(s.name, "stub_daemon", s.port, s.ports, s.args) for s in real(options, model_args)]
+sys.exit(launcher_cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_during_start_up_stops_every_child(tmp_path, sig):
+    (tmp_path / "stub_daemon.py").write_text(STUB_DAEMON.format(ready_after=1e9))  # never ready
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(REPO), str(tmp_path)))}
     run_dir = tmp_path / "run"
-    result = run_launcher(*up_args(run_dir, free_ports(6)), "--model",
-                          str(tmp_path / "no-such-model"), "--timeout", "60", timeout=120)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUBBED_LAUNCHER, *up_args(run_dir, free_ports(6)), "--model",
+         fake_model(tmp_path)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(launcher.read_pids(run_dir)) < 3:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the three stand-ins were not started"
+            time.sleep(0.05)
+        children = launcher.read_pids(run_dir)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + sig.value
+        assert f"{sig.name} received; stopped what had started" in err
+        assert not any(launcher.is_alive(e["pid"]) for e in children)
+        assert not (run_dir / "pids.json").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        launcher.down(run_dir, grace=2.0, quiet=True)
+
+
+@pytest.mark.parametrize("value", ["0", "65536", "http"])
+def test_up_refuses_a_port_it_cannot_wait_for_in_one_line(tmp_path, value):
+    result = run_launcher("up", "--run-dir", str(tmp_path / "run"), "--proxy-port", value)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "--proxy-port" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_up_refuses_a_missing_model_in_one_line(tmp_path):
+    result = run_launcher("up", "--run-dir", str(tmp_path / "run"), "--model", str(tmp_path / "nope"))
+    assert result.returncode == 2
+    assert result.stderr == (f"pdserve up: error: argument --model: no such model directory "
+                             f"(got {tmp_path / 'nope'}) (see --help)\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_up_reports_a_process_that_dies_and_stops_the_rest(tmp_path):
+    """A model directory no daemon can load: some process exits; up names it, cleans up."""
+    run_dir = tmp_path / "run"
+    result = run_launcher(*up_args(run_dir, free_ports(6)), "--model", fake_model(tmp_path),
+                          "--timeout", "60", timeout=120)
     assert result.returncode == 1
     assert "failed to start" in result.stderr
     assert "--- last lines of" in result.stderr

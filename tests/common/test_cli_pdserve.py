@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers.serve_process import free_port, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,45 +49,38 @@ def test_bad_flag_value_is_one_line_and_exit_2() -> None:
     assert proc.stderr == "pdserve decode: error: --port: must be between 1 and 65535 (got 70000)\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_serve_with_a_missing_model_is_one_line_and_exit_2() -> None:
+    proc = _pdserve("serve", "--model", "/nonexistent")
+    assert proc.returncode == 2
+    assert proc.stderr == "pdserve serve: error: --model: no such model directory (got /nonexistent)\n"
+
+
+@pytest.mark.parametrize("command", ["prefill", "decode", "serve", "proxy"])
+def test_help_answers_before_torch_is_imported(command: str) -> None:
+    code = (
+        "import sys\n"
+        "from common.cli import main\n"
+        "try:\n"
+        f"    main([{command!r}, '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "--port" in proc.stdout
+    assert proc.stderr.strip().splitlines()[-1] == "NO-TORCH"
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``pdserve serve`` on the embedded model, as its own process."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     cache = os.environ.get("PDSERVE_TEST_CACHE_DIR") or str(tmp_path_factory.mktemp("cache"))
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", "serve", "--port", str(port), "--cache-dir", cache,
-             "--device", "cpu", "--num-kv-blocks", "256", "--max-model-len", "1024"],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "pdserve serve not ready in time:\n" + log.read_text()
-            time.sleep(0.2)
+    argv = [sys.executable, "-m", "common.cli", "serve", "--port", str(port), "--cache-dir", cache,
+            "--device", "cpu", "--num-kv-blocks", "256", "--max-model-len", "1024"]
+    with serving(argv, port, log, cwd=ROOT) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, log.read_text()
 
 
 def test_openai_client_against_a_real_node(served: str) -> None:
@@ -105,7 +98,8 @@ def test_openai_client_against_a_real_node(served: str) -> None:
     assert chat.choices[0].message.role == "assistant" and chat.usage.prompt_tokens > 0
     chunks = list(
         client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0, stream=True
+            model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0,
+            stream=True,
         )
     )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

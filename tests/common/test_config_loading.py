@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import NodeConfig, load_config
+from common.config import NodeConfig, load_config, routable_host
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +47,8 @@ def test_other_command_tables_are_ignored(tmp_path: Path) -> None:
 
 
 def test_fixed_role_cannot_be_overridden() -> None:
-    cfg = load_config(NodeConfig, [], "pdserve prefill", fixed={"role": "prefill"}, env={"PDSERVE_ROLE": "decode"})
+    env = {"PDSERVE_ROLE": "decode"}
+    cfg = load_config(NodeConfig, [], "pdserve prefill", fixed={"role": "prefill"}, env=env)
     assert cfg.role == "prefill"
 
 
@@ -57,7 +58,8 @@ def _run(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess
         "load_config(NodeConfig, sys.argv[1:], 'pdserve decode', fixed={'role': 'decode'})"
     )
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **(env_extra or {})}
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=60)
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
+                          timeout=60)
 
 
 @pytest.mark.parametrize(
@@ -100,3 +102,44 @@ def test_help_documents_every_option() -> None:
         if name != "role":
             assert "--" + name.replace("_", "-") in proc.stdout, name
     assert "--config" in proc.stdout and "--no-enable-chunked-prefill" in proc.stdout
+
+
+def test_model_must_be_a_model_directory(tmp_path: Path) -> None:
+    missing = _run(["--model", str(tmp_path / "nonexistent")])
+    assert missing.returncode == 2
+    expected = f"pdserve decode: error: --model: no such model directory (got {tmp_path}/nonexistent)\n"
+    assert missing.stderr == expected
+    not_a_model = _run(["--model", str(tmp_path)])
+    assert not_a_model.returncode == 2 and "no config.json" in not_a_model.stderr
+    (tmp_path / "config.json").write_text("{}")
+    assert load_config(NodeConfig, ["--model", str(tmp_path)], "pdserve serve", env={}).model == str(tmp_path)
+
+
+def test_a_wildcard_bind_never_registers_loopback() -> None:
+    """0.0.0.0 without --kv-host: the host's routable address, or a one-line refusal where it has none."""
+    routable = routable_host()
+    if routable is None:
+        refused = _run(["--host", "0.0.0.0"])
+        assert refused.returncode == 2 and "needs --kv-host" in refused.stderr
+        assert refused.stderr.count("\n") == 1
+    else:
+        argv = ["--host", "0.0.0.0"]
+        cfg = load_config(NodeConfig, argv, "pdserve decode", fixed={"role": "decode"}, env={})
+        assert cfg.kv_host == routable and not cfg.kv_host.startswith("127.") and cfg.kv_host_chosen
+        assert cfg.kv_addr == f"{routable}:14580"
+    given = load_config(NodeConfig, ["--host", "0.0.0.0", "--kv-host", "node7"], "pdserve serve", env={})
+    assert (given.kv_host, given.kv_host_chosen) == ("node7", False)
+    colocated = load_config(NodeConfig, ["--host", "0.0.0.0"], "pdserve serve", env={})
+    assert colocated.host == "0.0.0.0"  # transfers nothing, registers nowhere: never refused
+    loopback = load_config(NodeConfig, [], "pdserve serve", env={})
+    assert (loopback.kv_host, loopback.kv_host_chosen) == ("127.0.0.1", False)
+
+
+def test_proxy_help_text_has_no_undefined_default(capsys: pytest.CaptureFixture[str]) -> None:
+    from proxy.config import ProxyConfig
+
+    with pytest.raises(SystemExit) as exited:
+        load_config(ProxyConfig, ["--help"], "pdserve proxy", env={})
+    out = " ".join(capsys.readouterr().out.split())
+    assert exited.value.code == 0
+    assert "Undefined" not in out and "--static-prefill" in out and "(default: [];" in out

@@ -1,0 +1,146 @@
+"""`pdserve up|down` on the command line: flags, the start-up report, signals.
+
+``up`` prints each process with its pid, port and log, a curl to try and a stop command
+that works from this shell. SIGINT, SIGTERM or SIGHUP while it waits stops whatever had
+started (exit 128 + the signal). Ports must be fixed (1..65535) and ``--model`` must be a
+model directory: anything else is one line and exit 2, before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import signal
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from common import launcher
+from common.config import EMBEDDED_MODEL_NAME, check_model_dir
+from common.launcher import PORT_FLAGS, LaunchError, UpOptions
+from common.options import OneLineParser
+from common.run_dir import down
+
+
+def port_number(text: str) -> int:
+    """A fixed port: `up` must know each one to wait for it, so 0 ("any free port") is refused."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 65535 (got {port})")
+    return port
+
+
+def model_dir(text: str) -> str:
+    """What the daemons will load, checked now: one line here, not two daemons failing to start."""
+    try:
+        return check_model_dir(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (got {text})") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="pdserve", description="the three processes on loopback with one command")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    up_p = sub.add_parser("up", help="start proxy + prefill + decode on loopback")
+    up_p.add_argument("--run-dir", type=Path, default=UpOptions.run_dir,
+                      help="where pids.json and logs/ go (default: .pdserve)")
+    for name in PORT_FLAGS:
+        default = getattr(UpOptions, name)
+        up_p.add_argument("--" + name.replace("_", "-"), type=port_number, default=default,
+                          metavar="PORT", help=f"default: {default}")
+    up_p.add_argument("--model", type=model_dir, default=None, metavar="PATH",
+                      help="model directory (default: the embedded pdserve-tiny model)")
+    up_p.add_argument("--timeout", type=float, default=120.0,
+                      help="seconds to wait for all three to be ready (default: 120)")
+    down_p = sub.add_parser("down", help="stop what `pdserve up` started")
+    down_p.add_argument("--run-dir", type=Path, default=UpOptions.run_dir)
+    return parser
+
+
+def served_model_name(proxy_url: str) -> str:
+    """The first model the proxy lists (the embedded model's name if it lists none)."""
+    try:
+        with urllib.request.urlopen(f"{proxy_url}/v1/models", timeout=5) as response:
+            return json.loads(response.read())["data"][0]["id"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
+        return EMBEDDED_MODEL_NAME
+
+
+def pdserve_command() -> str:
+    """How to run `pdserve` from this shell: plain `pdserve` only when PATH finds this one.
+
+    `make up` runs the venv's script, whose directory is usually not on PATH.
+    """
+    script = Path(sys.executable).with_name("pdserve")
+    if not script.exists():
+        return f"{shlex.quote(sys.executable)} -m common.cli"
+    on_path = shutil.which("pdserve")
+    if on_path and Path(on_path).resolve() == script.resolve():
+        return "pdserve"
+    try:
+        shown = str(script.relative_to(Path.cwd()))  # `.venv/bin/pdserve` after `make up`
+    except ValueError:
+        shown = str(script)
+    return shlex.quote(shown)
+
+
+def print_started(result: dict, run_dir: Path) -> None:
+    url = result["proxy_url"]
+    for entry in result["processes"]:
+        print(f"pdserve: {entry['name']:<8} pid {entry['pid']:<7} port {entry['port']:<6} "
+              f"log {entry['log']}")
+    body = json.dumps({"model": served_model_name(url), "max_tokens": 16,
+                       "messages": [{"role": "user", "content": "Hello"}]})
+    print(f"\nReady. OpenAI API at {url}/v1\n\n"
+          f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+          f"    -d '{body}'\n\n"
+          f"Stop with: {pdserve_command()} down --run-dir {shlex.quote(str(run_dir))}")
+
+
+class Interrupted(Exception):
+    """A signal asked `pdserve up` to stop before everything was ready."""
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    # A second signal must not interrupt the clean-up the first one started.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for `pdserve up|down ...`; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    if args.command == "down":
+        down(args.run_dir)
+        return 0
+    options = UpOptions(
+        run_dir=args.run_dir, model=args.model, timeout=args.timeout,
+        **{name: getattr(args, name) for name in PORT_FLAGS},
+    )
+    # Ctrl-C arrives as KeyboardInterrupt; SIGTERM / SIGHUP (a supervisor, a closed terminal) the same way.
+    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        result = launcher.up(options)
+    except LaunchError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, Interrupted) as exc:
+        name = str(exc) or "SIGINT"
+        print(f"pdserve up: {name} received; stopped what had started", file=sys.stderr)
+        return 128 + signal.Signals[name].value
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print_started(result, args.run_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""A user's install, from nothing: a fresh venv, ``pip install .`` (no extras), ``pdserve serve``.
+
+This is the Dockerfile's install path too (torch pinned first, then the package alone), so
+a runtime dependency missing from pyproject.toml fails here before it fails in an image.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers.serve_process import free_port, serving
+
+REPO = Path(__file__).resolve().parents[2]
+# What deploy/Dockerfile copies into the image before `pip install .`.
+SHIPPED = ("pyproject.toml", "README.md", "common", "proxy", "prefill_node", "decode_node")
+TORCH_PIN = re.search(r"torch==([\d.]+)", (REPO / "Makefile").read_text()).group(1)
+
+
+def _run(*cmd: str, timeout: float) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing but the venv's own packages
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, f"{' '.join(cmd)}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+
+
+def test_dockerfile_installs_the_package_without_extras() -> None:
+    text = (REPO / "deploy" / "Dockerfile").read_text()
+    assert re.search(rf"pip install .*torch==\$\{{TORCH_VERSION\}}", text)
+    assert re.search(r"^RUN pip install --no-cache-dir \. ", text, re.M)  # `.`, not `.[test]`
+    copied = {part for line in re.findall(r"^COPY (.*) \S+$", text, re.M) for part in line.split()}
+    assert copied == set(SHIPPED)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_pip_install_dot_then_serve_answers_a_completion(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    _run(sys.executable, "-m", "venv", str(venv), timeout=120)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    _run(*pip, f"torch=={TORCH_PIN}", timeout=600)  # pinned: the CPU wheel, not a multi-GB CUDA build
+    src = tmp_path / "src"  # a copy: building in the checkout would leave build/ behind
+    src.mkdir()
+    for name in SHIPPED:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(REPO / name, src / name)
+    _run(*pip, str(src), timeout=600)
+    port = free_port()
+    argv = [str(venv / "bin" / "pdserve"), "serve", "--port", str(port), "--device", "cpu",
+            "--cache-dir", str(tmp_path / "cache"), "--num-kv-blocks", "64"]
+    # cwd outside the repository and no PYTHONPATH: the installed package must be the one that runs
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    with serving(argv, port, tmp_path / "serve.log", cwd=tmp_path, env=env, ready_timeout=240) as url:
+        body = {"model": "pdserve-tiny", "prompt": "Hello", "max_tokens": 4}
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert answer["usage"]["completion_tokens"] >= 1
+        assert isinstance(answer["choices"][0]["text"], str)
