@@ -1,0 +1,184 @@
+"""Through proxy -> prefill -> decode, a client sees exactly what a colocated node shows it.
+
+One prefill and one decode daemon sit behind two proxies (``--dispatch concurrent`` and
+``--dispatch prefill_first``, both listing the daemons statically), next to a colocated
+``serve`` node on the same embedded checkpoint. Each request goes to the colocated node
+and through each proxy; the replies must match field by field except ``id`` and
+``created``: text (greedy and seeded), token counts, finish reasons, logprobs (within
+1e-4), usage, every chunk of a stream in order, and the status and body of bad requests.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from helpers.cluster import Proc, start
+
+pytestmark = pytest.mark.slow
+
+MODEL = "pdserve-tiny"
+IGNORED = {"id", "created"}  # differ by design between any two replies
+TOLERANCE = 1e-4  # logprobs: fp32 on both paths, different batch shapes
+ORDERS = ("concurrent", "prefill_first")
+PROMPT = "The quick brown fox jumps over"
+MESSAGES = [{"role": "user", "content": "How do I read a file in Python?"}]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Proc]:
+    tmp = tmp_path_factory.mktemp("fidelity")
+    procs: dict[str, Proc] = {}
+    try:
+        for role in ("both", "prefill", "decode"):
+            procs[role] = start(role, tmp, "--log-level", "info", wait=False)
+        for proc in procs.values():
+            proc.wait_ready()
+        nodes = {role: f"{procs[role].url[len('http://'):]}@{procs[role].kv_addr}@{MODEL}"
+                 for role in ("prefill", "decode")}
+        for order in ORDERS:
+            procs[order] = start("proxy", tmp, "--dispatch", order, "--static-prefill", nodes["prefill"],
+                                 "--static-decode", nodes["decode"], name=f"proxy-{order}", wait=False)
+        for order in ORDERS:
+            procs[order].wait_ready()
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+def post(proc: Proc, path: str, body: Any) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json"}
+    return httpx.post(proc.url + path, content=content, headers=headers, timeout=60)
+
+
+def both_paths(cluster: dict[str, Proc], order: str, path: str, body: Any) -> tuple[httpx.Response, ...]:
+    """The colocated node's reply, then the reply through the proxy dispatching in ``order``."""
+    return post(cluster["both"], path, body), post(cluster[order], path, body)
+
+
+def stream_events(proc: Proc, path: str, body: dict) -> list[Any]:
+    """Every SSE event of a streamed reply, ``[DONE]`` included, as parsed JSON."""
+    events: list[Any] = []
+    with httpx.stream("POST", proc.url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    assert events and events[-1] == "[DONE]"
+    return events
+
+
+def assert_same(expected: Any, got: Any, where: str = "$") -> None:
+    """Equal except ``IGNORED`` keys; floats within ``TOLERANCE``."""
+    if isinstance(expected, dict) and isinstance(got, dict):
+        keys = set(expected) - IGNORED
+        assert keys == set(got) - IGNORED, f"{where}: keys {sorted(keys)} != {sorted(set(got) - IGNORED)}"
+        for key in keys:
+            assert_same(expected[key], got[key], f"{where}.{key}")
+    elif isinstance(expected, list) and isinstance(got, list):
+        assert len(expected) == len(got), f"{where}: {len(expected)} items != {len(got)}\n{expected}\n{got}"
+        for i, (a, b) in enumerate(zip(expected, got)):
+            assert_same(a, b, f"{where}[{i}]")
+    elif isinstance(expected, float) and isinstance(got, float):
+        assert abs(expected - got) <= TOLERANCE, f"{where}: {expected} != {got}"
+    else:
+        assert expected == got, f"{where}: {expected!r} != {got!r}"
+
+
+def completion(**extra: Any) -> tuple[str, dict]:
+    return "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, **extra}
+
+
+def chat(**extra: Any) -> tuple[str, dict]:
+    return "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 10, **extra}
+
+
+REQUESTS = {
+    "greedy": completion(temperature=0, ignore_eos=True),
+    "greedy-logprobs": completion(temperature=0, logprobs=3, ignore_eos=True),
+    "seeded": completion(temperature=1.0, seed=42, ignore_eos=True),
+    "seeded-top-p-top-k-logprobs": completion(temperature=0.8, top_p=0.9, top_k=40, seed=7, logprobs=2),
+    "seeded-stop-string": completion(temperature=1.0, seed=3, max_tokens=24, stop=["e"]),
+    "seeded-min-tokens": completion(temperature=1.2, seed=11, min_tokens=6, max_tokens=8),
+    "first-token-only": completion(temperature=1.0, seed=5, max_tokens=1, logprobs=1),
+    "token-prompt": ("/v1/completions", {"model": MODEL, "prompt": [5, 17, 99, 3, 42], "max_tokens": 6,
+                                         "temperature": 0.7, "seed": 1, "logprobs": 0}),
+    "chat-greedy-logprobs": chat(temperature=0, logprobs=True, top_logprobs=2, ignore_eos=True),
+    "chat-seeded": chat(temperature=1.0, seed=99, logprobs=True),
+}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("name", list(REQUESTS))
+def test_reply_equals_colocated(cluster: dict[str, Proc], name: str, order: str) -> None:
+    expected, got = both_paths(cluster, order, *REQUESTS[name])
+    assert expected.status_code == 200, expected.text
+    assert got.status_code == 200, got.text
+    assert_same(expected.json(), got.json())
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("name", list(REQUESTS))
+def test_stream_equals_colocated_chunk_by_chunk(cluster: dict[str, Proc], name: str, order: str) -> None:
+    path, body = REQUESTS[name]
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    expected = stream_events(cluster["both"], path, body)
+    assert_same(expected, stream_events(cluster[order], path, body))
+
+
+def test_streams_carry_one_token_per_chunk(cluster: dict[str, Proc]) -> None:
+    path, body = REQUESTS["greedy-logprobs"]
+    events = stream_events(cluster["concurrent"], path, {**body, "stream": True})
+    token_chunks = [e for e in events[:-1] if e["choices"] and e["choices"][0]["logprobs"]]
+    assert [len(e["choices"][0]["logprobs"]["tokens"]) for e in token_chunks] == [1] * 12
+
+
+def test_logprobs_are_present_at_every_position(cluster: dict[str, Proc]) -> None:
+    path, body = REQUESTS["seeded-top-p-top-k-logprobs"]
+    logprobs = post(cluster["prefill_first"], path, body).json()["choices"][0]["logprobs"]
+    assert len(logprobs["token_logprobs"]) == len(logprobs["tokens"]) > 0
+    assert all(isinstance(lp, float) for lp in logprobs["token_logprobs"])
+    assert all(len(top) >= 2 for top in logprobs["top_logprobs"])
+
+
+BAD_REQUESTS = {
+    "max-tokens-negative": completion(max_tokens=-1),
+    "temperature-too-high": completion(temperature=5.0),
+    "top-p-zero": completion(top_p=0.0),
+    "logprobs-too-many": completion(logprobs=30),
+    "min-tokens-above-max": completion(min_tokens=20, max_tokens=5),
+    "min-tokens-negative": completion(min_tokens=-1),
+    "max-tokens-a-string": completion(max_tokens="5"),
+    "prompt-missing": ("/v1/completions", {"model": MODEL, "max_tokens": 3}),
+    "prompt-empty": completion(prompt=""),
+    "context-too-long": completion(prompt=[5] * 4100, max_tokens=4),
+    "token-outside-vocab": completion(prompt=[5, 10**7]),
+    "n-two": completion(n=2),
+    "wrong-model": completion(model="no-such-model"),
+    "chat-messages-missing": ("/v1/chat/completions", {"model": MODEL}),
+    "not-json": ("/v1/completions", b"{not json"),
+    "empty-body": ("/v1/completions", b""),
+}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("name", list(BAD_REQUESTS))
+def test_error_equals_colocated(cluster: dict[str, Proc], name: str, order: str) -> None:
+    expected, got = both_paths(cluster, order, *BAD_REQUESTS[name])
+    assert 400 <= expected.status_code < 500, expected.text
+    assert (got.status_code, got.json()) == (expected.status_code, expected.json())
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("method, path", [("GET", "/v1/nothing-here"), ("GET", "/v1/completions")])
+def test_unknown_route_and_method_equal_colocated(cluster: dict[str, Proc], order: str, method: str,
+                                                  path: str) -> None:
+    expected = httpx.request(method, cluster["both"].url + path, timeout=10)
+    got = httpx.request(method, cluster[order].url + path, timeout=10)
+    assert (got.status_code, got.json()) == (expected.status_code, expected.json())
