@@ -264,3 +264,36 @@ def test_example_toml_loads_for_every_command(cmd, role):
         config = load_config(node_config, argv, prog=f"pdserve {cmd}", fixed={"role": role},
                              env={})
         assert config.port == PORTS["serve" if role == "both" else role]
+
+
+def test_example_toml_documented_static_nodes_load(tmp_path):
+    """The commented `static_*` examples, uncommented, are what the proxy's loader accepts."""
+    _, proxy_config = config_models()
+    from common.config import load_config
+
+    text = (DEPLOY / "pdserve.example.toml").read_text()
+    examples = re.findall(r"^# (static_(?:prefill|decode) = \[.+\])$", text, re.M)
+    assert len(examples) == 2
+    live = re.sub(r"^static_(prefill|decode) = \[\].*$", "", text, flags=re.M)
+    live = live.replace("[proxy]\n", "[proxy]\n" + "\n".join(examples) + "\n")
+    path = tmp_path / "pdserve.toml"
+    path.write_text(live)
+    config = load_config(proxy_config, ["--config", str(path)], prog="pdserve proxy", env={})
+    nodes = config.static_nodes()
+    assert [(n.type, n.http_address, n.zmq_address) for n in nodes] == [
+        ("P", "10.0.0.5:8100", "10.0.0.5:14579"), ("P", "10.0.0.6:8100", "10.0.0.6:14579"),
+        ("D", "10.0.0.7:8200", "10.0.0.7:14580")]
+    assert nodes[1].model == "pdserve-tiny"
+
+
+def test_example_toml_values_are_the_defaults(example_toml):
+    """The header promises the defaults; the daemons' `proxy` is the one documented exception."""
+    node_config, proxy_config = config_models()
+    proxy_defaults = proxy_config()
+    for key, value in example_toml["proxy"].items():
+        assert getattr(proxy_defaults, key) == value, key
+    for role in ("prefill", "decode"):
+        defaults = node_config(role=role)
+        for key, value in example_toml[role].items():
+            if key != "proxy":
+                assert getattr(defaults, key) == value, (role, key)
