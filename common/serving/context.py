@@ -223,6 +223,8 @@ def _longest_token_chars(tokenizer: Any, vocab_size: int | None) -> int:
         return DEFAULT_MAX_TOKEN_CHARS
 
 
-def get_context(request: Request) -> ServingContext:
-    """FastAPI dependency: the context ``build_app`` stored on the app."""
+async def get_context(request: Request) -> ServingContext:
+    """FastAPI dependency: the context ``build_app`` stored on the app. ``async`` on purpose:
+    FastAPI runs a plain ``def`` dependency in its worker-thread pool, a thread hop per request
+    that under load grew every daemon by AnyIO's 40 pool threads."""
     return request.app.state.serving

@@ -140,3 +140,24 @@ def test_json_depth_counts_brackets_outside_strings_only() -> None:
     assert json_depth_exceeds(b'{"a": [[[1]]]}', 3)
     assert not json_depth_exceeds(b'{"a": [[1]], "b": [[2]]}', 3)
     assert json_depth_exceeds(b"[" * 3000, 64)
+
+
+def test_requests_take_no_hop_through_the_worker_thread_pool(monkeypatch):
+    """Routes and dependencies are async: FastAPI runs a plain ``def`` one in AnyIO's thread pool,
+    a thread hop per request that left each daemon 40 idle pool threads after a burst."""
+    client = _client()
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def spy(thread: threading.Thread) -> None:
+        started.append(thread.name)
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", spy)
+    for path in ("/health", "/ready", "/metrics", "/v1/models"):
+        assert client.get(path).status_code in (200, 503)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}), ("/v1/chat/completions", chat)):
+        assert client.post(path, json=body).status_code == 200
+        assert client.post(path, json={**body, "stream": True}).status_code == 200
+    assert "AnyIO worker thread" not in started, started
