@@ -135,6 +135,22 @@ async def wait_idle(entries: list[dict], deadline_s: float) -> bool:
     return False
 
 
+def settle(entries: list[dict], baseline: dict[str, dict[str, float]], deadline_s: float) -> float:
+    """Seconds until every process is back to its baseline threads and FDs, at most ``deadline_s``.
+
+    Idle worker threads leave on their own timers (anyio's after 10 s idle, the control
+    plane's peer links after ``peer_idle_s``): a sample taken the moment the daemons go idle
+    counts them; one that waits for them does not, while a real leak never comes back.
+    """
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < deadline_s:
+        now = {e["name"]: process_sample(e["pid"]) for e in entries}
+        if all(now[n][k] <= baseline[n][k] for n in baseline for k in ("threads", "fds")):
+            break
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
 # ---------------------------------------------------------------------------- load
 
 def body_for(kind: str, rng: random.Random) -> tuple[str, dict]:
@@ -226,7 +242,7 @@ async def run_load(url: str, count: int, concurrency: int, seed: int) -> tuple[C
 # ---------------------------------------------------------------------------- report
 
 def report(args: argparse.Namespace, key_on: bool, kinds: Counter, outcomes: Counter, latencies: list[float],
-           seconds: float, idle: bool, samples: list[dict]) -> str:
+           seconds: float, idle: bool, samples: list[dict], settled: list[float]) -> str:
     failures = {k: v for k, v in outcomes.items() if k not in ("ok", "disconnected")}
     if not idle:
         failures["not idle after a round (requests or KV blocks held)"] = 1
@@ -248,8 +264,9 @@ def report(args: argparse.Namespace, key_on: bool, kinds: Counter, outcomes: Cou
         f"| latency of ok requests | p50 {p(0.5):.0f} ms, p99 {p(0.99):.0f} ms, "
         f"mean {statistics.fmean(lat) * 1000 if lat else float('nan'):.0f} ms |",
         f"| daemons idle after each round | {'yes' if idle else 'NO'} |", "",
-        "Each process sampled after warm-up, then after each round once the daemons were idle "
-        "(a pool that fills stops growing; a leak grows every round):", "",
+        "Each process sampled after warm-up, then after each round once the daemons were idle and "
+        "threads and FDs were back to the first sample (or --settle-timeout passed; it took "
+        + ", ".join(f"{t:.1f} s" for t in settled) + "): a leak never comes back.", "",
         "| process | RSS (MiB) | RSS growth | threads | FDs |",
         "|---|---|---|---|---|",
     ]
@@ -265,6 +282,20 @@ def report(args: argparse.Namespace, key_on: bool, kinds: Counter, outcomes: Cou
     return "\n".join(lines)
 
 
+def missed_goals(failures: int, samples: list[dict]) -> list[str]:
+    """Issue 11's goals that this run missed (empty: all met)."""
+    missed = [f"{failures} failures (goal 0)"] if failures else []
+    for name in samples[0]:
+        first, last = samples[0][name], samples[-1][name]
+        growth = (last["rss_mib"] - first["rss_mib"]) / first["rss_mib"] * 100
+        if growth >= 10:
+            missed.append(f"{name}: RSS grew {growth:.1f} % (goal < 10 %)")
+        for key in ("threads", "fds"):
+            if last[key] > first[key]:
+                missed.append(f"{name}: {key} {first[key]:.0f} -> {last[key]:.0f} (goal: back to baseline)")
+    return missed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000)
@@ -276,9 +307,12 @@ def main() -> None:
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--idle-timeout", type=float, default=60.0,
                         help="how long the daemons may take to release everything after a round")
+    parser.add_argument("--settle-timeout", type=float, default=30.0,
+                        help="how long idle worker threads and sockets may take to go after a round")
     args = parser.parse_args()
 
     kinds, outcomes, latencies, seconds, idle = Counter(), Counter(), [], 0.0, True
+    settled: list[float] = []
     with tempfile.TemporaryDirectory(prefix="pdserve-soak-") as tmp:
         run_dir = Path(tmp)
         key_file = write_cluster_key(run_dir / "cluster.key") if proxy_has_cluster_key() else None
@@ -295,6 +329,7 @@ def main() -> None:
                 seconds += time.perf_counter() - t0
                 kinds, outcomes, latencies = kinds + k, outcomes + o, latencies + lat
                 idle = asyncio.run(wait_idle(entries, args.idle_timeout)) and idle
+                settled.append(settle(entries, samples[0], args.settle_timeout))
                 samples.append({e["name"]: process_sample(e["pid"]) for e in entries})
         except BaseException:
             for entry in entries:
@@ -303,7 +338,12 @@ def main() -> None:
             raise
         finally:
             down(run_dir, quiet=True)
-    print(report(args, key_file is not None, kinds, outcomes, latencies, seconds, idle, samples))
+    print(report(args, key_file is not None, kinds, outcomes, latencies, seconds, idle, samples, settled))
+    failures = sum(v for k, v in outcomes.items() if k not in ("ok", "disconnected")) + (not idle)
+    missed = missed_goals(failures, samples)
+    print("\nGoals (0 failures, RSS growth < 10 %, threads and FDs back to baseline): "
+          + ("met" if not missed else "MISSED: " + "; ".join(missed)))
+    sys.exit(1 if missed else 0)
 
 
 if __name__ == "__main__":
