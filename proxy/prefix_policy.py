@@ -80,6 +80,11 @@ class PrefixAware:
         self._remember(best.key, chunks)
         return best
 
+    def forget_all_but(self, live: set[tuple[str, str]]) -> None:
+        """Drop what was remembered for nodes that are no longer registered."""
+        for key in [k for k in self._seen if k not in live]:
+            del self._seen[key]
+
     def _matched(self, key: tuple[str, str], chunks: list[bytes]) -> int:
         seen = self._seen.get(key)
         if not seen:

@@ -141,6 +141,10 @@ class Router:
         groups = self.registry.groups()
         if groups is not self._cache[0]:
             self._cache = (groups, {})
+            live = {n.key for g in groups for n in (*g.prefills, *g.decodes)}
+            for policy in (self._prefill_policy, self._decode_policy):
+                if isinstance(policy, PrefixAware):
+                    policy.forget_all_but(live)  # nodes come and go: their memories must not pile up
         by_model = self._cache[1]
         if model not in by_model:
             if len(by_model) > 256:  # model names come from clients: keep the cache bounded

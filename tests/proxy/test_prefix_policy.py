@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 from proxy_fakes import wait_for
 
@@ -45,6 +47,17 @@ def test_a_conversation_follows_its_prefix_and_new_ones_spread():
         assert (turn.prefill, turn.decode) == (first.prefill, first.decode)
     r.end(first)
     r.end(second)
+
+
+def test_a_node_that_left_is_forgotten():
+    r = router_with(node("P", 1), node("P", 2), node("D", 11), node("D", 12), policy="prefix_aware")
+    home = r.pick("m", prompt=SYSTEM + "question")
+    policy = r._prefill_policy
+    assert ("P", home.prefill.http_address) in policy._seen
+    r.registry.register(dataclasses.replace(home.prefill, goodbye=True))
+    after = r.pick("m", prompt=SYSTEM + "question")  # the only other prefill, and nothing kept for the gone one
+    assert after.prefill.http_address != home.prefill.http_address
+    assert set(policy._seen) == {("P", after.prefill.http_address)}
 
 
 def test_no_shared_prefix_goes_to_the_least_loaded():
