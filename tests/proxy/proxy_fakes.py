@@ -43,6 +43,10 @@ class Behavior:
     chunk_delay_s: float = 0.0
     chunks: list[bytes] = field(default_factory=lambda: list(SSE_CHUNKS))
     error_body: bytes = b'{"error":{"message":"fake failure","type":"server_error","param":null,"code":"internal_error"}}'
+    # D: answer only once this node has seen the same request id (a real decode node cannot
+    # finish before its prefill node got the request; a fake one otherwise can, and the proxy
+    # then cancels a prefill leg that never arrived)
+    after: FakeNode | None = None
 
 
 class FakeNode:
@@ -64,6 +68,8 @@ class FakeNode:
                         request.client.port)
             self.seen.append(seen)
             b = self.behavior
+            if b.after is not None:
+                await _until_seen(b.after, seen.request_id)
             if await _sleep_unless_gone(request, b.delay_s):
                 seen.cancelled = True
                 return Response(status_code=499)
@@ -90,6 +96,13 @@ class FakeNode:
         except asyncio.CancelledError:
             seen.cancelled = True
             raise
+
+
+async def _until_seen(node: FakeNode, request_id: str | None, timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not any(x.request_id == request_id for x in node.seen):
+        assert time.monotonic() < end, f"{node.name} never got {request_id}"
+        await asyncio.sleep(0.005)
 
 
 async def _sleep_unless_gone(request: Request, seconds: float) -> bool:
