@@ -9,7 +9,8 @@ PYTHONPATH). Faults are per pair of hosts and silent, like a real partition:
 - ``cut(a, b)``: ``a`` sends its frames for ``b`` to a MAC nobody owns (a permanent
   neighbour entry): they vanish, no RST, no ICMP; ``heal`` removes the entry;
 - ``netem(a, b, spec)``: ``tc netem`` delay / loss on ``a``'s packets to ``b`` (needs the
-  kernel's sch_netem; ``netem_unavailable()`` says why not);
+  kernel's sch_netem; ``netem_unavailable()`` says why not); ``throttle(a, b, rate)``: the
+  same with a rate instead (plain htb), ``clear_netem(a)`` removes either;
 - ``delay_link(a, b)``: where there is no netem, a second link between two hosts through
   a user-space relay (delay_relay.py) with a settable one-way delay and loss.
 
@@ -21,6 +22,7 @@ in them.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -216,16 +218,31 @@ class Bed:
 
     def netem(self, a: Host, b: Host, spec: str) -> None:
         """``tc netem`` ``spec`` (e.g. "delay 50ms loss 1%") on ``a``'s packets to ``b`` only."""
+        self._shape(a, b, "10gbit", ("netem", *spec.split()))
+
+    def throttle(self, a: Host, b: Host, rate: str) -> None:
+        """``a``'s packets to ``b`` leave at ``rate`` (e.g. "8mbit"): plain htb, no netem needed,
+        so a transfer lasts long enough to be cut while its bytes are on the wire."""
+        self._shape(a, b, rate, None)
+
+    def _shape(self, a: Host, b: Host, rate: str, leaf: tuple[str, ...] | None) -> None:
         def tc(*args: str) -> None:
             subprocess.run(["ip", "netns", "exec", a.ns, "tc", *args], check=True, capture_output=True)
 
-        # htb class 1:1 (default) passes everything else; 1:2 holds the netem qdisc
+        # htb class 1:1 (default) passes everything else; 1:2 carries the traffic to b
         tc("qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1")
-        for cls in ("1:1", "1:2"):
-            tc("class", "replace", "dev", "eth0", "parent", "1:", "classid", cls, "htb", "rate", "10gbit")
-        tc("qdisc", "replace", "dev", "eth0", "parent", "1:2", "handle", "20:", "netem", *spec.split())
+        tc("class", "replace", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", "rate", "10gbit")
+        tc("class", "replace", "dev", "eth0", "parent", "1:", "classid", "1:2", "htb", "rate", rate)
+        if leaf is not None:
+            tc("qdisc", "replace", "dev", "eth0", "parent", "1:2", "handle", "20:", *leaf)
         tc("filter", "replace", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
            "match", "ip", "dst", f"{b.ip}/32", "flowid", "1:2")
+
+    def rx_bytes(self, host: Host) -> int:
+        """Bytes ``host`` has received on its bridge link so far."""
+        out = subprocess.run(["ip", "-n", host.ns, "-s", "-j", "link", "show", "eth0"], check=True,
+                             capture_output=True, text=True).stdout
+        return int(json.loads(out)[0]["stats64"]["rx"]["bytes"])
 
     def delay_link(self, a: Host, b: Host, one_way_ms: float = 0.0, loss: float = 0.0,
                    mtu: int = 1500) -> DelayLink:

@@ -1,7 +1,7 @@
 """Partitions across hosts: silence, not a dead process (no RST, no ICMP, packets just vanish).
 
-- P and D lose each other in the middle of a transfer (D has allocated and asked, P is
-  about to push): the decode leg ends with a clear error within the transfer deadline,
+- P and D lose each other in the middle of a transfer (the P->D link is throttled so the
+  KV takes seconds; the cut comes once D has received part of it): the decode leg ends with a clear error within the transfer deadline,
   both sides free their blocks, and once the link is back the same pair serves again;
 - a daemon loses the proxy: evicted within three heartbeats, sent nothing meanwhile,
   registered again once healed;
@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from mh_cluster import (HEARTBEAT_S, KV_LEASE_S, KV_TIMEOUT_S, LONG_PROMPT, PROMPTS, colocated_text, complete,
+from mh_cluster import (HEARTBEAT_S, KV_LEASE_S, KV_TIMEOUT_S, PROMPTS, colocated_text, complete,
                         node_requests, registered, serve_pair, tagged, text_of, wait_for)
 
 from common.request_id import make_request_id
@@ -27,22 +27,26 @@ SLACK_S = 3.0  # scheduling on a busy 2-core machine: polling, process wake-ups
 
 def test_partition_between_p_and_d_mid_transfer(cluster):
     bed, (p1, _), (d1, _) = cluster.bed, cluster.prefills, cluster.decodes
-    body = {"prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    warm = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    serve_pair(p1, d1, warm)  # the pair exists: the cut hits a built pair, not the handshake
+    # tokens no other request sent: neither prefix cache holds them, so the whole KV (~6 MB) moves
+    body = {"prompt": list(range(2040, 540, -1)), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     expected = colocated_text(cluster, body)
-    assert serve_pair(p1, d1, body) == expected  # the pair exists: the cut hits it, not the handshake
     for node in (p1, d1):
         wait_idle(node.url)
     counts = [node.counts() for node in (p1, d1)]
     failures = metric(d1.url, "pdserve:kv_transfer_failures_total")
     rid = make_request_id(p1.kv_addr, d1.kv_addr)
+    bed.throttle(p1.host, d1.host, "8mbit")  # ~6 s for the KV: the cut lands while it is on the wire
     try:
         with ThreadPoolExecutor(2) as pool:
+            rx0 = bed.rx_bytes(d1.host)
             decode_leg = pool.submit(tagged, d1, body, rid)
-            # D allocated its blocks and asked P for the KV: now the link goes silent
-            wait_for("decode allocated", lambda: metric(d1.url, "pdserve:kv_cache_usage_perc") > 0, 20)
+            prefill_leg = pool.submit(tagged, p1, {**body, "max_tokens": 1}, rid)
+            wait_for("KV bytes arriving at D", lambda: bed.rx_bytes(d1.host) - rx0 > 512 * 1024, 60)
+            assert not decode_leg.done(), decode_leg.result().text
             bed.cut(p1.host, d1.host)
             cut_at = time.monotonic()
-            prefill_leg = pool.submit(tagged, p1, {**body, "max_tokens": 1}, rid)
             r = decode_leg.result(timeout=KV_LEASE_S + KV_TIMEOUT_S + 30)
             elapsed = time.monotonic() - cut_at
             prefill_leg.result(timeout=60)
@@ -56,6 +60,7 @@ def test_partition_between_p_and_d_mid_transfer(cluster):
         assert metric(d1.url, "pdserve:kv_transfer_failures_total") > failures
     finally:
         bed.heal(p1.host, d1.host)
+        bed.clear_netem(p1.host)
     # the link is back: the same pair serves the same answer (its data-plane pair rebuilt)
     assert serve_pair(p1, d1, body) == expected
     for node in (p1, d1):
