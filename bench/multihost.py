@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ttft_breakdown import kv_megabytes, medians, sample  # also puts the tree and tests/ on sys.path
+from ttft_breakdown import kv_megabytes, medians, pair_transport, sample  # also puts the tree and tests/ on sys.path
 
 from helpers.cluster import start  # noqa: E402
 from helpers.netns import Bed, netem_unavailable, unavailable  # noqa: E402
@@ -55,11 +55,12 @@ def run(prompt_tokens: int, repeats: int, latencies_ms: list[float]) -> None:
                 if round_:
                     samples[ms].append(one)
         results = {ms: medians(s) for ms, s in samples.items()}
+        transport = pair_transport(decode)
     finally:
         if both is not None:
             both.stop()
         bed.close()
-    print_table(results, prompt_tokens, repeats, "tc netem" if use_netem else "user-space relay")
+    print_table(results, prompt_tokens, repeats, "tc netem" if use_netem else "user-space relay", transport)
 
 
 def set_latency(bed: Bed, link, p_host, d_host, ms: float) -> None:
@@ -73,10 +74,11 @@ def set_latency(bed: Bed, link, p_host, d_host, ms: float) -> None:
             bed.netem(a, b, f"delay {ms}ms")
 
 
-def print_table(results: dict[float, dict[str, float]], prompt_tokens: int, repeats: int, how: str) -> None:
+def print_table(results: dict[float, dict[str, float]], prompt_tokens: int, repeats: int, how: str,
+                transport: str) -> None:
     kv_mb = kv_megabytes(prompt_tokens)
     print(f"\nTTFT of a {prompt_tokens}-token prompt, P and D on two hosts (network namespaces; one-way "
-          f"P-D latency added with {how}; embedded model, CPU fp32, gloo; KV {kv_mb:.1f} MB; "
+          f"P-D latency added with {how}; embedded model, CPU fp32, KV over {transport}; KV {kv_mb:.1f} MB; "
           f"median of {repeats}, ms)\n")
     print("| one-way P-D latency | colocated | prefill leg | KV transfer | hand-off | prefill-first total "
           "| concurrent total | concurrent - colocated |")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -70,11 +71,23 @@ def kv_megabytes(prompt_tokens: int) -> float:
 PARTS = ("colocated", "prefill", "transfer", "handoff", "pf_total", "concurrent")
 
 
+def pair_transport(decode: Proc) -> str:
+    """The data plane the decode node's live pairs use (``kv_pairs{transport}``), e.g. "tcp"."""
+    text = httpx.get(decode.url + "/metrics", timeout=10).text
+    live = re.findall(r'^pdserve:kv_pairs\{[^}]*transport="([^"]+)"[^}]*\} ([0-9.]+)', text, re.M)
+    return ", ".join(sorted({t for t, n in live if float(n) > 0})) or "none"
+
+
+def fresh_prompt(prompt_tokens: int, rng: random.Random) -> dict:
+    """A random prompt: no node's prefix cache holds it, so every token is computed and moved."""
+    return {"prompt": [rng.randrange(4, 2048) for _ in range(prompt_tokens)], "max_tokens": 2,
+            "temperature": 0, "ignore_eos": True}
+
+
 def sample(both: Proc, prefill: Proc, decode: Proc, prompt_tokens: int,
            rng: random.Random) -> dict[str, float]:
-    """One round: ms of each part in ``PARTS`` for a fresh random prompt."""
-    body = {"prompt": [rng.randrange(4, 2048) for _ in range(prompt_tokens)], "max_tokens": 2,
-            "temperature": 0, "ignore_eos": True}
+    """One round: ms of each part in ``PARTS``, each path on a prompt no node has seen."""
+    body = fresh_prompt(prompt_tokens, rng)
     colocated = first_token_s(both.url, body)
     rid = make_request_id(prefill.kv_addr, decode.kv_addr)
     p = prefill_leg_s(prefill, body, rid)
@@ -82,6 +95,7 @@ def sample(both: Proc, prefill: Proc, decode: Proc, prompt_tokens: int,
     d = first_token_s(decode.url, body, rid)
     transfer = transfer_sum(decode) - before
     rid = make_request_id(prefill.kv_addr, decode.kv_addr)
+    body = fresh_prompt(prompt_tokens, rng)  # the legs above left this prompt in both caches
     t0 = time.perf_counter()
     with ThreadPoolExecutor(1) as pool:
         leg = pool.submit(prefill_leg_s, prefill, body, rid)
@@ -108,11 +122,12 @@ def run(prompt_tokens: int, repeats: int) -> None:
     procs = [start(role, tmp) for role in ("both", "prefill", "decode")]
     try:
         med = measure(*procs, prompt_tokens, repeats, random.Random(0))
+        transport = pair_transport(procs[2])
     finally:
         for proc in procs:
             proc.stop()
     kv_mb = kv_megabytes(prompt_tokens)
-    print(f"\nTTFT for a {prompt_tokens}-token prompt (embedded model, CPU fp32, gloo on loopback; "
+    print(f"\nTTFT for a {prompt_tokens}-token prompt (embedded model, CPU fp32, KV over {transport} on loopback; "
           f"KV {kv_mb:.1f} MB; median of {repeats})\n")
     print("| path | part | ms |")
     print("|---|---|---:|")
