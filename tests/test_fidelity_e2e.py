@@ -132,6 +132,16 @@ def test_stream_equals_colocated_chunk_by_chunk(cluster: dict[str, Proc], name: 
     assert_same(expected, stream_events(cluster[order], path, body))
 
 
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("name", ["greedy-logprobs", "chat-seeded"])
+def test_continuous_usage_stream_equals_colocated(cluster: dict[str, Proc], name: str, order: str) -> None:
+    path, body = REQUESTS[name]
+    body = {**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    expected = stream_events(cluster["both"], path, body)
+    assert all(e["usage"] for e in expected[:-1])  # vLLM's meaning: the usage so far on every chunk
+    assert_same(expected, stream_events(cluster[order], path, body))
+
+
 def test_streams_carry_one_token_per_chunk(cluster: dict[str, Proc]) -> None:
     path, body = REQUESTS["greedy-logprobs"]
     events = stream_events(cluster["concurrent"], path, {**body, "stream": True})
@@ -164,6 +174,8 @@ BAD_REQUESTS = {
     "chat-messages-missing": ("/v1/chat/completions", {"model": MODEL}),
     "not-json": ("/v1/completions", b"{not json"),
     "empty-body": ("/v1/completions", b""),
+    "nested-too-deep": ("/v1/completions", b'{"prompt": ' + b"[" * 100 + b"]" * 100 + b"}"),
+    "over-4-mib": ("/v1/completions", b'{"prompt": "' + b"x" * (4 << 20) + b'"}'),  # 413 on both
 }
 
 
