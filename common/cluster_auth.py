@@ -99,8 +99,9 @@ class ClusterKey:
         expiry, _, mac_hex = rest.partition(".")
         if version != "v1" or not expiry.isdigit() or len(expiry) > 12:
             return f"malformed {SIGNATURE_HEADER} header"
-        want = self.mac(_REQUEST_ID, request_id.encode(), expiry.encode()).hex()
-        if not hmac.compare_digest(want, mac_hex):
+        want = self.mac(_REQUEST_ID, request_id.encode(), expiry.encode()).hex().encode()
+        # as bytes: compare_digest raises TypeError on a str with non-ASCII characters (a header's bytes)
+        if not hmac.compare_digest(want, mac_hex.encode("utf-8", "surrogateescape")):
             return "request id signature does not match (not signed by this cluster's proxy)"
         if int(expiry) < time.time():
             return "request id signature expired"

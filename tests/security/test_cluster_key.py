@@ -61,7 +61,7 @@ class Listener:
         self.sock.close()
 
 
-def _post(url: str, request_id: str | None, signature: str | None = None,
+def _post(url: str, request_id: str | None, signature: str | bytes | None = None,
           body: dict = BODY) -> httpx.Response:
     headers = {}
     if request_id:
@@ -86,7 +86,8 @@ def test_daemons_refuse_unsigned_forged_and_untagged_ids_and_connect_nowhere(clu
     try:
         forged = make_request_id(trap.address, trap.address)
         cases = [(None, None), (forged, None), (forged, "v1.99999999999.00"), (forged, other.sign_id(forged)),
-                 (forged, key.sign_id(forged, ttl_s=-5))]  # untagged, unsigned, bad, foreign key, expired
+                 (forged, key.sign_id(forged, ttl_s=-5)),  # untagged, unsigned, bad, foreign key, expired
+                 (forged, b"v1.99999999999.\xe9\xff")]  # header bytes past ASCII: once a 500
         for node in (prefill, decode):
             for request_id, signature in cases:
                 r = _post(node.url, request_id, signature)
