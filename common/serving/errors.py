@@ -167,8 +167,9 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
 
 def body_error(content_type: str | None, body: bytes) -> OpenAIError | None:
     """What is wrong with a body as a whole (not JSON at all, or nothing), as the proxy says it too."""
-    if content_type and "json" not in content_type.lower():
-        return OpenAIError(f"Content-Type must be application/json, not {content_type!r}", param="body",
+    if not content_type or "json" not in content_type.lower():  # none at all: the proxy would parse it, a node not
+        sent = repr(content_type) if content_type else "none was sent"
+        return OpenAIError(f"Content-Type must be application/json ({sent})", param="body",
                            code="invalid_content_type")
     if not body.strip():
         return OpenAIError("the request body is empty; send a JSON object", param="body", code="missing_body")
