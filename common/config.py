@@ -104,7 +104,11 @@ class NodeConfig(BaseModel):
     heartbeat_interval_s: float = Field(
         2.0, gt=0, le=MAX_HEARTBEAT_INTERVAL_S, description="Seconds between heartbeats"
     )
-    kv_timeout_s: float = Field(5.0, gt=0, le=3600, description="Deadline of one KV transfer operation")
+    kv_timeout_s: float = Field(
+        5.0, gt=0, le=3600,
+        description="How long a KV transfer may go without progress (a peer silent this long has failed; "
+                    "a slow link that keeps moving is not cut off)",
+    )
     kv_lease_s: float = Field(30.0, gt=0, le=86400, description="How long prefill holds KV nobody asked for")
     kv_transport: Literal["auto", "cuda_ipc", "nccl", "tcp", "gloo"] = Field(
         "auto", description="KV data plane, chosen per pair at its handshake; auto = cuda_ipc (CUDA, one "

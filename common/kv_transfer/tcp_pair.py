@@ -9,9 +9,10 @@ arrives instead of waiting for a notice to cross the control plane: two thread h
 two ZMQ hops less per message. The payload is each layer's ``[2, blocks, ...]`` in C order.
 
 Operations run on the caller's thread and finish before returning (the handle's ``wait``
-is a no-op); each has a deadline of ``timeout_s`` (kernel socket timeouts per call, and a
-check between calls). A closed
-connection, a reset or a deadline marks the pair broken, like a gloo pair after a timeout.
+is a no-op); each fails after ``timeout_s`` without a byte moving (kernel socket timeouts
+per call), so a stalled peer is noticed that soon while a slow link that keeps moving is not
+cut off. A closed connection, a reset or a timeout marks the pair broken, like a gloo pair
+after a timeout.
 The connection opens with the pair id, so the producer accepts only the consumer it
 handed the port to over the control plane.
 """
@@ -321,21 +322,23 @@ class TcpPair:
         self._kernel_timeout = timeout_s
 
     def _io(self, call, tensors: list[torch.Tensor], timeout_s: float | None) -> None:
-        """Run ``call`` (sendmsg or recvmsg_into) until every byte of ``tensors`` moved."""
+        """Run ``call`` (sendmsg or recvmsg_into) until every byte of ``tensors`` moved.
+
+        The deadline bounds silence, not size: each call waits at most ``timeout_s`` for a byte
+        to move (the kernel's SO_RCVTIMEO/SO_SNDTIMEO), so a dead or partitioned peer fails the
+        message that long after its last byte, while a slow link that keeps moving (high
+        latency, loss) finishes a large layer however long it takes."""
         if self.broken:
             raise PairBrokenError("pair is broken; rebuild it")
         bufs = [b for b in (t if isinstance(t, memoryview) else tensor_buffer(t) for t in tensors) if len(b)]
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
         i = 0
         try:
             self._set_kernel_timeout(timeout_s or self.timeout_s)
             while i < len(bufs):
-                if time.monotonic() > deadline:  # each call stops at the kernel timeout; this bounds the sum
-                    raise TimeoutError("deadline passed")
                 try:
                     n = call(bufs[i:i + IOV_MAX])
                 except BlockingIOError as e:  # SO_RCVTIMEO/SO_SNDTIMEO ran out with nothing moved
-                    raise TimeoutError("timed out: no progress before the deadline") from e
+                    raise TimeoutError(f"no byte moved for {timeout_s or self.timeout_s:g} s") from e
                 if n == 0:
                     raise ConnectionError("peer closed the connection")
                 while n:  # advance past what moved; a partial buffer keeps its tail

@@ -42,6 +42,11 @@ class Cluster:
     def daemons(self) -> list[NsProc]:
         return self.prefills + self.decodes
 
+    @property
+    def members(self) -> list[NsProc]:
+        """The daemons and both proxies: every process in the bed."""
+        return [self.proxy, self.proxy2, *self.daemons]
+
 
 def series(url: str, name: str) -> dict[str, float]:
     """Every sample of metric ``name`` at ``url``, keyed by its label text."""
@@ -94,6 +99,37 @@ def text_of(r: httpx.Response) -> str:
 def colocated_text(cluster: Cluster, body: dict) -> str:
     """The reference answer: ``body`` served by the colocated node."""
     return text_of(httpx.post(cluster.colocated.url + "/v1/completions", json=body, timeout=60))
+
+
+def warm_pairs(prefills: list[NsProc], decodes: list[NsProc]) -> None:
+    """One short request through each (P, D) pair, so the KV links a test is about to use exist
+    before its baseline is counted (an idle link is retired after 60 s, then built anew)."""
+    body = {"prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    for p in prefills:
+        for d in decodes:
+            serve_pair(p, d, body)
+    for node in (*prefills, *decodes):
+        wait_idle(node.url)
+
+
+def process_counts(procs: list[NsProc]) -> dict[str, tuple[int, int]]:
+    """(threads, open FDs) of each process, by name."""
+    return {proc.name: proc.counts() for proc in procs}
+
+
+def assert_nothing_leaked(procs: list[NsProc], before: dict[str, tuple[int, int]], extra_fds: int = 4,
+                          timeout: float = 20.0) -> None:
+    """Each process back within one thread and ``extra_fds`` sockets of ``before``. Polled: idle
+    peer links and keep-alive sockets close on their own timers; a leak never comes back."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = process_counts(procs)
+        grown = {n: (before[n], now[n]) for n in before
+                 if now[n][0] > before[n][0] + 1 or now[n][1] > before[n][1] + extra_fds}
+        if not grown:
+            return
+        assert time.monotonic() < deadline, f"(threads, fds) before -> after: {grown}"
+        time.sleep(0.2)
 
 
 def assert_all_idle(cluster) -> None:

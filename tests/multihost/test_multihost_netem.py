@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from mh_cluster import LONG_PROMPT, PROMPTS, colocated_text, complete, serve_pair, text_of
+from mh_cluster import (LONG_PROMPT, PROMPTS, assert_nothing_leaked, colocated_text, complete, process_counts,
+                        serve_pair, text_of, warm_pairs)
 
 from helpers.cluster import metric, wait_idle
 from helpers.netns import netem_unavailable
@@ -42,6 +43,8 @@ def test_latency_and_loss_between_p_and_d_change_no_answer(cluster):
     bodies = [{"prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True} for p in PROMPTS]
     bodies.append({"prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
     expected = [colocated_text(cluster, b) for b in bodies]
+    warm_pairs([p1], [d1])
+    counts = process_counts(cluster.members)
     transfers = metric(d1.url, "pdserve:kv_transfer_seconds_count")
     failures = metric(d1.url, "pdserve:kv_transfer_failures_total")
     with impaired(bed, p1.host, d1.host):
@@ -52,3 +55,4 @@ def test_latency_and_loss_between_p_and_d_change_no_answer(cluster):
     for node in (p1, d1):
         wait_idle(node.url)
     assert text_of(complete(cluster.proxy.url, PROMPTS[0])) == expected[0]
+    assert_nothing_leaked(cluster.members, counts)

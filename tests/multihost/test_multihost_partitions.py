@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from mh_cluster import (HEARTBEAT_S, KV_LEASE_S, KV_TIMEOUT_S, PROMPTS, colocated_text, complete,
+from mh_cluster import (HEARTBEAT_S, KV_LEASE_S, KV_TIMEOUT_S, PROMPTS, assert_nothing_leaked, colocated_text,
+                        complete, process_counts, warm_pairs,
                         node_requests, registered, serve_pair, tagged, text_of, wait_for)
 
 from common.request_id import make_request_id
@@ -73,6 +74,8 @@ def test_partition_between_p_and_d_mid_transfer(cluster):
 def test_partition_between_daemon_and_proxy(cluster):
     bed, proxy, d2 = cluster.bed, cluster.proxy, cluster.decodes[1]
     expected = {p: text_of(complete(cluster.colocated.url, p)) for p in PROMPTS}
+    warm_pairs(cluster.prefills, cluster.decodes)
+    counts = process_counts(cluster.members)
     try:
         bed.cut(proxy.host, d2.host)
         took = wait_for("d2 evicted", lambda: registered(proxy) == {"P": 2, "D": 1},
@@ -91,6 +94,7 @@ def test_partition_between_daemon_and_proxy(cluster):
     assert node_requests(proxy, d2) > sent
     for node in cluster.daemons:
         wait_idle(node.url)
+    assert_nothing_leaked(cluster.members, counts)
 
 
 def test_proxy_reaches_d_but_not_p(cluster):
@@ -99,6 +103,8 @@ def test_proxy_reaches_d_but_not_p(cluster):
     for proxy in (cluster.proxy, cluster.proxy2):  # each proxy now holds a keep-alive socket to P1
         for prompt in PROMPTS[:2]:
             assert text_of(complete(proxy.url, prompt)) == expected[prompt]
+    warm_pairs(cluster.prefills, cluster.decodes)
+    counts = process_counts(cluster.members)
     try:
         for proxy in (cluster.proxy, cluster.proxy2):
             bed.cut(proxy.host, p1.host, both_ways=False)  # what the proxy sends to P1 vanishes
@@ -125,6 +131,7 @@ def test_proxy_reaches_d_but_not_p(cluster):
         for prompt in PROMPTS:
             assert text_of(complete(proxy.url, prompt)) == expected[prompt]
         assert node_requests(proxy, p1) > sent
+    assert_nothing_leaked(cluster.members, counts)
 
 
 def test_proxy_and_p_partitioned_while_prefill_runs(cluster):

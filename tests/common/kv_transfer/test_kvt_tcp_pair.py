@@ -82,7 +82,7 @@ def test_closed_peer_breaks_the_pair_and_it_stays_broken():
 def test_silent_peer_fails_at_the_deadline():
     p, d = make_pair(timeout_s=0.3)
     try:
-        with pytest.raises(PairBrokenError, match="timed out|deadline"):
+        with pytest.raises(PairBrokenError, match="no byte moved for 0.3 s"):
             d.recv_into([torch.zeros(8, dtype=torch.uint8)])
     finally:
         p.close()
