@@ -1,8 +1,9 @@
 """Partitions across hosts: silence, not a dead process (no RST, no ICMP, packets just vanish).
 
 - P and D lose each other in the middle of a transfer (the P->D link is throttled so the
-  KV takes seconds; the cut comes once D has received part of it): the decode leg ends with a clear error within the transfer deadline,
-  both sides free their blocks, and once the link is back the same pair serves again;
+  KV takes seconds; the cut comes once D has received part of it): the decode leg ends
+  with a clear error within the transfer deadline, both sides free their blocks, and once
+  the link is back the same pair serves again;
 - a daemon loses the proxy: evicted within three heartbeats, sent nothing meanwhile,
   registered again once healed;
 - the proxy can reach D but not P: requests go to the other P or fail fast, never hang;
