@@ -8,6 +8,7 @@ import zmq
 from proxy_fakes import wait_for
 
 from common.registry_client import RegistrationMessage, encode
+from helpers.zmq_peer import raw_dealer
 from proxy.registry import ServiceRegistry
 
 
@@ -23,15 +24,8 @@ def registry():
 
 @pytest.fixture
 def dealer(registry):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://{registry.address}")
-    try:
+    with raw_dealer(registry.address) as sock:
         yield sock
-    finally:
-        sock.close()
-        ctx.term()
 
 
 def test_vllm_format_registers(registry, dealer):

@@ -4,15 +4,12 @@ cannot register, and the KV control plane answers members only."""
 
 from __future__ import annotations
 
-import contextlib
 import select
 import socket
-from collections.abc import Iterator
 
 import httpx
 import msgpack
 import pytest
-import zmq
 
 from proxy_fakes import wait_for
 
@@ -20,6 +17,7 @@ from common.cluster_auth import SIGNATURE_HEADER, ClusterKey, control_sealer, re
 from common.kv_transfer.messages import Ping, decode, encode
 from common.request_id import make_request_id
 from helpers.cluster import start
+from helpers.zmq_peer import raw_dealer
 
 API_KEY = "client-secret"
 BODY = {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
@@ -116,24 +114,11 @@ def _registry_metric(proxy_url: str, reason: str) -> float:
     return 0.0
 
 
-@contextlib.contextmanager
-def _dealer(address: str) -> Iterator[zmq.Socket]:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://{address}")
-    try:
-        yield sock
-    finally:
-        sock.close()
-        ctx.term()
-
-
 
 def test_strangers_cannot_register(cluster):
     key, proxy, _, _ = cluster
     fake = {"type": "D", "http_address": "127.0.0.1:9", "zmq_address": "127.0.0.1:9"}
-    with _dealer(f"127.0.0.1:{proxy.kv_port}") as dealer:
+    with raw_dealer(f"127.0.0.1:{proxy.kv_port}") as dealer:
         dealer.send(msgpack.packb(fake))  # vLLM format, no seal
         stranger = registry_sealer(ClusterKey(b"a-stranger's-key-0123456789"))
         dealer.send_multipart(stranger.frames(msgpack.packb(fake)))
@@ -152,7 +137,7 @@ def test_strangers_cannot_register(cluster):
 
 def test_kv_control_plane_answers_members_only(cluster):
     key, _, prefill, _ = cluster
-    with _dealer(prefill.kv_addr) as dealer:
+    with raw_dealer(prefill.kv_addr) as dealer:
         dealer.send(encode(Ping(id=7)))  # unsealed
         stranger = control_sealer(ClusterKey(b"a-stranger's-key-0123456789"))
         dealer.send_multipart(stranger.frames(encode(Ping(id=8))))
