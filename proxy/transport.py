@@ -8,7 +8,6 @@ cancelled leg) closes the socket, so the node sees the disconnect and aborts.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator

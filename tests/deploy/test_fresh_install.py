@@ -31,7 +31,7 @@ def _run(*cmd: str, timeout: float) -> None:
 
 def test_dockerfile_installs_the_package_without_extras() -> None:
     text = (REPO / "deploy" / "Dockerfile").read_text()
-    assert re.search(rf"pip install .*torch==\$\{{TORCH_VERSION\}}", text)
+    assert re.search(r"pip install .*torch==\$\{TORCH_VERSION\}", text)
     assert re.search(r"^RUN pip install --no-cache-dir \. ", text, re.M)  # `.`, not `.[test]`
     copied = {part for line in re.findall(r"^COPY (.*) \S+$", text, re.M) for part in line.split()}
     assert copied == set(SHIPPED)

@@ -43,10 +43,10 @@ class Behavior:
     chunk_delay_s: float = 0.0
     chunks: list[bytes] = field(default_factory=lambda: list(SSE_CHUNKS))
     error_body: bytes = b'{"error":{"message":"fake failure","type":"server_error","param":null,"code":"internal_error"}}'
-    # D: answer only once this node has seen the same request id (a real decode node cannot
-    # finish before its prefill node got the request; a fake one otherwise can, and the proxy
-    # then cancels a prefill leg that never arrived)
-    after: FakeNode | None = None
+    # D: answer only once one of these nodes has seen the same request id (a real decode node
+    # cannot finish before its prefill node got the request; a fake one otherwise can, and the
+    # proxy then cancels a prefill leg that never arrived)
+    after: tuple[FakeNode, ...] = ()
 
 
 class FakeNode:
@@ -68,7 +68,7 @@ class FakeNode:
                         request.client.port)
             self.seen.append(seen)
             b = self.behavior
-            if b.after is not None:
+            if b.after:
                 await _until_seen(b.after, seen.request_id)
             if await _sleep_unless_gone(request, b.delay_s):
                 seen.cancelled = True
@@ -98,10 +98,10 @@ class FakeNode:
             raise
 
 
-async def _until_seen(node: FakeNode, request_id: str | None, timeout_s: float = 10.0) -> None:
+async def _until_seen(nodes: tuple[FakeNode, ...], request_id: str | None, timeout_s: float = 10.0) -> None:
     end = time.monotonic() + timeout_s
-    while not any(x.request_id == request_id for x in node.seen):
-        assert time.monotonic() < end, f"{node.name} never got {request_id}"
+    while not any(x.request_id == request_id for node in nodes for x in node.seen):
+        assert time.monotonic() < end, f"none of {[n.name for n in nodes]} got {request_id}"
         await asyncio.sleep(0.005)
 
 

@@ -90,8 +90,8 @@ def test_without_a_prompt_it_is_least_loaded():
 def test_proxy_routes_each_conversation_back_to_its_nodes(make_cluster):
     """Over real HTTP (fake nodes): each conversation's later turns reach the nodes of its first."""
     c = make_cluster(n_prefill=2, n_decode=2, policy="prefix_aware")
-    for node in c.decodes:
-        node.behavior.delay_s = 0.1  # else D may finish first and the P leg be cancelled unseen
+    for d in c.decodes:
+        d.behavior.after = tuple(c.prefills)  # else D may finish first and the P leg be cancelled unseen
     convs = {name: [{"role": "system", "content": SYSTEM},
                     {"role": "user", "content": f"{name}: " + "tell me more about this topic. " * 4}]
              for name in ("a", "b")}

@@ -79,7 +79,7 @@ def test_unknown_model_is_404_model_not_found(make_cluster):
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_request_id_is_echoed_and_the_tag_never_reaches_the_client(make_cluster, stream):
     c = make_cluster()
-    c.decodes[0].behavior.delay_s = 0.1
+    c.decodes[0].behavior.after = tuple(c.prefills)  # as a real D: not done before its P has the request
     r = httpx.post(f"{c.url}/v1/completions", json={**BODY, "stream": stream},
                    headers={"X-Request-Id": "mine-1"})
     assert r.status_code == 200 and r.headers["x-request-id"] == "mine-1"

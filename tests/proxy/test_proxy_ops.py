@@ -35,7 +35,7 @@ def test_no_nodes_is_503_and_not_ready():
 def test_nodes_registered_over_zmq_serve_requests():
     """Our Heartbeater (D) and a vLLM-format sender (P) register; requests flow; eviction unreadies."""
     p, d = FakeNode("P", "p0"), FakeNode("D", "d0")
-    d.behavior.after = p  # as a real decode node, answer only once the prefill node has the request
+    d.behavior.after = (p,)  # as a real decode node, answer only once the prefill node has the request
     config = ProxyConfig(port=0, registry_port=0, heartbeat_timeout_s=0.5, sweep_interval_s=0.05)
     app = build_app(config)
     with ServerThread(p.app) as p_srv, ServerThread(d.app) as d_srv, ServerThread(app) as proxy:
