@@ -7,7 +7,7 @@ Every message is a msgpack map ``{"v": PROTOCOL_VERSION, "cmd": ..., "id": ..., 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import msgpack
@@ -149,8 +149,19 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 _OPTIONAL: dict[str, tuple[str, ...]] = {Pull.CMD: ("first_block",)}
 
 
+_FIELD_NAMES: dict[type[Message], tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls))
+                                                     for cls in MESSAGE_TYPES.values()}
+# each field's wire type, from its default: int, str, list or dict
+_FIELD_TYPES: dict[type[Message], dict[str, type]] = {
+    cls: {f.name: type(f.default_factory() if callable(f.default_factory) else f.default) for f in fields(cls)}
+    for cls in MESSAGE_TYPES.values()}
+
+
 def encode(msg: Message) -> bytes:
-    return msgpack.packb({"v": PROTOCOL_VERSION, "cmd": msg.CMD, **asdict(msg)}, use_bin_type=True)
+    # the fields as they are (``dataclasses.asdict`` deep-copies every list: 240 µs for a PULL
+    # of 256 block ids, on the path of every transfer)
+    body = {name: getattr(msg, name) for name in _FIELD_NAMES[type(msg)]}
+    return msgpack.packb({"v": PROTOCOL_VERSION, "cmd": msg.CMD, **body}, use_bin_type=True)
 
 
 def decode(frame: bytes) -> Message:
@@ -167,10 +178,13 @@ def decode(frame: bytes) -> Message:
     if cls is None:
         raise MessageError(f"unknown cmd {raw.get('cmd')!r}")
     kwargs = {}
-    for f in fields(cls):
-        if f.name in _OPTIONAL.get(cls.CMD, ()) and f.name not in raw:
+    for name, kind in _FIELD_TYPES[cls].items():
+        if name in _OPTIONAL.get(cls.CMD, ()) and name not in raw:
             continue  # added later with a default that keeps the old meaning
-        if f.name not in raw:
-            raise MessageError(f"{cls.CMD}: missing field {f.name!r}")
-        kwargs[f.name] = raw[f.name]
+        if name not in raw:
+            raise MessageError(f"{cls.CMD}: missing field {name!r}")
+        value = raw[name]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise MessageError(f"{cls.CMD}: field {name!r} is {type(value).__name__}, not {kind.__name__}")
+        kwargs[name] = value
     return cls(**kwargs)
