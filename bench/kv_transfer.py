@@ -5,7 +5,8 @@
 A child process plays the prefill side (our producer engines and a raw TCP sender); this
 process plays the decode side. "engine (T)" times a whole transfer over transport T as
 the decode daemon sees it: ``consumer.request`` -> PULL -> bytes (tcp: each message behind
-an in-band header; gloo: behind a control-plane notice), from and into paged blocks -> DONE.
+an in-band header; gloo: behind a control-plane notice), from and into paged blocks -> DONE -> the
+waiting thread woken by the engine's ``on_progress``, as the decode daemon's engine thread is.
 "gloo pair" is torch's gloo pair alone, one message of the row's size (2 MB messages for
 the paged row). "raw TCP" is sendall/recv_into into a warmed buffer, after a one-byte
 request (32 back-to-back 2 MB sends for the paged row, all from one cache-hot 2 MB buffer;
@@ -25,6 +26,7 @@ import multiprocessing as mp
 import socket
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -122,6 +124,7 @@ class Bench:
         self.engines: dict[tuple, tuple[KVTransferEngine, str, list[torch.Tensor]]] = {}
         self.buffers: dict[int, torch.Tensor] = {}
         self.seq = 0
+        self.progress = threading.Event()  # set by the consumer when a transfer ends, as a daemon's wake-up
 
     def call(self, *cmd):
         self.conn.send(cmd)
@@ -163,7 +166,8 @@ class Bench:
         kvl = layout(num_layers)
         if key not in self.engines:
             address = self.call("engine", key, num_layers, num_blocks, transport)
-            eng = KVTransferEngine("127.0.0.1:0", kvl, TransferConfig(timeout_s=30), transport=transport)
+            eng = KVTransferEngine("127.0.0.1:0", kvl, TransferConfig(timeout_s=30), transport=transport,
+                                   on_progress=self.progress.set)
             kv = [torch.zeros(kvl.layer_shape(num_blocks), dtype=torch.float16) for _ in range(num_layers)]
             self.engines[key] = (eng, address, kv)
         eng, address, kv = self.engines[key]
@@ -171,13 +175,15 @@ class Bench:
         rid = f"b{self.seq}"
         self.call("finish", key, rid, p_ids, len(p_ids) * kvl.block_size)
         kv[0][:, d_ids] = 0
+        self.progress.clear()
         t0 = time.perf_counter()
         eng.consumer.request(rid, address, d_ids, len(p_ids) * kvl.block_size, kv)
         while True:
             done, failed = eng.consumer.poll_finished()
             if done or failed:
                 break
-            time.sleep(0.0002)
+            self.progress.wait(1.0)
+            self.progress.clear()
         seconds = time.perf_counter() - t0
         assert not failed, failed
         assert kv[0][:, d_ids].eq(1).all()

@@ -74,7 +74,7 @@ class Daemon:
         self.transfer = KVTransferEngine(
             f"{cfg.host}:{cfg.kv_port}", engine.kv_layout, transfer_config, stats,
             device=str(engine.engine.device), advertise_host=cfg.kv_host, transport=cfg.kv_transport,
-            key=self.key,
+            key=self.key, on_progress=engine.wake,
         )
         warn_if_open(f"the {cfg.role} daemon (HTTP and KV endpoint)", cfg.host, self.key,
                      "get completions past the proxy's API key, make this node connect to any address, "

@@ -7,9 +7,10 @@ commands, steps, and hands each ``RequestOutput`` to the request's queue with
 yields. Closing or cancelling the generator (client gone) posts "abort", which frees
 the request's blocks.
 
-The thread steps while there is work, polls the connector every ``POLL_INTERVAL_S``
-while sequences are parked for remote KV or held for a send (or when nothing can run
-until they release blocks), and otherwise sleeps on an event until a command arrives.
+The thread steps while there is work, and otherwise sleeps on an event until a command
+arrives or the transfer engine calls :meth:`AsyncLLMEngine.wake` (a transfer landed, failed
+or freed blocks). While sequences are parked for remote KV or held for a send it also
+wakes every ``POLL_INTERVAL_S`` (leases and deadlines are enforced by polling).
 """
 
 from __future__ import annotations
@@ -125,6 +126,11 @@ class AsyncLLMEngine:
             raise EngineDeadError(self._dead)
         params.validate()
         check_prompt(prompt_token_ids, self.max_model_len)
+
+    def wake(self) -> None:
+        """Make the engine thread look again now (a KV transfer landed or freed blocks);
+        safe from any thread."""
+        self._wake.set()
 
     def _post(self, command: tuple) -> None:
         self._commands.append(command)

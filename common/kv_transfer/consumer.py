@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,6 +47,8 @@ class KVConsumer:
         self._failed: dict[str, str] = {}
         self._aborted: set[str] = set()
         self._closed = False
+        # called (from a link thread, without our lock) when a poll would return something new
+        self.on_progress: Callable[[], None] = lambda: None
 
     def request(self, request_id: str, prefill_addr: str, block_ids: list[int], num_tokens: int,
                 kv_caches: list[torch.Tensor], first_block: int = 0) -> None:
@@ -70,6 +73,7 @@ class KVConsumer:
                 self.stats.add(failures=1)
                 self._failed[request_id] = (f"{self.config.max_peers} producers already in use; "
                                             f"not asking {prefill_addr}")
+                self.on_progress()
                 return
             if link is None:
                 link = self._links[prefill_addr] = PairReceiver(self, prefill_addr)
@@ -161,17 +165,22 @@ class KVConsumer:
         seconds = time.monotonic() - t.started
         self.stats.transfer_done(seconds, t.nbytes)
         with self._lock:
-            if self._owner_of.pop(t.request_id, None) is not None:
-                self._finished[t.request_id] = first_token
-                if first_logprobs:
-                    self._first_logprobs[t.request_id] = {int(tok): float(lp) for tok, lp in first_logprobs}
+            if self._owner_of.pop(t.request_id, None) is None:
+                return
+            self._finished[t.request_id] = first_token
+            if first_logprobs:
+                self._first_logprobs[t.request_id] = {int(tok): float(lp) for tok, lp in first_logprobs}
+        self.on_progress()
 
     def _abort_stopped(self, request_id: str) -> None:
         with self._lock:
             self._aborted.add(request_id)
+        self.on_progress()
 
     def _fail(self, t: Transfer, reason: str) -> None:
         self.stats.add(failures=1)
         with self._lock:
-            if self._owner_of.pop(t.request_id, None) is not None:
-                self._failed[t.request_id] = reason
+            if self._owner_of.pop(t.request_id, None) is None:
+                return
+            self._failed[t.request_id] = reason
+        self.on_progress()

@@ -2,10 +2,14 @@
 
 The prefill daemon uses ``engine.producer``, the decode daemon ``engine.consumer``; a
 process may use both. Every call the engine thread makes returns without waiting on the
-network; results are polled (``producer.poll_freeable``, ``consumer.poll_finished``).
+network; results are polled (``producer.poll_freeable``, ``consumer.poll_finished``), and
+``on_progress`` (the engine thread's wake-up) is called, from a transfer thread, whenever a
+poll would return something new: a waiting engine steps at once instead of at its next poll.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from common.cluster_auth import ClusterKey
 from common.kv_layout import KVLayout
@@ -28,7 +32,8 @@ class KVTransferEngine:
 
     def __init__(self, zmq_address: str, layout: KVLayout, config: TransferConfig | None = None,
                  stats: TransferStats | None = None, device: str = "cpu", advertise_host: str | None = None,
-                 transport: str = "auto", key: ClusterKey | None = None) -> None:
+                 transport: str = "auto", key: ClusterKey | None = None,
+                 on_progress: Callable[[], None] | None = None) -> None:
         check_mode(transport)
         self.layout = layout
         self.config = config or TransferConfig()
@@ -40,6 +45,8 @@ class KVTransferEngine:
         self.control = ControlPlane(zmq_address, self._on_router, self._on_dealer, key=key,
                                     idle_s=self.config.peer_idle_s, max_peers=self.config.max_peers)
         self.producer.control = self.consumer.control = self.control
+        if on_progress is not None:
+            self.producer.on_progress = self.consumer.on_progress = on_progress
         self.address = self.control.address
 
     def _on_router(self, identity: bytes, msg: Message) -> None:

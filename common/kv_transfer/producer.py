@@ -17,6 +17,7 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -105,6 +106,9 @@ class KVProducer:
         self._budget = ByteBudget(config.max_bytes_in_flight)
         self._reserved: dict[str, tuple[int, float]] = {}  # admitted, not finished: id -> (blocks, deadline)
         self._closed = False
+        # called when ``poll_freeable`` would return something new (may run under our lock:
+        # it must neither block nor call back into the producer)
+        self.on_progress: Callable[[], None] = lambda: None
 
     # ---- admission (HTTP thread) --------------------------------------------------------
     def reserve_unclaimed(self, request_id: str, num_blocks: int, limit_blocks: int) -> bool:
@@ -151,7 +155,7 @@ class KVProducer:
         with self._lock:
             self._reserved.pop(request_id, None)  # from now on its real blocks count
             if request_id in self._gone:
-                self._freeable.add(request_id)  # aborted or expired while prefill ran
+                self._free(request_id)  # aborted or expired while prefill ran
                 return
             req = self._requests.get(request_id) or ProducerRequest(request_id, None, ProducerState.HELD)
             self._requests[request_id] = req
@@ -292,7 +296,7 @@ class KVProducer:
         with self._lock:
             req = self._requests.pop(msg.request_id, None)
             if req is not None:
-                self._freeable.add(msg.request_id)
+                self._free(msg.request_id)
                 self.stats.transfer_sent(time.monotonic() - req.created)
 
     def _on_abort(self, identity: bytes, msg: Abort) -> None:
@@ -311,6 +315,10 @@ class KVProducer:
         self._reply(identity, Ok(id=msg.id))
 
     # ---- shared helpers (lock held) ----------------------------------------------------
+    def _free(self, request_id: str) -> None:
+        self._freeable.add(request_id)
+        self.on_progress()  # an Event's set: takes no lock of ours
+
     def _queue_rest(self, req: ProducerRequest) -> None:
         if req.state is not ProducerState.HELD or req.link is None:
             return
@@ -342,7 +350,7 @@ class KVProducer:
         req = self._requests.pop(request_id, None)
         if req is not None:
             if req.finished:
-                self._freeable.add(request_id)
+                self._free(request_id)
             req.state = ProducerState.DROPPED
         self._gone[request_id] = why
         while len(self._gone) > 10_000:

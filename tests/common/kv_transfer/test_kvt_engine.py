@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -148,3 +149,31 @@ def test_one_consumer_two_producers(no_thread_leak):
         assert_landed(kv, [3, 2], 2, [5, 6], 8)
         p1.stop()
         p2.stop()
+
+
+def test_on_progress_wakes_the_consumer_and_the_producer_when_there_is_news(no_thread_leak):
+    """The daemons' engine threads wait on ``on_progress`` instead of polling on a timer: it
+    must fire for a landing, a failure, and (on the producer) an ACK that frees blocks."""
+    news = threading.Event()
+    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST),
+                                                   on_progress=news.set) as d:
+        assert p.call("prefill", "w", 3, P_BLOCKS, [0, 1], 8, 42, True, 0.0) == "ok"
+        d.consumer.request("w", p.address, [5, 6], 8, d_cache())
+        assert news.wait(15), "no wake-up for a landed transfer"
+        assert d.consumer.poll_finished() == ({"w": 42}, {})
+        news.clear()
+        d.consumer.request("gone", "127.0.0.1:1", [0, 1], 8, d_cache())  # nobody listens there
+        assert news.wait(15), "no wake-up for a failed transfer"
+        done, failed = d.consumer.poll_finished()
+        assert done == {} and "gone" in failed
+        p.stop()
+    freed = threading.Event()
+    with KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), on_progress=freed.set) as prod, \
+            peer(LAYOUT, FAST) as c:
+        kv = make_kv(LAYOUT, P_BLOCKS, 8)
+        prod.producer.finish("a", 7, kv, [2, 3], 8)
+        c.call("request", "a", prod.address, [0, 1], 8, 4)
+        assert c.call("poll", 15, ["a"]) == ({"a": 7}, {})
+        assert freed.wait(15), "no wake-up for the ACK"
+        assert prod.producer.poll_freeable() == {"a"}
+        c.stop()
