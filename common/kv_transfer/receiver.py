@@ -30,7 +30,7 @@ from common.kv_transfer.messages import (UNKNOWN_PAIR, Abort, Ack, Done, Error, 
                                          LayerNotice, Message, MessageError, Ping, Pull, decode, encode)
 from common.kv_transfer.p2p_group import DTYPE_NAMES, dtype_name
 from common.kv_transfer.paged import StagingBuffer, block_run, scatter_blocks
-from common.kv_transfer.tcp_pair import KV, Frame, Inbox, block_buffers
+from common.kv_transfer.tcp_pair import KV, Frame, Inbox, kv_nbytes
 from common.kv_transfer.transport import Endpoint, open_pair
 
 if TYPE_CHECKING:
@@ -142,20 +142,20 @@ class PairReceiver:
         """Receive a tcp message straight into its request's blocks, or drop its bytes when
         nobody waits for them (aborted) or they do not fit (the request fails)."""
         t = self.transfers.get(frame.request_id)
-        bufs, reason = None, ""
+        fits, reason = False, ""
         if t is not None:
             bad_layer = not all(0 <= x < len(t.kv_caches) for x in frame.layers)
             if frame.num_blocks > len(t.block_ids) or bad_layer:
                 reason = f"layers {list(frame.layers)}: {frame.num_blocks} blocks do not fit the request"
+            elif kv_nbytes(t.kv_caches, frame.layers, frame.num_blocks) != frame.nbytes:
+                reason = f"layers {list(frame.layers)}: {frame.nbytes} bytes do not fit"
             else:
-                bufs = block_buffers(t.kv_caches, list(frame.layers), t.block_ids[: frame.num_blocks])
-                if sum(len(b) for b in bufs) != frame.nbytes:
-                    bufs, reason = None, f"layers {list(frame.layers)}: {frame.nbytes} bytes do not fit"
+                fits = True
         timeout = self.owner.config.timeout_s
-        if bufs is None:
-            self.pair.discard(frame.nbytes, timeout)
+        if fits:
+            self.pair.recv_kv(t.kv_caches, frame.layers, t.block_ids[: frame.num_blocks], timeout)
         else:
-            self.pair.recv_into(bufs, timeout)
+            self.pair.discard(frame.nbytes, timeout)
         self.owner.stats.add(bytes_received=frame.nbytes)
         if t is None:
             return

@@ -27,7 +27,7 @@ from common.kv_transfer.messages import (Ack, Done, LayerNotice, Message, Messag
                                          encode)
 from common.kv_transfer.p2p_group import dtype_name
 from common.kv_transfer.paged import ByteBudget, StagingBuffer, block_run, gather_blocks
-from common.kv_transfer.tcp_pair import MESSAGE, READABLE, Frame, Inbox, block_buffers
+from common.kv_transfer.tcp_pair import MESSAGE, READABLE, Inbox
 from common.kv_transfer.transport import open_pair
 
 if TYPE_CHECKING:
@@ -216,28 +216,45 @@ class PairSender:
         if self.transport == "cuda_ipc":
             self.stats.add(bytes_sent=self.pair.write(job, self._source(job)))
             return None
+        if inband:
+            self._send_tcp(job, ahead)
+            return None
         parts = self._parts(job, staging)
         try:
             work = self.pair.send_async(parts)
         except PairBrokenError:
             self._budget.release(job.budget)
             raise
-        self.stats.add(bytes_sent=sum(len(p) if isinstance(p, memoryview) else p.numel() * p.element_size()
-                                      for p in parts[1 if self.transport == "tcp" else 0:]))
+        self.stats.add(bytes_sent=sum(p.numel() * p.element_size() for p in parts))
         return (_Sends(work, parts), job.budget)
+
+    def _send_tcp(self, job: SendJob, ahead: SendJob | None) -> None:
+        """tcp: the layers straight from the blocks behind their header; when the request's
+        DONE is next in the queue, it rides in the same send right behind the last byte."""
+        kv_caches, ids = self._source(job)
+        done = ahead if ahead is not None and ahead.kind == "done" and ahead.req is job.req \
+            and not ahead.announced and not ahead.req.dropped else None
+        trailer = self.pair.message_frame(encode(self._done(done.req))) if done is not None else b""
+        assert job.staged is None, "save_layer stages nothing for a tcp pair"
+        nbytes = self.pair.send_kv(job.req.request_id, kv_caches, job.layers, ids, trailer)
+        self.stats.add(bytes_sent=nbytes)
+        if done is not None:
+            done.announced = True
+            self._on_done_sent(done.req)
+
+    def _done(self, req: ProducerRequest) -> Done:
+        return Done(request_id=req.request_id, pair_id=self.pair_id, first_token=req.first_token,
+                    first_logprobs=req.first_logprobs)
 
     def _send_done(self, job: SendJob) -> None:
         if self.transport == "cuda_ipc":
             self.pair.synchronize(self.config.timeout_s)  # every copy landed before DONE says so
-        req = job.req
-        done = Done(request_id=req.request_id, pair_id=self.pair_id, first_token=req.first_token,
-                    first_logprobs=req.first_logprobs)
         if self.transport == "tcp":  # behind the request's last bytes, on the same stream
-            self.pair.send_message(encode(done))
+            self.pair.send_message(encode(self._done(job.req)))
         else:
-            self._control.reply(self.identity, done)
+            self._control.reply(self.identity, self._done(job.req))
         job.announced = True
-        self._on_done_sent(req)
+        self._on_done_sent(job.req)
 
     def _announce(self, job: SendJob) -> None:
         req = job.req
@@ -266,10 +283,6 @@ class PairSender:
         if job.staged is not None:
             return [job.staged]
         kv_caches, ids = self._source(job)
-        if self.transport == "tcp":  # the kernel gathers the blocks behind their header: no copy
-            bufs = block_buffers(kv_caches, job.layers, ids)
-            frame = Frame(job.req.request_id, tuple(job.layers), len(ids), sum(len(b) for b in bufs))
-            return [memoryview(frame.encode()), *bufs]
         run = block_run(ids)
         if run is not None and len(job.layers) == 1:  # keys and values of a run are contiguous: no gather
             kv = kv_caches[job.layers[0]]
