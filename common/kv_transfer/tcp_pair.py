@@ -3,10 +3,11 @@
 A KV message goes out one ``sendmsg`` per layer, straight from the blocks (the kernel
 gathers a layer's scattered block runs: no gather copy), and is received layer by layer
 with ``recvmsg_into`` straight into the destination blocks (no staging copy); each side
-builds a layer's buffer list just before that layer moves. Each KV message travels behind a small :class:`Frame` header on the same stream
-(request id, layers, block count, payload bytes), so the consumer reads it as soon as it
-arrives instead of waiting for a notice to cross the control plane: two thread hops and
-two ZMQ hops less per message. The payload is each layer's ``[2, blocks, ...]`` in C order.
+builds a layer's buffer list just before that layer moves. Each KV message travels
+behind a small :class:`Frame` header on the same stream (request id, layers, block count,
+payload bytes), so the consumer reads it as soon as it arrives instead of waiting for a
+notice to cross the control plane: two thread hops and two ZMQ hops less per message.
+The payload is each layer's ``[2, blocks, ...]`` in C order.
 
 Operations run on the caller's thread and finish before returning (the handle's ``wait``
 is a no-op); each fails after ``timeout_s`` without a byte moving (kernel socket timeouts

@@ -108,6 +108,35 @@ def test_frames_carry_kv_into_blocks_and_messages_in_band():
         d.close()
 
 
+
+def test_send_kv_moves_layer_by_layer_with_its_trailer_behind():
+    """``send_kv``: one KV frame from scattered blocks (the header's byte count is computed,
+    not summed from views), the DONE-like trailer right behind; ``recv_kv`` lands it."""
+    g = torch.Generator().manual_seed(3)
+    src = {layer: torch.randint(0, 2**15, (2, 40, 3, 2), dtype=torch.int16, generator=g) for layer in (1, 3, 4)}
+    dst = [torch.zeros(2, 40, 3, 2, dtype=torch.int16) for _ in range(5)]
+    src_ids, dst_ids = [9, 10, 2, 30, 31, 32, 5], [0, 1, 2, 17, 8, 9, 39]
+    p, d = make_pair()
+    try:
+        trailer = p.message_frame(b"\x81\xa1v\x02")
+        sent = {}
+        t = threading.Thread(target=lambda: sent.setdefault("n", p.send_kv("req-7", src, [3, 1, 4], src_ids, trailer)))
+        t.start()
+        frame = d.recv_frame()
+        assert (frame.kind, frame.request_id, frame.layers, frame.num_blocks) == (KV, "req-7", (3, 1, 4), 7)
+        assert frame.nbytes == 3 * 2 * 7 * 3 * 2 * 2  # layers x K,V x blocks x 3 x 2 int16
+        d.recv_kv(dst, frame.layers, dst_ids)
+        msg = d.recv_frame()
+        assert msg.kind == MESSAGE and d.recv_payload(msg) == b"\x81\xa1v\x02"
+        t.join(10)
+        assert sent["n"] == frame.nbytes
+        for layer in (1, 3, 4):
+            assert torch.equal(dst[layer][:, dst_ids], src[layer][:, src_ids])
+        assert torch.count_nonzero(dst[0]) == 0 and torch.count_nonzero(dst[2]) == 0
+    finally:
+        p.close()
+        d.close()
+
 def test_a_bad_frame_header_breaks_the_pair():
     p, d = make_pair()
     try:
