@@ -65,13 +65,18 @@ def counters(url: str) -> dict[str, float]:
     return {name: metric(url, name) for name in COUNTERS}
 
 
+# One client for every conversation thread, connections kept alive (a new httpx client per
+# request costs 25-60 ms here: it loads the CA bundle, and that would land in every TTFT).
+HTTP = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+
+
 def chat_turn(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str]:
     """(seconds to the first content token, the answer text) of one streamed chat request."""
     body = {"model": EMBEDDED_MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
     first, text = None, ""
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+    with HTTP.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
         for line in r.iter_lines():
