@@ -88,12 +88,6 @@ def kv_nbytes(kv_caches, layers, num_blocks: int) -> int:
     return sum(2 * num_blocks * kv_caches[x].stride(1) * kv_caches[x].element_size() for x in layers)
 
 
-def block_buffers(kv_caches, layers: list[int], block_ids: list[int]) -> list[memoryview]:
-    """:func:`layer_buffers` of each of ``layers``, concatenated."""
-    runs = block_runs(block_ids)
-    return [buf for layer in layers for buf in layer_buffers(kv_caches[layer], runs)]
-
-
 class Inbox:
     """A thread's work queue; :meth:`get` also returns :data:`READABLE` when the
     data socket it is given has bytes (or its close) to read."""
@@ -237,17 +231,13 @@ class TcpPair:
             raise PairBrokenError(f"building the tcp pair failed: {e}") from e
 
     # ---- the PairGroup interface ----------------------------------------------------
-    # ``tensors``: contiguous CPU tensors or byte views of them (see :func:`block_buffers`)
+    # ``tensors``: contiguous CPU tensors or byte views of them (see :func:`layer_buffers`)
     def send(self, tensors: list[torch.Tensor], timeout_s: float | None = None) -> None:
         self._io(self._sock.sendmsg, tensors, timeout_s)
 
     def recv_into(self, tensors: list[torch.Tensor], timeout_s: float | None = None) -> None:
         """Receive one message into ``tensors`` (their sizes must add up to the sender's)."""
         self._io(lambda bufs: self._sock.recvmsg_into(bufs, 0, socket.MSG_WAITALL)[0], tensors, timeout_s)
-
-    def send_frame(self, frame: Frame, buffers: list[memoryview]) -> None:
-        """Send ``frame``'s header and its payload ``buffers`` as one message."""
-        self.send([memoryview(frame.encode()), *buffers])
 
     def send_kv(self, request_id: str, kv_caches, layers: list[int], block_ids: list[int],
                 trailer: bytes = b"") -> int:

@@ -10,7 +10,13 @@ import torch
 
 from common.kv_transfer.config import PairBrokenError
 from common.kv_transfer.paged import block_runs
-from common.kv_transfer.tcp_pair import IOV_MAX, KV, MESSAGE, Frame, TcpListener, TcpPair, block_buffers
+from common.kv_transfer.tcp_pair import IOV_MAX, KV, MESSAGE, TcpListener, TcpPair, layer_buffers
+
+
+def block_buffers(kv_caches, layers: list[int], block_ids: list[int]) -> list:
+    """Byte views of ``kv[l][:, block_ids]`` for each of ``layers``, back to back: one message."""
+    runs = block_runs(block_ids)
+    return [buf for layer in layers for buf in layer_buffers(kv_caches[layer], runs)]
 
 
 def make_pair(timeout_s: float = 5.0, stranger: bytes | None = None) -> tuple[TcpPair, TcpPair]:
@@ -94,8 +100,7 @@ def test_frames_carry_kv_into_blocks_and_messages_in_band():
     dst = [torch.zeros(2, 6, 4, dtype=torch.int16) for _ in range(2)]
     p, d = make_pair()
     try:
-        bufs = block_buffers(src, [0, 1], [4, 5, 1])
-        p.send_frame(Frame("req-1", (0, 1), 3, sum(len(b) for b in bufs)), bufs)
+        assert p.send_kv("req-1", src, [0, 1], [4, 5, 1]) == 2 * 2 * 3 * 4 * 2  # layers x K,V x blocks x 4 int16
         p.send_message(b"\x81\xa1v\x01")
         frame = d.recv_frame()
         assert (frame.kind, frame.request_id, frame.layers, frame.num_blocks) == (KV, "req-1", (0, 1), 3)
