@@ -122,9 +122,10 @@ class AsyncLLMEngine:
         return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     def _check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        # ``params`` are validated where they come in (the serving layer, which names the bad
+        # field) and by ``LLMEngine.add_request`` (an error output for any other caller)
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        params.validate()
         check_prompt(prompt_token_ids, self.max_model_len)
 
     def wake(self) -> None:

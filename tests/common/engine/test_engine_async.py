@@ -109,6 +109,15 @@ def test_abort_and_concurrent_requests(engine):
         collect(engine, "too-long", [1] * engine.max_model_len, SamplingParams())
 
 
+
+def test_bad_params_from_a_direct_caller_end_in_an_error_output(engine):
+    """The serving layer validates what clients send; a caller of the engine client that
+    skips it still gets a finished error output naming the field, not a crash or a hang."""
+    outs = collect(engine, "hot", [5, 6, 7], SamplingParams(temperature=5.0, max_tokens=4))
+    assert outs[-1].finished and outs[-1].finish_reason == "error"
+    assert "temperature" in outs[-1].error
+    wait_all_free(engine)
+
 def test_parked_request_resumes_when_the_connector_reports():
     e = AsyncLLMEngine(EngineConfig(device="cpu", num_kv_blocks=16), consumer(SlowWorker(polls=5)))
     try:
