@@ -148,11 +148,9 @@ class ServingContext:
         for tokens in prompts:
             if not tokens:
                 raise OpenAIError("prompt is empty", param="prompt")
-            if vocab is not None:
-                bad = next((t for t in tokens if not 0 <= t < vocab), None)
-                if bad is not None:
-                    raise OpenAIError(f"token id {bad} is outside the vocabulary [0, {vocab})",
-                                      param="prompt")
+            if vocab is not None and (min(tokens) < 0 or max(tokens) >= vocab):  # C loops, then find it
+                bad = next(t for t in tokens if not 0 <= t < vocab)
+                raise OpenAIError(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             if len(tokens) >= limit:  # no room for a token; not phrased by max_tokens (a prefill leg's is 1)
                 raise OpenAIError(
                     f"this model's maximum context length is {limit} tokens; "
