@@ -242,8 +242,7 @@ def main() -> None:
             return
         model = str(make_checkpoint(args.shape, Path(tempfile.mkdtemp(prefix="pdserve-shape-"))))
     node_args = (["--model", model] if model else []) + args.node_arg
-    label = f"{args.shape or model}, {' '.join(args.node_arg) or 'default flags'}" if model \
-        else "embedded model, CPU fp32"
+    label = f"{args.shape or model or 'embedded model'}, {' '.join(args.node_arg) or 'default flags'}"
     run(args.prompt_tokens, args.repeats, node_args, label, args.itl)
 
 
