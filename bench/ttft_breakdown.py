@@ -51,20 +51,25 @@ from helpers.cluster import Proc, metric, start  # noqa: E402
 HTTP = httpx.Client(timeout=120)
 
 
-def first_token_s(url: str, body: dict, request_id: str | None = None) -> float:
-    """Seconds from sending a streaming request to its first token event."""
+def token_times(url: str, body: dict, request_id: str | None, times: list[float]) -> None:
+    """Stream one request to its end, appending perf_counter() of each token event to ``times``."""
     headers = {"X-Request-Id": request_id} if request_id else {}
-    t0 = time.perf_counter()
-    with HTTP.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=headers,
-                     timeout=120) as r:
+    with HTTP.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=headers) as r:
         r.raise_for_status()
-        first = None
-        for line in r.iter_lines():  # read to the end: the request must finish before the next
-            if first is None and line.startswith("data: {") and json.loads(line[6:]).get("choices"):
-                first = time.perf_counter() - t0
-    if first is None:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                times.append(time.perf_counter())
+
+
+def first_token_s(url: str, body: dict, request_id: str | None = None) -> float:
+    """Seconds from sending a streaming request to its first token event (read to the end:
+    the request must finish before the next)."""
+    times: list[float] = []
+    t0 = time.perf_counter()
+    token_times(url, body, request_id, times)
+    if not times:
         raise RuntimeError("no token")
-    return first
+    return times[0] - t0
 
 
 def prefill_leg_s(prefill: Proc, body: dict, rid: str) -> float:
@@ -143,16 +148,6 @@ def measure(both: Proc, prefill: Proc, decode: Proc, prompt_tokens: int, repeats
     return medians([sample(both, prefill, decode, prompt_tokens, rng) for _ in range(repeats)])
 
 
-def token_times(url: str, body: dict, request_id: str, times: list[float]) -> None:
-    """Append perf_counter() of each streamed token event of one request to ``times``."""
-    with HTTP.stream("POST", url + "/v1/completions", json={**body, "stream": True},
-                     headers={"X-Request-Id": request_id}) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
-                times.append(time.perf_counter())
-
-
 def itl_sample(prefill: Proc, decode: Proc, prompt_tokens: int, stream_tokens: int,
                rng: random.Random) -> dict[str, float]:
     """Inter-token gaps (ms) of a request decoding on D, before and while another prompt's KV
@@ -177,6 +172,7 @@ def itl_sample(prefill: Proc, decode: Proc, prompt_tokens: int, stream_tokens: i
         running.result()
     gaps = [(b - a, b) for a, b in zip(times, times[1:])]
     before = [g for g, t in gaps if t < window_start]
+    # during: gaps that end in the window or within the longest earlier gap after it (the step it delayed)
     during = [g for g, t in gaps if window_start <= t <= window_end + max(before, default=0)]
     return {"itl_before": 1000 * statistics.median(before) if before else 0.0,
             "itl_during_max": 1000 * max(during, default=0.0),
