@@ -23,8 +23,11 @@ def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, inner, stride_x0, stride_x1, stride_o0
     mask = cols < dim
     x = tl.load(x_ptr + r0 * stride_x0 + r1 * stride_x1 + cols, mask=mask, other=0.0).to(tl.float32)
     y = x * tl.rsqrt(tl.sum(x * x, 0) / dim + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    out = w * y.to(o_ptr.dtype.element_ty)  # as the reference: weight * normed.to(dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # As the reference, weight * normed.to(dtype), rounding twice. The product of two 16-bit floats
+    # is exact in float32, so multiplying there and rounding at the store is the 16-bit multiply
+    # to the bit, and keeps bf16 arithmetic out of the kernel: Triton's CPU interpreter has none.
+    out = w * y.to(o_ptr.dtype.element_ty).to(tl.float32)
     tl.store(o_ptr + r0 * stride_o0 + r1 * stride_o1 + cols, out.to(o_ptr.dtype.element_ty), mask=mask)
 
 

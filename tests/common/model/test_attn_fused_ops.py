@@ -1,6 +1,12 @@
 """The fused Triton kernels (RMSNorm, rotary, SiLU-and-mul) equal the PyTorch ops they replace on CUDA.
 
-Without a GPU they run in Triton's interpreter (tests/conftest.py sets it for the test process).
+Without a GPU they run in Triton's interpreter (tests/conftest.py sets it for the test process),
+in float32 and in the half types a GPU serves, float16 and bfloat16. Numpy has no bfloat16: the
+interpreter keeps bf16 values as their uint16 bits and converts them only in casts (``.to``),
+so a kernel that does arithmetic on bf16 operands computes on integers there (the kernels
+upcast first; ``_rms_norm_kernel`` says why that costs nothing on a GPU), and its float32 ->
+bf16 casts truncate where torch and the GPU round to nearest: up to one ulp per rounding,
+which the tolerances below allow.
 """
 
 from __future__ import annotations
@@ -50,3 +56,47 @@ def test_silu_and_mul(size):
     gate, up = gate_up.chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), want, rtol=1e-5, atol=1e-5)
+
+
+HALF = [torch.float16, torch.bfloat16]
+
+
+def assert_rounded(got: torch.Tensor, want: torch.Tensor, ulps: int) -> None:
+    """``got`` is ``want`` rounded to ``got``'s dtype ``ulps`` times, each within one ulp."""
+    eps = torch.finfo(got.dtype).eps
+    torch.testing.assert_close(got.float(), want.float(), rtol=ulps * eps, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_rms_norm_in_half_precision(dtype):
+    """As the eager op in ``dtype``: the normed x rounded to ``dtype``, times the weight, rounded again."""
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(24, 1e-6)
+    norm.weight.data = torch.randn(24, generator=g)
+    norm.to(dtype)
+    x = torch.randn(3, 2 * 7 * 24, generator=g).to(dtype)[:, : 7 * 24].view(3, 7, 24)
+    got = fused_ops.rms_norm(x, norm.weight, 1e-6)
+    assert got.dtype == dtype
+    assert_rounded(got, norm(x), ulps=3)  # two roundings each side; torch's half ulp from nearest
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_rotary_in_half_precision(dtype):
+    """Float32 math on the half-precision x, rounded once."""
+    g = torch.Generator().manual_seed(4)
+    cos, sin = RotaryEmbedding(64, 256, 10000.0, None)(torch.tensor([0, 5, 17, 200, 3]))
+    q = torch.randn(5, 14 * 64 + 32, generator=g).to(dtype)[:, : 14 * 64].view(5, 14, 64)
+    got = fused_ops.apply_rotary(q, cos, sin)
+    assert got.dtype == dtype
+    assert_rounded(got, torch_rotary(q.float(), cos, sin), ulps=1)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_silu_and_mul_in_half_precision(dtype):
+    """Float32 math on the half-precision gate and up, rounded once (1500: a masked second column block)."""
+    g = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(3, 2 * 1500, generator=g).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    got = fused_ops.silu_and_mul(gate_up)
+    assert got.dtype == dtype
+    assert_rounded(got, torch.nn.functional.silu(gate) * up, ulps=1)
