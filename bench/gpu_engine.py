@@ -9,17 +9,24 @@ made on the GPU with transformers' ``from_config``, then measures in the same ru
 - TTFT of a 2,048-token prompt (one output token, one prefill step);
 - the floor: a device-to-device copy's bandwidth (bytes read + written), and the bytes one
   decode step must read (weights + the batch's KV) divided by it.
-Prints one markdown table, with the issue's goals. Without CUDA it says so and exits 0.
+Prints one markdown table, with the issue's goals; ``--json PATH`` also writes the figures
+there (bench/gpu_check.py reads them). ``--make-checkpoints`` only writes the checkpoints into
+``--workdir`` (each gets a tokenizer that names every id, ``t123``, so a server's text shows
+exactly which tokens it generated). Without CUDA it says so and exits 0.
 
     python bench/gpu_engine.py [--shapes qwen2.5-0.5b,llama3.1-8b] [--batches 1,16,64]
-                               [--eager] [--no-transformers] [--workdir DIR]
+                               [--eager] [--no-transformers] [--workdir DIR] [--ttft-tokens 2048]
+                               [--json PATH] [--make-checkpoints]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -53,20 +60,39 @@ TTFT_GOAL_MS = {"llama3.1-8b": 70.0}
 
 
 def make_checkpoint(name: str, workdir: Path) -> Path:
-    """A random-weight bf16 checkpoint of shape ``name``, made on the GPU (seconds, not minutes)."""
+    """A random-weight bf16 checkpoint of shape ``name``, made on the GPU (seconds, not minutes).
+
+    Written beside its final name and renamed into place: a run killed half-way (a timeout)
+    leaves no directory that looks complete, and the next run makes it again."""
     import transformers
 
     path = workdir / name
     if (path / "config.json").is_file():
         return path
+    partial = workdir / f".{name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
     spec = dict(SHAPES[name])
     config = transformers.AutoConfig.for_model(spec.pop("model_type"), **spec)
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
+    model.save_pretrained(partial, safe_serialization=True)
     del model
     torch.cuda.empty_cache()
+    write_id_tokenizer(partial, spec["vocab_size"])
+    partial.rename(path)
     return path
+
+
+def write_id_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer naming each id ``t<id>``: prompts stay token ids, and a server's
+    completion text ("t5 t77 ...") says exactly which tokens came out, so two servers' answers
+    compare token for token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 131072}))
 
 
 def copy_bandwidth() -> float:
@@ -97,14 +123,16 @@ def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(batch)]
 
 
-def engine_rows(path: Path, name: str, args, bandwidth: float, eager: bool) -> tuple[list[tuple], dict]:
+def engine_rows(path: Path, name: str, args, bandwidth: float, eager: bool) -> tuple[list[dict], dict]:
+    """Decode ms/step at each of ``args.batches`` with its floor, and what the engine is (its TTFT too)."""
     from common.engine.config import EngineConfig
     from common.engine.llm_engine import LLMEngine
     from common.engine.sampling_params import SamplingParams
 
     config = EngineConfig(
-        model=str(path), device="cuda", max_num_seqs=max(args.batches), max_num_batched_tokens=TTFT_LEN,
-        max_model_len=4096, kv_cache_memory_gb=args.kv_cache_gb, enforce_eager=eager,
+        model=str(path), device="cuda", max_num_seqs=max(args.batches, default=1),
+        max_num_batched_tokens=max(args.ttft_tokens, PROMPT_LEN), max_model_len=4096,
+        kv_cache_memory_gb=args.kv_cache_gb, enforce_eager=eager,
     )
     t0 = time.perf_counter()
     engine = LLMEngine(config)
@@ -124,15 +152,20 @@ def engine_rows(path: Path, name: str, args, bandwidth: float, eager: bool) -> t
         run(batch, short)  # warm-up: kernels compiled, allocator settled
         ms = (timed(lambda: run(batch, long)) - timed(lambda: run(batch, short))) / (long - short) * 1e3
         kv_bytes = batch * (PROMPT_LEN + (short + long) / 2) * kv_per_token
-        floor_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
-        rows.append((name, batch, ms, floor_ms))
-    ttft_prompt = prompts(1, TTFT_LEN, cfg.vocab_size, seed=1)
-    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    engine.generate(ttft_prompt, one)
-    ttft_ms = min(timed(lambda: engine.generate(ttft_prompt, one)) for _ in range(3)) * 1e3
+        rows.append(dict(shape=name, batch=batch, graphs=not eager, ms_per_step=ms,
+                         floor_ms=(weight_bytes + kv_bytes) / bandwidth * 1e3,
+                         goal_ms=GOALS[name].get(batch), transformers_ms=None))
+    ttft_ms = None
+    if args.ttft_tokens:
+        ttft_prompt = prompts(1, args.ttft_tokens, cfg.vocab_size, seed=1)
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        engine.generate(ttft_prompt, one)
+        ttft_ms = min(timed(lambda: engine.generate(ttft_prompt, one)) for _ in range(3)) * 1e3
     graphs = engine.runner.graphs
-    info = dict(start_s=start_s, ttft_ms=ttft_ms, graphs=graphs.sizes if graphs else None,
-                backend=engine.runner.attn_backend.name, graph_mib=engine.runner.graph_memory_bytes / 2**20)
+    info = dict(shape=name, graphs=not eager, start_s=start_s, ttft_tokens=args.ttft_tokens, ttft_ms=ttft_ms,
+                ttft_goal_ms=TTFT_GOAL_MS.get(name), graph_sizes=graphs.sizes if graphs else None,
+                backend=engine.runner.attn_backend.name, graph_mib=engine.runner.graph_memory_bytes / 2**20,
+                weight_bytes=weight_bytes)
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -163,52 +196,98 @@ def transformers_ms(path: Path, batches: list[int], args) -> dict[int, float]:
     return result
 
 
+def measure(args, workdir: Path) -> dict:
+    """Every shape's engine (and, with ``--eager``, its eager twin) and transformers: one dict."""
+    bandwidth = copy_bandwidth()
+    results: dict = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bandwidth_Bps=bandwidth,
+                         decode=[], engines=[])
+    for name in args.shapes.split(","):
+        path = make_checkpoint(name, workdir)
+        for eager in (False, True) if args.eager else (False,):
+            rows, info = engine_rows(path, name, args, bandwidth, eager)
+            results["decode"] += rows
+            results["engines"].append(info)
+        if not args.no_transformers and args.batches:
+            hf_ms = transformers_ms(path, args.batches, args)
+            for row in results["decode"]:
+                if row["shape"] == name:
+                    row["transformers_ms"] = hf_ms.get(row["batch"])
+    return results
+
+
+def render(results: dict) -> str:
+    """The markdown table of decode steps (graphs, beside eager and transformers), then a note per engine."""
+    def fmt(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    lines = [
+        f"GPU: {results['gpu']}; torch {results['torch']}; "
+        f"device-to-device copy {results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (read + write)",
+        "",
+        "| shape | batch | engine ms/step | eager ms/step | transformers ms/step | floor ms | engine / floor | goal |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    eager = {(r["shape"], r["batch"]): r["ms_per_step"] for r in results["decode"] if not r["graphs"]}
+    for r in (r for r in results["decode"] if r["graphs"]):
+        goal = r["goal_ms"]
+        verdict = "-" if goal is None else f"<= {goal} ms: {'met' if r['ms_per_step'] <= goal else 'NOT met'}"
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['ms_per_step']:.2f} | "
+                     f"{fmt(eager.get((r['shape'], r['batch'])))} | {fmt(r['transformers_ms'])} | "
+                     f"{r['floor_ms']:.2f} | {r['ms_per_step'] / r['floor_ms']:.1f}x | {verdict} |")
+    lines.append("")
+    for info in results["engines"]:
+        ttft = ""
+        if info["ttft_ms"] is not None:
+            ttft = f"TTFT of {info['ttft_tokens']} tokens {info['ttft_ms']:.1f} ms"
+            if info["ttft_goal_ms"] is not None:
+                met = "met" if info["ttft_ms"] <= info["ttft_goal_ms"] else "NOT met"
+                ttft += f" (goal <= {info['ttft_goal_ms']} ms: {met})"
+            ttft += "; "
+        lines.append(f"- {info['shape']}, {'CUDA graphs' if info['graphs'] else 'eager'}: {ttft}attention "
+                     f"{info['backend']}; CUDA graphs {info['graph_sizes']} ({info['graph_mib']:.0f} MiB); "
+                     f"engine start {info['start_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def make_checkpoints(names: list[str], workdir: Path) -> dict:
+    made = []
+    for name in names:
+        t0 = time.perf_counter()
+        path = make_checkpoint(name, workdir)
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        made.append(dict(shape=name, path=str(path), bytes=size, seconds=time.perf_counter() - t0))
+        print(f"{name}: {path} ({size / 1e9:.2f} GB of weights) in {made[-1]['seconds']:.1f} s", flush=True)
+    return {"checkpoints": made}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
-    ap.add_argument("--batches", default="1,16,64", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--batches", default="1,16,64", type=lambda s: [int(x) for x in s.split(",") if x],
+                    help="decode batch sizes; empty (--batches=) measures only TTFT")
     ap.add_argument("--new-tokens", default="16,80", type=lambda s: [int(x) for x in s.split(",")],
                     help="the two generation lengths whose time difference gives ms/step")
+    ap.add_argument("--ttft-tokens", type=int, default=TTFT_LEN, help="prompt length for TTFT; 0 skips it")
     ap.add_argument("--kv-cache-gb", type=float, default=8.0)
     ap.add_argument("--eager", action="store_true", help="also measure the engine with --enforce-eager")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary directory)")
+    ap.add_argument("--make-checkpoints", action="store_true", help="only write the checkpoints into --workdir")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the figures here as JSON")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("CUDA is not available: bench/gpu_engine.py measures GPU decode speed; nothing measured.")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(args.workdir or tmp)
-        bandwidth = copy_bandwidth()
-        lines = [
-            f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; "
-            f"device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write)",
-            "",
-            "| shape | batch | engine ms/step | eager ms/step | transformers ms/step | floor ms "
-            "| engine / floor | goal |",
-            "|---|---:|---:|---:|---:|---:|---:|---|",
-        ]
-        notes = []
-        for name in args.shapes.split(","):
-            path = make_checkpoint(name, workdir)
-            rows, info = engine_rows(path, name, args, bandwidth, eager=False)
-            eager = engine_rows(path, name, args, bandwidth, eager=True)[0] if args.eager else None
-            hf_ms = {} if args.no_transformers else transformers_ms(path, args.batches, args)
-            for i, (shape, batch, ms, floor_ms) in enumerate(rows):
-                hf = f"{hf_ms[batch]:.2f}" if batch in hf_ms else "-"
-                eager_ms = f"{eager[i][2]:.2f}" if eager else "-"
-                goal = GOALS[shape].get(batch)
-                verdict = "-" if goal is None else f"<= {goal} ms: {'met' if ms <= goal else 'NOT met'}"
-                lines.append(f"| {shape} | {batch} | {ms:.2f} | {eager_ms} | {hf} | {floor_ms:.2f} | "
-                             f"{ms / floor_ms:.1f}x | {verdict} |")
-            ttft_goal = TTFT_GOAL_MS.get(name)
-            verdict = ""
-            if ttft_goal is not None:
-                verdict = f" (goal <= {ttft_goal} ms: {'met' if info['ttft_ms'] <= ttft_goal else 'NOT met'})"
-            notes.append(f"- {name}: TTFT of {TTFT_LEN} tokens {info['ttft_ms']:.1f} ms{verdict}; attention "
-                         f"{info['backend']}; CUDA graphs {info['graphs']} ({info['graph_mib']:.0f} MiB); "
-                         f"engine start {info['start_s']:.1f} s")
-        print("\n".join(lines + [""] + notes))
+        workdir.mkdir(parents=True, exist_ok=True)
+        if args.make_checkpoints:
+            results = make_checkpoints(args.shapes.split(","), workdir)
+        else:
+            results = measure(args, workdir)
+            print(render(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
 
 
