@@ -92,6 +92,14 @@ class NodeConfig(BaseModel):
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of prompt prefixes seen before")
     seed: int = Field(0, description="Engine random seed (per-request seeds override it)")
     enforce_eager: bool = Field(False, description="No CUDA graphs for decode steps (GPU only)")
+    attention_backend: Literal["auto", "sdpa", "triton"] = Field(
+        "auto", description="Attention kernel: auto = triton on CUDA when it is installed and compiles at start "
+        "(else sdpa, with a warning); triton = stop at start if it cannot; sdpa = no Triton"
+    )
+    fused_ops: Literal["auto", "on", "off"] = Field(
+        "auto", description="Fused Triton kernels for RMSNorm, rotary and SiLU-and-mul: auto = on for CUDA when "
+        "triton is installed and compiles at start; on = stop at start if it cannot; off = PyTorch ops"
+    )
     kv_host: str | None = Field(
         None,
         description="Address other processes use to reach this node (KV endpoint and the address registered "
@@ -189,14 +197,14 @@ class NodeConfig(BaseModel):
         return f"{self.kv_host}:{self.kv_port}"
 
     def engine_config(self) -> EngineConfig:
-        """The engine's own config; unset optional values keep the engine's defaults."""
+        """The engine's own config; unset optional values keep the engine's defaults.
+
+        Every engine field is copied by name (an option the engine has and this node lacks is
+        a test failure, not a setting silently dropped)."""
+        from dataclasses import fields
+
         from common.engine.config import EngineConfig
 
-        values = self.model_dump(
-            include={
-                "model", "served_model_name", "device", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
-                "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                "enable_chunked_prefill", "seed", "enforce_eager", "enable_prefix_caching",
-            }
-        )
+        shared = {f.name for f in fields(EngineConfig)} & set(type(self).model_fields)
+        values = self.model_dump(include=shared)
         return EngineConfig(**{k: v for k, v in values.items() if v is not None})

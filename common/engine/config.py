@@ -31,6 +31,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     attention_backend: str = "auto"  # auto (triton on CUDA when installed, else sdpa) | sdpa | triton
+    fused_ops: str = "auto"  # auto (on for CUDA when triton is installed) | on | off: Triton RMSNorm/rotary/SiLU
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -44,6 +45,8 @@ class EngineConfig:
             raise EngineConfigError(
                 f"attention_backend must be auto, sdpa or triton, not {self.attention_backend!r}"
             )
+        if self.fused_ops not in ("auto", "on", "off"):
+            raise EngineConfigError(f"fused_ops must be auto, on or off, not {self.fused_ops!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise EngineConfigError("num_kv_blocks must be >= 1")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
