@@ -63,6 +63,9 @@ def routable_host() -> str | None:
     return None if address.startswith("127.") or address == "0.0.0.0" else address
 
 
+DEFAULT_LOCAL_PREFILL_STALL_MS = 50.0  # a decode node's bound on a decode step's wait for a local prefill
+
+
 class NodeConfig(BaseModel):
     """Everything one serving node (colocated, prefill or decode daemon) is started with."""
 
@@ -90,6 +93,12 @@ class NodeConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1, description="Prompt + output limit; unset = model's")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of prompt prefixes seen before")
+    max_local_prefill_stall_ms: float | None = Field(
+        None, gt=0, le=60_000,
+        description="While requests decode, a step carries at most the prompt tokens this many ms of measured "
+        "prefill compute allow (bounds a local prefill's stall; reported to the proxy); unset = "
+        "50 on a decode node, no bound elsewhere",
+    )
     seed: int = Field(0, description="Engine random seed (per-request seeds override it)")
     enforce_eager: bool = Field(False, description="No CUDA graphs for decode steps (GPU only)")
     attention_backend: Literal["auto", "sdpa", "triton"] = Field(

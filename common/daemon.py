@@ -95,6 +95,8 @@ class Daemon:
         return self.transfer is not None and (self.heartbeater is None or self.heartbeater.beats_sent > 0)
 
     def _registration(self, engine: AsyncLLMEngine) -> dict:
+        from common.registry_client import adaptive_figures
+
         s = engine.stats()
         return {
             "type": NODE_TYPES[self.config.role],
@@ -108,6 +110,7 @@ class Daemon:
             "num_free_blocks": s.num_free_blocks,
             "num_total_blocks": s.num_total_blocks,
             "engine_stalled_s": round(engine.stalled_for(), 3),
+            **adaptive_figures(s),
         }
 
     def _export_transfer_stats(self, metrics: NodeMetrics) -> None:

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from fastapi import FastAPI
 
-from common.config import EMBEDDED_MODEL_NAME, ROLE_HTTP_PORTS, ROLE_KV_PORTS, NodeConfig, load_config
+from common.config import (DEFAULT_LOCAL_PREFILL_STALL_MS, EMBEDDED_MODEL_NAME, ROLE_HTTP_PORTS, ROLE_KV_PORTS,
+                           NodeConfig, load_config)
 from common.logging_setup import configure_logging
 from common.metrics import NodeMetrics
 from common.serving.app import build_app
@@ -42,6 +43,8 @@ DESCRIPTIONS = {
 def resolve_engine_config(config: NodeConfig) -> EngineConfig:
     """The engine's config, with the embedded model generated under ``cache_dir`` if needed."""
     engine_config = config.engine_config()
+    if engine_config.max_local_prefill_stall_ms is None and config.role == "decode":
+        engine_config.max_local_prefill_stall_ms = DEFAULT_LOCAL_PREFILL_STALL_MS  # its local prefills
     if engine_config.model is None:
         from common.model.embedded import ensure_embedded_model
 

@@ -29,6 +29,7 @@ from pydantic import Field, TypeAdapter
 from pydantic.dataclasses import dataclass
 
 from common.cluster_auth import ClusterKey, registry_sealer
+from common.engine.protocol import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,15 @@ _COUNT = Annotated[int, Field(strict=True, ge=0, le=2**31)]
 _NAME = Annotated[str, Field(strict=True, min_length=1, max_length=1024)]  # model names may be paths
 _INTERVAL = Annotated[float, Field(strict=True, gt=0, le=MAX_HEARTBEAT_INTERVAL_S)]
 _SECONDS = Annotated[float, Field(strict=True, ge=0, le=1e9)]
+_RATE = Annotated[float, Field(strict=True, gt=0, le=1e12)]
+
+
+def adaptive_figures(stats: EngineStats) -> dict:
+    """The heartbeat keys of a node's measured prefill figures (unset ones left out)."""
+    figures = {"prefill_tokens_per_s": stats.prefill_tokens_per_s and round(stats.prefill_tokens_per_s, 1),
+               "pending_prefill_tokens": stats.pending_prefill_tokens, "num_decoding": stats.num_decoding,
+               "max_local_prefill_stall_ms": stats.max_local_prefill_stall_ms}
+    return {k: v for k, v in figures.items() if v is not None}
 
 
 class RegistrationError(ValueError):
@@ -74,6 +84,11 @@ class RegistrationMessage:
     num_total_blocks: _COUNT | None = None
     heartbeat_interval_s: _INTERVAL | None = None
     engine_stalled_s: _SECONDS | None = None  # time in the engine's current iteration; 0 when idle
+    # adaptive disaggregation (proxy/disagg.py): what the node measures of its own prefill
+    prefill_tokens_per_s: _RATE | None = None  # EWMA of timed prefill steps
+    pending_prefill_tokens: _COUNT | None = None  # prompt tokens queued, not yet computed
+    num_decoding: _COUNT | None = None  # running sequences past their prompt
+    max_local_prefill_stall_ms: _RATE | None = None  # decode: its bound on a decode step's wait for a prefill
     goodbye: Annotated[bool, Field(strict=True)] | None = None  # True: stopping; stop routing here now
 
     @property

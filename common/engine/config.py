@@ -31,6 +31,9 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     attention_backend: str = "auto"  # auto (triton on CUDA when installed, else sdpa) | sdpa | triton
+    # while sequences decode, a step carries at most the prompt tokens this many ms of measured
+    # prefill compute allow (a decode node's local prefills); None: only max_num_batched_tokens
+    max_local_prefill_stall_ms: float | None = None
     fused_ops: str = "auto"  # auto (on for CUDA when triton is installed) | on | off: Triton RMSNorm/rotary/SiLU
 
     def __post_init__(self) -> None:
@@ -49,6 +52,8 @@ class EngineConfig:
             raise EngineConfigError(f"fused_ops must be auto, on or off, not {self.fused_ops!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise EngineConfigError("num_kv_blocks must be >= 1")
+        if self.max_local_prefill_stall_ms is not None and self.max_local_prefill_stall_ms <= 0:
+            raise EngineConfigError("max_local_prefill_stall_ms must be > 0")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise EngineConfigError("gpu_memory_utilization must be in (0, 1]")
 

@@ -14,6 +14,7 @@ test) calls every method. Requests live in ``_requests`` from ``add_request`` un
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +32,9 @@ from common.engine.protocol import EngineStats
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.sequence import Sequence
+from common.engine.step_meter import StepMeter
 from common.kv_layout import DTYPES, KVLayout
+from common.model.attention import choose_kernels
 from common.model.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
 from common.model.loader import load_model
 
@@ -58,7 +61,8 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.runner = ModelRunner(
-            model, self.kv_layout, num_blocks, self.device, config.seed, config.attention_backend,
+            model, self.kv_layout, num_blocks, self.device, config.seed,
+            choose_kernels(config.attention_backend, config.fused_ops, self.device),
             config.enforce_eager, config.max_num_seqs, self.max_model_len, eos,
         )
         self.kv_caches: list[torch.Tensor] = self.runner.kv_caches
@@ -76,6 +80,7 @@ class LLMEngine:
         self._finished_unreported: list[Sequence] = []  # aborted between steps
         self._ids = itertools.count()
         self.last_step_num_tokens = 0  # tokens computed by the latest step (0: it only polled)
+        self.step_meter = StepMeter()  # prefill tokens/s and step records (the local-prefill stall bound)
         # Set by an async front: where ``step`` hands the news of landed transfers (a peer's
         # first token, a failed transfer) before it computes, so they wait for no decode step.
         self.early_outputs: Callable[[list[RequestOutput]], None] | None = None
@@ -145,6 +150,10 @@ class LLMEngine:
             num_total_blocks=self.block_manager.num_blocks,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
+            prefill_tokens_per_s=self.step_meter.prefill_tokens_per_s,
+            pending_prefill_tokens=sum(q.num_uncomputed_tokens for q in (*s.waiting, *s.running) if q.is_prefill),
+            num_decoding=sum(1 for q in s.running if not q.is_prefill),
+            max_local_prefill_stall_ms=self.config.max_local_prefill_stall_ms,
         )
 
     # ---- the loop -----------------------------------------------------------------------
@@ -155,13 +164,16 @@ class LLMEngine:
             landed = []
         touched = self._finished_unreported
         self._finished_unreported = []
-        batch = self.scheduler.schedule()
+        cap = self.step_meter.stall_token_cap(self.config.max_local_prefill_stall_ms, self.config.block_size)
+        batch = self.scheduler.schedule(cap)
         self.last_step_num_tokens = batch.num_tokens
         meta = batch.kv_connector_metadata
         if meta:
             self.kv_worker.start_step(meta)
         if batch:
+            started = time.perf_counter()
             result = self.runner.run(batch, self._layer_hook(meta))
+            self._record_step(batch, cap, time.perf_counter() - started)
             for seq, n in zip(batch.seqs, batch.num_new_tokens):
                 seq.num_computed_tokens += n
             for seq, token_id, logprobs in zip(result.sampled_seqs, result.token_ids, result.logprobs):
@@ -173,6 +185,11 @@ class LLMEngine:
         if tail:
             self.kv_worker.start_step(tail)
         return landed + self._outputs(touched)
+
+    def _record_step(self, batch, cap: int | None, seconds: float) -> None:
+        prompt = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.is_prefill)
+        decodes = len(batch.seqs) - sum(1 for seq in batch.seqs if seq.is_prefill)
+        self.step_meter.record(decodes, prompt, cap if decodes else None, seconds)
 
     def _layer_hook(self, meta: KVConnectorMetadata):
         """The runner's per-layer hook when some row saves KV this step, else None."""

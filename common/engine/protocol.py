@@ -18,6 +18,11 @@ class EngineStats:
     num_total_blocks: int
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, ever
     prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
+    # what the proxy's adaptive disaggregation weighs (heartbeats carry them)
+    prefill_tokens_per_s: float | None = None  # measured (EWMA); None until a prefill step was timed
+    pending_prefill_tokens: int = 0  # prompt tokens queued or mid-prefill, not yet computed
+    num_decoding: int = 0  # running sequences past their prompt
+    max_local_prefill_stall_ms: float | None = None  # the node's bound on a decode step's wait for a prefill
 
     @property
     def kv_cache_usage(self) -> float:

@@ -108,11 +108,13 @@ class Scheduler:
         return self.parked.get(request_id)
 
     # ---- scheduling ---------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, stall_token_cap: int | None = None) -> ScheduledBatch:
+        """The step's batch. ``stall_token_cap``: the most prompt tokens the step may carry when
+        it also decodes (a local prefill is chunked so no decode waits longer than its bound)."""
         batch = ScheduledBatch()
         for seq in self.running:  # KV computed by the last step is complete: share it
             self._cache_full_blocks(seq)
-        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        budget = self._schedule_running(batch, self.max_num_batched_tokens, stall_token_cap)
         self._admit_waiting(batch, budget)
         batch.kv_connector_metadata = self.connector.build_meta(batch.seqs, batch.num_new_tokens)
         return batch
@@ -121,10 +123,12 @@ class Scheduler:
         """What the connector decided since ``schedule`` (a step's postprocess, an abort)."""
         return self.connector.build_meta()
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, stall_token_cap: int | None) -> int:
         decodes = [s for s in self.running if not s.is_prefill]
         prefills = [s for s in self.running if s.is_prefill]
-        for seq in decodes + prefills:
+        for i, seq in enumerate(decodes + prefills):
+            if i == len(decodes) and batch and stall_token_cap is not None:
+                budget = min(budget, stall_token_cap)  # what is left goes to prompts: keep the step short
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted as a victim earlier in this loop
@@ -133,6 +137,8 @@ class Scheduler:
             if self._grow_or_preempt(seq, n, batch):
                 batch.add(seq, n)
                 budget -= n
+        if not prefills and batch and stall_token_cap is not None:
+            budget = min(budget, stall_token_cap)  # waiting prompts admitted next share the bound
         return budget
 
     def _grow_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
