@@ -21,7 +21,7 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.kv_layout import KVLayout
-from common.model.attention import select_backend
+from common.model.attention import choose_kernels, use_kernels
 from common.model.attention_metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ def graph_memory(model: torch.nn.Module, kv_layout: KVLayout, config: EngineConf
     KV cache is sized: learnt by capturing the largest bucket against a 2-block cache (the KV cache
     is an input, not part of the graphs' pool)."""
     device = config.resolved_device()
-    model.attn_backend = select_backend(config.attention_backend, device)
+    use_kernels(model, choose_kernels(config.attention_backend, config.fused_ops, device), device)
     if device.type != "cuda" or config.enforce_eager or not model.attn_backend.supports_cuda_graphs:
         return 0
     max_num_seqs = config.max_num_seqs

@@ -7,6 +7,11 @@ prompt, a decode) are sampled; a prefill chunk that stops mid-prompt is not.
 The step's metadata (ids, positions, slots, block tables, sequence lengths) is built once on
 the host and reaches the device in one copy; every layer shares it. A decode-only step on
 CUDA replays a captured graph instead (``cuda_graph``), unless ``enforce_eager``.
+
+At start the runner warms its kernels up (on CUDA, and wherever Triton runs): Triton compiles
+each kernel on first launch, so a machine without a C compiler or the Python headers fails
+here, not under the first request. Then the runner falls back to SDPA and the PyTorch ops with
+a warning, or stops with :class:`TritonStartError` when a flag asked for Triton by name.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from common.engine.sampler import Sampler, SampleRow
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
 from common.kv_layout import KVLayout
-from common.model.attention import select_backend
+from common.model.attention import TRITON_HINT, KernelChoice, use_kernels, warm_up_fallback
 from common.model.attention_metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -70,14 +75,13 @@ class ModelRunner:
 
     def __init__(
         self, model: torch.nn.Module, kv_layout: KVLayout, num_blocks: int, device: torch.device, seed: int,
-        attention_backend: str = "auto", enforce_eager: bool = False, max_num_seqs: int = 64,
+        kernels: KernelChoice, enforce_eager: bool = False, max_num_seqs: int = 64,
         max_model_len: int | None = None, eos_token_ids: Iterable[int] = (),
     ):
         self.model = model
         self.kv_layout = kv_layout
         self.device = device
-        self.attn_backend = select_backend(attention_backend, device)
-        model.attn_backend = self.attn_backend
+        self._use(kernels)
         self.scratch_block = num_blocks
         self.kv_caches = [
             torch.zeros(kv_layout.layer_shape(num_blocks + 1), dtype=kv_layout.torch_dtype, device=device)
@@ -86,11 +90,29 @@ class ModelRunner:
         self.sampler = Sampler(device, seed, eos_token_ids)
         self.graphs: CudaGraphRunner | None = None
         self.graph_memory_bytes = 0
-        if device.type == "cuda":
-            self._warm_up()
+        if device.type == "cuda" or kernels.uses_triton:
+            self._warm_up_or_fall_back()
         if device.type == "cuda" and not enforce_eager and self.attn_backend.supports_cuda_graphs:
             max_len = max_model_len or num_blocks * kv_layout.block_size
             self._capture_graphs(max_num_seqs, -(-max_len // kv_layout.block_size))
+
+    def _use(self, kernels: KernelChoice) -> None:
+        self.kernels = kernels
+        use_kernels(self.model, kernels, self.device)
+        self.attn_backend = self.model.attn_backend
+
+    def _warm_up_or_fall_back(self) -> None:
+        try:
+            self._warm_up()
+        except Exception as exc:
+            failed = self.kernels
+            self._use(warm_up_fallback(failed, exc))  # raises when Triton was named or not in use
+            log.warning(
+                "Triton kernels failed at warm-up (%s: %s); running --attention-backend sdpa --fused-ops off "
+                "instead (was %s, fused ops %s). %s; or pass --attention-backend sdpa --fused-ops off to run "
+                "without Triton and this warning", type(exc).__name__, exc, failed.attention_backend,
+                "on" if failed.fused_ops else "off", TRITON_HINT)
+            self._warm_up()
 
     @torch.inference_mode()
     def _warm_up(self) -> None:

@@ -10,12 +10,20 @@ new, from the cache.
 - ``triton`` (CUDA default when Triton is importable): one kernel per layer reads the cache
   through block tables in place, for decode, varlen prefill and chunks over cached context
   alike; its plan is a handful of fixed-shape tensors, so decode steps can be CUDA-graphed.
+
+The engine's whole kernel choice, the backend and whether the fused Triton ops
+(``common.model.fused_ops``) replace PyTorch's RMSNorm / rotary / SiLU-and-mul, is one
+:class:`KernelChoice`, made by :func:`choose_kernels` from ``--attention-backend`` and
+``--fused-ops`` and set on the model with :func:`use_kernels`. Triton compiles a kernel on its
+first launch (it needs a C compiler and the Python headers), so the engine warms the choice up
+at start and, when that fails, asks :func:`warm_up_fallback` what to run instead.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +33,9 @@ from common.model.attention_metadata import AttentionMetadata
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "sdpa", "triton")
+FUSED_OPS = ("auto", "on", "off")
+TRITON_HINT = ("Triton compiles its kernels on first use and needs a C compiler and the Python headers "
+               "(e.g. apt-get install gcc python3-dev)")
 
 
 class AttentionBackend(Protocol):
@@ -59,8 +70,6 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, not {name!r}")
     if name == "auto":
         name = "triton" if device.type == "cuda" and triton_available() else "sdpa"
-        if device.type == "cuda" and name == "sdpa":
-            log.warning("triton is not installed: CUDA attention falls back to SDPA over gathered blocks")
     if name == "triton":
         if not triton_available():
             raise ValueError("attention backend triton needs the triton package (it ships with CUDA torch)")
@@ -70,3 +79,65 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
     from common.model.attn_backends.sdpa import SdpaBackend
 
     return SdpaBackend()
+
+
+class TritonStartError(RuntimeError):
+    """Triton was asked for by name (``--attention-backend triton``, ``--fused-ops on``) and cannot run."""
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernels one engine runs, chosen once at start (see the module docstring)."""
+
+    attention_backend: str  # "sdpa" | "triton"
+    fused_ops: bool  # the fused Triton RMSNorm / rotary / SiLU-and-mul instead of PyTorch's ops
+    required: tuple[str, ...] = ()  # the flags that asked for Triton by name: no fallback for them
+
+    @property
+    def uses_triton(self) -> bool:
+        return self.attention_backend == "triton" or self.fused_ops
+
+
+PLAIN = KernelChoice("sdpa", False)  # no Triton anywhere: what a failed Triton warm-up falls back to
+
+
+def choose_kernels(attention_backend: str, fused_ops: str, device: torch.device) -> KernelChoice:
+    """``auto`` picks Triton for CUDA when triton is installed; a named choice is kept as asked.
+
+    Raises :class:`TritonStartError` when a flag names Triton and triton is not installed."""
+    if attention_backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, not {attention_backend!r}")
+    if fused_ops not in FUSED_OPS:
+        raise ValueError(f"fused ops must be one of {', '.join(FUSED_OPS)}, not {fused_ops!r}")
+    triton_here = device.type == "cuda" and triton_available()
+    backend = ("triton" if triton_here else "sdpa") if attention_backend == "auto" else attention_backend
+    fused = triton_here if fused_ops == "auto" else fused_ops == "on"
+    required = tuple(flag for flag, named in (("--attention-backend triton", attention_backend == "triton"),
+                                              ("--fused-ops on", fused_ops == "on")) if named)
+    if required and not triton_available():
+        raise TritonStartError(f"{' and '.join(required)} need the triton package (it ships with CUDA builds of "
+                               "torch); install it or use auto, which runs without it")
+    if device.type == "cuda" and not triton_here:
+        log.warning("triton is not installed: CUDA attention falls back to SDPA over gathered blocks "
+                    "and the per-layer ops to PyTorch's")
+    return KernelChoice(backend, fused, required)
+
+
+def warm_up_fallback(choice: KernelChoice, error: Exception) -> KernelChoice:
+    """What to run after ``choice`` failed its warm-up with ``error``: SDPA and the PyTorch ops when
+    Triton was only chosen by ``auto``. Re-raises ``error`` when ``choice`` used no Triton (nothing
+    to fall back from), and raises :class:`TritonStartError` when a flag asked for Triton by name."""
+    if not choice.uses_triton:
+        raise error
+    if choice.required:
+        raise TritonStartError(
+            f"{' and '.join(choice.required)} asked for Triton, but its kernels failed at warm-up "
+            f"({type(error).__name__}: {error}). {TRITON_HINT}; or start with --attention-backend auto "
+            "--fused-ops auto (falls back to SDPA) or sdpa / off (no Triton)") from error
+    return PLAIN
+
+
+def use_kernels(model: torch.nn.Module, choice: KernelChoice, device: torch.device) -> None:
+    """Set ``choice`` on the model: its attention backend and whether its layers run the fused ops."""
+    model.attn_backend = select_backend(choice.attention_backend, device)
+    model.use_fused_ops = choice.fused_ops

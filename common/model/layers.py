@@ -3,14 +3,15 @@
 Parameters that the checkpoint stores split but we keep packed (``gate_up_proj``) carry a
 ``weight_loader`` so the loader can copy each checkpoint shard into its slice.
 
-On CUDA, with triton installed, RMSNorm, the rotary embedding and SiLU-and-mul each run as one
-fused kernel (``fused_ops``) instead of several element-wise ones; CPU keeps the PyTorch ops.
+RMSNorm, the rotary embedding and SiLU-and-mul can each run as one fused Triton kernel
+(``fused_ops``) instead of several element-wise ones. Whether they do is the engine's choice
+(``--fused-ops``, on for CUDA by default), set once on the model; the model hands the kernels
+module down through each forward (``fused``), and None means the PyTorch ops. Only
+:func:`load_fused_ops` imports them, so a model that runs without them never loads them.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 from types import ModuleType
 from typing import Any
@@ -20,18 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
-@functools.cache
-def _fused_ops() -> ModuleType | None:
-    """The fused kernels for CUDA tensors; None without triton (imported on first CUDA use only)."""
-    if importlib.util.find_spec("triton") is None:
-        return None
+def load_fused_ops() -> ModuleType:
+    """The fused Triton kernels (``common.model.fused_ops``); imports triton, so call it only when they run."""
     from common.model import fused_ops
 
     return fused_ops
-
-
-def _fused_for(x: torch.Tensor) -> ModuleType | None:
-    return _fused_ops() if x.is_cuda else None
 
 
 class RMSNorm(nn.Module):
@@ -42,8 +36,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (fused := _fused_for(x)) is not None and x.dim() in (2, 3) and x.stride(-1) == 1:
+    def forward(self, x: torch.Tensor, fused: ModuleType | None = None) -> torch.Tensor:
+        if fused is not None and x.dim() in (2, 3) and x.stride(-1) == 1:
             return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
@@ -108,9 +102,11 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: ModuleType | None = None
+) -> torch.Tensor:
     """Rotate ``x`` [n, heads, d] (first half / second half pairs), computing in float32."""
-    if (fused := _fused_for(x)) is not None and x.stride(-1) == 1:
+    if fused is not None and x.stride(-1) == 1:
         return fused.apply_rotary(x, cos, sin)
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -135,9 +131,9 @@ class GatedMLP(nn.Module):
         size = self.intermediate_size
         param.data[shard * size : (shard + 1) * size].copy_(loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: ModuleType | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if (fused := _fused_for(gate_up)) is not None and gate_up.dim() == 2:
+        if fused is not None and gate_up.dim() == 2:
             return self.down_proj(fused.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

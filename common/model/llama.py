@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -18,18 +19,19 @@ from common.model.attention import AttentionBackend, write_kv
 from common.model.attention_metadata import AttentionMetadata
 from common.model.attn_backends.sdpa import SdpaBackend
 from common.model.config import ModelConfig
-from common.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from common.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, load_fused_ops
 
 
 @dataclass
 class StepInputs:
-    """What every layer of one forward shares: the attention backend and plan, cache slots, rotary angles."""
+    """What every layer of one forward shares: the kernels, the attention plan, cache slots, rotary angles."""
 
     backend: AttentionBackend
     plan: Any  # the backend's, built once per forward
     slots: torch.Tensor  # [n] flat cache slot of each new token
     cos: torch.Tensor  # [n, 1, head_dim / 2]
     sin: torch.Tensor
+    fused: ModuleType | None = None  # the fused Triton ops when the engine chose them (layers.load_fused_ops)
 
 
 class Attention(nn.Module):
@@ -66,8 +68,8 @@ class Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
+            q, k = self.q_norm(q, step.fused), self.k_norm(k, step.fused)
+        q, k = apply_rotary(q, step.cos, step.sin, step.fused), apply_rotary(k, step.cos, step.sin, step.fused)
         write_kv(kv_cache, k, v, step.slots)
         return self.o_proj(step.backend.forward(q, k, v, kv_cache, step.plan, self.scale))
 
@@ -81,8 +83,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), kv_cache, step)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden, step.fused), kv_cache, step)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden, step.fused), step.fused)
 
 
 class DecoderModel(nn.Module):
@@ -110,7 +112,8 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.attn_backend: AttentionBackend = SdpaBackend()  # the engine sets its choice at start
+        self.attn_backend: AttentionBackend = SdpaBackend()  # the engine sets its choice at start,
+        self.use_fused_ops = False  # and this one (attention.use_kernels)
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -145,13 +148,14 @@ class CausalLM(nn.Module):
         device = input_ids.device
         cos, sin = self.model.rotary_emb(positions)
         plan = self.attn_backend.plan(attn_metadata, device)
-        step = StepInputs(self.attn_backend, plan, attn_metadata.slot_mapping.to(device), cos, sin)
+        fused = load_fused_ops() if self.use_fused_ops else None
+        step = StepInputs(self.attn_backend, plan, attn_metadata.slot_mapping.to(device), cos, sin, fused)
         hidden = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             hidden = layer(hidden, kv_caches[i], step)
             if on_layer_done is not None:
                 on_layer_done(i, kv_caches[i])
-        return self.model.norm(hidden)
+        return self.model.norm(hidden, fused)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [n, vocab] for the given hidden states."""
