@@ -22,15 +22,27 @@ e.g. one GPU shared by the three nodes:
     python bench/ttft_breakdown.py [--prompt-tokens 2000] [--repeats 5] [--itl]
     python bench/ttft_breakdown.py --shape llama3.1-8b --itl --node-arg=--device=cuda \
         --node-arg=--gpu-memory-utilization=0.28 --node-arg=--kv-transport=cuda_ipc
+
+Parity (issue 18): ``--parity N`` sends N greedy requests through the prefill -> decode pair
+(both legs at once, as the proxy does) and compares each answer with the colocated node's,
+token for token (a ``--shape`` checkpoint's tokenizer names every id). ``--up-parity N``
+stops the three nodes, starts ``pdserve up`` on the same model (proxy + both daemons, on a
+GPU each with the launcher's ``--gpu-memory-utilization`` share; ``--up-env`` sets their
+``PDSERVE_*`` options, e.g. ``PDSERVE_KV_TRANSPORT=cuda_ipc``) and compares N requests sent
+through its proxy. ``--decode-gpu I`` shows the decode daemon only GPU I (a pair across two
+GPUs). ``--json PATH`` writes every figure; a parity mismatch makes the exit code 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,8 +54,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from common.launcher import PORT_FLAGS  # noqa: E402
 from common.request_id import make_request_id  # noqa: E402
-from helpers.cluster import Proc, metric, start  # noqa: E402
+from helpers.cluster import Proc, free_port, metric, start  # noqa: E402
 
 
 # One client, connections kept alive, as the proxy's: a new httpx client per request costs
@@ -97,9 +110,9 @@ PARTS = ("colocated", "prefill", "transfer", "handoff", "pf_total", "concurrent"
          "kv_mb", "transfer_gbps")
 
 
-def pair_transport(decode: Proc) -> str:
+def pair_transport(decode_url: str) -> str:
     """The data plane the decode node's live pairs use (``kv_pairs{transport}``), e.g. "tcp"."""
-    text = HTTP.get(decode.url + "/metrics", timeout=10).text
+    text = HTTP.get(decode_url + "/metrics", timeout=10).text
     live = re.findall(r'^pdserve:kv_pairs\{[^}]*transport="([^"]+)"[^}]*\} ([0-9.]+)', text, re.M)
     return ", ".join(sorted({t for t, n in live if float(n) > 0})) or "none"
 
@@ -180,23 +193,114 @@ def itl_sample(prefill: Proc, decode: Proc, prompt_tokens: int, stream_tokens: i
             "arrival": 1000 * arrival}
 
 
-def run(prompt_tokens: int, repeats: int, node_args: list[str], model: str, itl: bool) -> None:
+def parity_bodies(n: int, rng: random.Random) -> list[dict]:
+    """``n`` greedy requests, prompts of 16 to ~600 tokens (one block to many), all unseen."""
+    return [{"prompt": [rng.randrange(4, 2048) for _ in range(16 + i * 97 % 600)], "max_tokens": 16,
+             "temperature": 0, "ignore_eos": True} for i in range(n)]
+
+
+def completion(url: str, body: dict, request_id: str | None = None) -> tuple[str, int]:
+    """(text, completion_tokens) of one non-streaming request."""
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    r = HTTP.post(url + "/v1/completions", json={**body, "stream": False}, headers=headers)
+    r.raise_for_status()
+    data = r.json()
+    return data["choices"][0]["text"], data["usage"]["completion_tokens"]
+
+
+def pair_completion(prefill: Proc, decode: Proc, body: dict) -> tuple[str, int]:
+    """``body`` through the pair the way the proxy sends it: both legs at once."""
+    rid = make_request_id(prefill.kv_addr, decode.kv_addr)
+    with ThreadPoolExecutor(1) as pool:
+        leg = pool.submit(prefill_leg_s, prefill, body, rid)
+        answer = completion(decode.url, body, rid)
+        leg.result()
+    return answer
+
+
+def compare(expected: list[tuple[str, int]], got: list[tuple[str, int]]) -> dict:
+    """How many answers are identical (text and token count), and the first that is not."""
+    mismatches = [i for i, (a, b) in enumerate(zip(expected, got)) if a != b]
+    first = None
+    if mismatches:
+        i = mismatches[0]
+        first = {"index": i, "expected": expected[i][0][:200], "got": got[i][0][:200]}
+    return {"n": len(expected), "identical": len(expected) - len(mismatches), "first_mismatch": first}
+
+
+def up_parity(model: str | None, bodies: list[dict], expected: list[tuple[str, int]], up_env: dict[str, str],
+              tmp: Path) -> dict:
+    """``bodies`` through a fresh `pdserve up` (its proxy), compared with ``expected``; then `down`."""
+    run_dir = tmp / "up"
+    ports = {name: free_port() for name in PORT_FLAGS}
+    cli = [sys.executable, "-m", "common.cli"]
+    up = [*cli, "up", "--run-dir", str(run_dir), "--timeout", "300",
+          *[f"--{name.replace('_', '-')}={port}" for name, port in ports.items()],
+          *(["--model", model] if model else [])]
+    env = {**os.environ, **up_env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    try:
+        started = subprocess.run(up, cwd=ROOT, env=env, capture_output=True, text=True)
+        if started.returncode != 0:
+            return {"error": f"pdserve up exited {started.returncode}: {started.stderr.strip()[-2000:]}"}
+        proxy = f"http://127.0.0.1:{ports['proxy_port']}"
+        got = [completion(proxy, body) for body in bodies]
+        transport = pair_transport(f"http://127.0.0.1:{ports['decode_port']}")
+    finally:
+        subprocess.run([*cli, "down", "--run-dir", str(run_dir)], cwd=ROOT, env=env, capture_output=True)
+    return {**compare(expected, got), "transport": transport}
+
+
+@contextlib.contextmanager
+def visible_gpu(index: int | None):
+    """Processes started inside see only GPU ``index`` (``start`` copies os.environ when it starts one)."""
+    if index is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(index)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+def run(args, node_args: list[str], model: str | None, label: str) -> dict:
+    """Every measurement ``args`` asks for, printed, and returned as one dict."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-ttft-"))
     procs = []
+    report: dict = {"prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "model": label}
     try:
-        procs = [start(role, tmp, *node_args) for role in ("both", "prefill", "decode")]
-        med = measure(*procs, prompt_tokens, repeats, random.Random(0))
-        itl_med = None
-        if itl:
+        procs = [start(role, tmp, *node_args) for role in ("both", "prefill")]
+        with visible_gpu(args.decode_gpu):
+            procs.append(start("decode", tmp, *node_args))
+        report["median"] = measure(*procs, args.prompt_tokens, args.repeats, random.Random(0))
+        if args.itl:
             rng = random.Random(1)
-            runs = [itl_sample(procs[1], procs[2], prompt_tokens, 300, rng) for _ in range(repeats)]
-            itl_med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        transport = pair_transport(procs[2])
+            runs = [itl_sample(procs[1], procs[2], args.prompt_tokens, 300, rng) for _ in range(args.repeats)]
+            report["itl"] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        report["transport"] = pair_transport(procs[2].url)
+        bodies = parity_bodies(max(args.parity, args.up_parity), random.Random(2))
+        expected = [completion(procs[0].url, body) for body in bodies]
+        if args.parity:
+            got = [pair_completion(procs[1], procs[2], body) for body in bodies[:args.parity]]
+            report["parity_pair"] = {**compare(expected[:args.parity], got), "transport": report["transport"]}
     finally:
         for proc in procs:
             proc.stop()
-    print(f"\nTTFT for a {prompt_tokens}-token prompt ({model}; KV over {transport}; KV {med['kv_mb']:.1f} MB; "
-          f"median of {repeats})\n")
+    if args.up_parity:  # after the three have stopped: `up`'s daemons take their own GPU shares
+        report["parity_up"] = up_parity(model, bodies[:args.up_parity], expected[:args.up_parity],
+                                        dict(kv.split("=", 1) for kv in args.up_env), tmp)
+    print_report(report)
+    return report
+
+
+def print_report(report: dict) -> None:
+    med, n = report["median"], report["repeats"]
+    print(f"\nTTFT for a {report['prompt_tokens']}-token prompt ({report['model']}; KV over {report['transport']}; "
+          f"KV {med['kv_mb']:.1f} MB; median of {n})\n")
     print("| path | part | ms |")
     print("|---|---|---:|")
     print(f"| colocated | prefill + first token | {med['colocated']:.1f} |")
@@ -210,23 +314,48 @@ def run(prompt_tokens: int, repeats: int, node_args: list[str], model: str, itl:
           f"TTFT / colocated TTFT, median of per-round ratios: prefill-first {med['pf_ratio']:.3f}, "
           f"concurrent {med['concurrent_ratio']:.3f}")
     print(f"KV transfer bandwidth (bytes / PULL-to-DONE time, prefill-first legs): {med['transfer_gbps']:.2f} GB/s")
-    if itl_med is not None:
-        print(f"\nITL of a request decoding on D while a {prompt_tokens}-token prompt's KV arrives (median of "
-              f"{repeats}): before {itl_med['itl_before']:.2f} ms, during p50 {itl_med['itl_during_p50']:.2f} ms, "
-              f"during max {itl_med['itl_during_max']:.2f} ms (arrival: {itl_med['arrival']:.1f} ms)")
+    itl = report.get("itl")
+    if itl is not None:
+        print(f"\nITL of a request decoding on D while a {report['prompt_tokens']}-token prompt's KV arrives "
+              f"(median of {n}): before {itl['itl_before']:.2f} ms, during p50 {itl['itl_during_p50']:.2f} ms, "
+              f"during max {itl['itl_during_max']:.2f} ms (arrival: {itl['arrival']:.1f} ms)")
+    for key, path in (("parity_pair", "the prefill -> decode pair"), ("parity_up", "`pdserve up`'s proxy")):
+        result = report.get(key)
+        if result is None:
+            continue
+        if "error" in result:
+            print(f"parity through {path}: {result['error']}")
+            continue
+        print(f"parity through {path} (KV over {result['transport']}): {result['identical']}/{result['n']} greedy "
+              f"answers identical to the colocated node's" + (f"; first mismatch: {result['first_mismatch']}"
+                                                                if result["first_mismatch"] else ""))
 
 
-def main() -> None:
+def parity_ok(report: dict) -> bool:
+    results = [report[k] for k in ("parity_pair", "parity_up") if k in report]
+    return all("error" not in r and r["identical"] == r["n"] for r in results)
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", default=None, help="checkpoint every node serves (default: the embedded model)")
     parser.add_argument("--shape", default=None,
                         help="serve a random-weight checkpoint of this bench/gpu_engine.py shape, made on the GPU")
+    parser.add_argument("--workdir", default=None, help="where --shape's checkpoint is (made if missing)")
     parser.add_argument("--node-arg", action="append", default=[],
                         help="appended to every node's command line, e.g. --node-arg=--gpu-memory-utilization=0.28")
+    parser.add_argument("--decode-gpu", type=int, default=None, help="the decode daemon sees only this GPU")
     parser.add_argument("--itl", action="store_true",
                         help="also measure a running request's inter-token gaps while another prompt's KV arrives")
+    parser.add_argument("--parity", type=int, default=0, metavar="N",
+                        help="N greedy requests through the pair, compared with the colocated node")
+    parser.add_argument("--up-parity", type=int, default=0, metavar="N",
+                        help="N greedy requests through `pdserve up`'s proxy, compared with the colocated node")
+    parser.add_argument("--up-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment for `pdserve up`'s processes, e.g. PDSERVE_KV_TRANSPORT=cuda_ipc")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write every figure here")
     args = parser.parse_args()
     model = args.model
     if args.shape:
@@ -235,12 +364,17 @@ def main() -> None:
 
         if not torch.cuda.is_available():
             print("--shape makes its checkpoint on a GPU; CUDA is not available here")
-            return
-        model = str(make_checkpoint(args.shape, Path(tempfile.mkdtemp(prefix="pdserve-shape-"))))
+            return 0
+        workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pdserve-shape-"))
+        workdir.mkdir(parents=True, exist_ok=True)
+        model = str(make_checkpoint(args.shape, workdir))
     node_args = (["--model", model] if model else []) + args.node_arg
     label = f"{args.shape or model or 'embedded model'}, {' '.join(args.node_arg) or 'default flags'}"
-    run(args.prompt_tokens, args.repeats, node_args, label, args.itl)
+    report = run(args, node_args, model, label)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0 if parity_ok(report) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
