@@ -67,7 +67,7 @@ def assert_rounded(got: torch.Tensor, want: torch.Tensor, ulps: int) -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=ulps * eps, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dtype", HALF, ids=["float16", "bfloat16"])
 def test_rms_norm_in_half_precision(dtype):
     """As the eager op in ``dtype``: the normed x rounded to ``dtype``, times the weight, rounded again."""
     g = torch.Generator().manual_seed(3)
@@ -80,7 +80,7 @@ def test_rms_norm_in_half_precision(dtype):
     assert_rounded(got, norm(x), ulps=3)  # two roundings each side; torch's half ulp from nearest
 
 
-@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dtype", HALF, ids=["float16", "bfloat16"])
 def test_rotary_in_half_precision(dtype):
     """Float32 math on the half-precision x, rounded once."""
     g = torch.Generator().manual_seed(4)
@@ -91,7 +91,7 @@ def test_rotary_in_half_precision(dtype):
     assert_rounded(got, torch_rotary(q.float(), cos, sin), ulps=1)
 
 
-@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dtype", HALF, ids=["float16", "bfloat16"])
 def test_silu_and_mul_in_half_precision(dtype):
     """Float32 math on the half-precision gate and up, rounded once (1500: a masked second column block)."""
     g = torch.Generator().manual_seed(5)
