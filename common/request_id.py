@@ -3,6 +3,11 @@
     ___prefill_addr_{host}:{port}___decode_addr_{host}:{port}_{uuid_hex}
 
 Daemons use the id exactly as received; they never rewrite or suffix it.
+
+A local prefill (the proxy decided the decode node should compute the prompt itself, and sent
+no prefill leg) names :data:`LOCAL_PREFILL` as the prefill address: ``local:0`` is no KV
+endpoint (port 0), so a daemon that does not know the marker fails it plainly, and under a
+cluster key the marker is covered by the id's signature like any address.
 """
 
 from __future__ import annotations
@@ -13,12 +18,18 @@ from dataclasses import dataclass
 
 _PREFILL_RE = re.compile(r"___prefill_addr_(.*):(\d+)___")
 _DECODE_RE = re.compile(r"___decode_addr_(.*):(\d+)")
+LOCAL_PREFILL = "local:0"  # the prefill address of a request the decode node prefills itself
 
 
 @dataclass(frozen=True)
 class Tags:
     prefill_addr: str  # "host:port" of the prefill node's KV (ZMQ) endpoint
     decode_addr: str
+
+    @property
+    def local_prefill(self) -> bool:
+        """True when the decode node computes the prompt itself: no prefill leg, no KV to ask for."""
+        return self.prefill_addr == LOCAL_PREFILL
 
 
 def make_request_id(prefill_kv_addr: str, decode_kv_addr: str, suffix: str | None = None) -> str:

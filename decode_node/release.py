@@ -46,7 +46,7 @@ class ReleaseRefusedKV:
     def _release(self, scope: Scope, status: int) -> None:
         request_id = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
         tags = parse_tags(request_id)
-        if tags is None or request_id is None:
+        if tags is None or request_id is None or tags.local_prefill:  # a local prefill left no KV anywhere
             return
         why = "the proxy gave up on it" if status == CLIENT_CLOSED else f"refused here ({status})"
         logger.info("request %s %s: telling %s to drop its KV", request_id, why, tags.prefill_addr)

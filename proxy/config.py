@@ -27,6 +27,11 @@ class ProxyConfig(BaseModel):
         "round_robin", description="How a prefill node and a decode node are each chosen "
         "(prefix_aware: where the prompt's prefix is likely cached, balanced against load)."
     )
+    disagg_policy: Literal["always", "never", "auto"] = Field(
+        "auto", description="Where each prompt is prefilled: always on a prefill node, never (the decode node "
+        "prefills it itself), or auto: the cheaper path by the nodes' measured prefill rates, queues and the "
+        "hand-off's measured cost, local only within the decode node's --max-local-prefill-stall-ms."
+    )
     dispatch: Literal["concurrent", "prefill_first"] = Field(
         "concurrent",
         description="Send both legs at once, or wait for the prefill leg first (vLLM's order).",

@@ -41,6 +41,10 @@ class ProxyMetrics:
             registry=r,
         )
         self.errors = Counter("pdserve:proxy_errors", "Errors, by kind.", ["role", "kind"], registry=r)
+        self.decisions = Counter(
+            "pdserve:proxy_prefill_decisions", "Where prompts were prefilled (path local|remote), and why.",
+            ["role", "path", "reason"], registry=r,
+        )
         self.retries = Counter("pdserve:proxy_prefill_retries", "Prefill legs retried.", ["role"], registry=r)
         self.registry_rejected = Counter(
             "pdserve:proxy_registry_rejected", "Registry messages dropped, by reason.", ["role", "reason"],
@@ -60,6 +64,9 @@ class ProxyMetrics:
 
     def count_error(self, kind: str) -> None:
         self.errors.labels("proxy", kind).inc()
+
+    def count_decision(self, path: str, reason: str) -> None:
+        self.decisions.labels("proxy", path, reason).inc()
 
     def count_retry(self) -> None:
         self.retries.labels("proxy").inc()

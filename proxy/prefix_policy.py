@@ -75,9 +75,9 @@ class PrefixAware:
         if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
             best = min(nodes, key=least_key)
         else:
-            matched = {n.key: self._matched(n.key, chunks) for n in nodes}
+            matched = {n.key: self.matched(n.key, chunks) for n in nodes}
             best = min(nodes, key=lambda n: (-matched[n.key], *least_key(n)))
-        self._remember(best.key, chunks)
+        self.remember(best.key, chunks)
         return best
 
     def forget_all_but(self, live: set[tuple[str, str]]) -> None:
@@ -85,7 +85,8 @@ class PrefixAware:
         for key in [k for k in self._seen if k not in live]:
             del self._seen[key]
 
-    def _matched(self, key: tuple[str, str], chunks: list[bytes]) -> int:
+    def matched(self, key: tuple[str, str], chunks: list[bytes]) -> int:
+        """How many leading ``chunks`` were routed to the node ``key`` recently."""
         seen = self._seen.get(key)
         if not seen:
             return 0
@@ -96,7 +97,8 @@ class PrefixAware:
             n += 1
         return n
 
-    def _remember(self, key: tuple[str, str], chunks: list[bytes]) -> None:
+    def remember(self, key: tuple[str, str], chunks: list[bytes]) -> None:
+        """Note that the prompt of ``chunks`` went to the node ``key``."""
         seen = self._seen.setdefault(key, OrderedDict())
         for h in chunks:
             seen[h] = None

@@ -1,10 +1,11 @@
 """Dispatch: one client request -> a prefill leg and a decode leg -> one answer.
 
 A request's lifecycle here:
-1. parse the body; the router picks a (P, D) pair; the id is tagged with both KV
-   addresses and sent as X-Request-Id to both legs.
+1. parse the body; the router picks a (P, D) pair; the disaggregation policy
+   (proxy/disagg.py) decides where the prompt is prefilled; the id is tagged with both KV
+   addresses (or ``local:0`` for P: the decode node prefills it) and sent as X-Request-Id.
 2. start the legs: ``concurrent`` (both at once, the default) or ``prefill_first``
-   (P to its end, then D: vLLM's order).
+   (P to its end, then D: vLLM's order); a local prefill has only the decode leg.
 3. wait until the answer can begin. P failed -> D is cancelled, and a P that refused
    (unreachable, 503) is retried once on another P with a new id. D failed -> P is
    cancelled. The client left -> both are cancelled.
@@ -34,10 +35,11 @@ from starlette.responses import Response, StreamingResponse
 
 from common.logging_setup import current_request_id
 from common.registry_client import RegistrationMessage
-from common.request_id import make_request_id
+from common.request_id import LOCAL_PREFILL, make_request_id
 from common.serving.errors import body_error, invalid_json
 from common.serving.limits import MAX_REQUEST_ID_CHARS
 from proxy.config import ProxyConfig
+from proxy.disagg import Decision, DisaggPolicy
 from proxy.errors import (BadRequest, ClientDisconnected, ProxyError, RequestTimeout, StreamIdle,
                           UpstreamUnreachable, is_retryable)
 from proxy.legs import Legs, prefill_body, read_chunks
@@ -85,6 +87,7 @@ class Call:
     tasks: list[asyncio.Task] = field(default_factory=list)
     closed: bool = False
     client_id: str | None = None
+    decision: Decision = Decision("remote", "policy")
 
     @property
     def echo_id(self) -> str:
@@ -115,6 +118,7 @@ class Dispatcher:
 
     def __init__(self, legs: Legs, router: Router, config: ProxyConfig, metrics: ProxyMetrics):
         self.legs, self.router, self.config, self.metrics = legs, router, config, metrics
+        self.disagg = DisaggPolicy(config.disagg_policy)
 
     async def handle(self, request: Request, path: str) -> Response:
         incoming = Incoming(path, request.headers.get("x-request-id"), time.perf_counter())
@@ -156,17 +160,22 @@ class Dispatcher:
         p_bytes = await _off_loop(len(body_bytes), prefill_body, body, path)
         stream = body.get("stream") is True
         failed_prefills: set[str] = set()
-        prompt = prompt_text(body) if self.config.policy == "prefix_aware" else ""
+        wants_text = self.config.policy == "prefix_aware" or self.config.disagg_policy == "auto"
+        prompt = prompt_text(body) if wants_text else ""
         while True:
             pair = self.router.pick(model, frozenset(failed_prefills), prompt)
+            decision = self._decide(pair, prompt)
             uid = uuid.uuid4().hex if attempts else incoming.uid
-            tagged = make_request_id(pair.prefill.zmq_address, pair.decode.zmq_address, uid)
-            call = Call(pair, tagged, incoming.id_prefix + uid, incoming.start, client_id=incoming.client_id)
+            p_addr = LOCAL_PREFILL if decision.local else pair.prefill.zmq_address
+            tagged = make_request_id(p_addr, pair.decode.zmq_address, uid)
+            call = Call(pair, tagged, incoming.id_prefix + uid, incoming.start, client_id=incoming.client_id,
+                        decision=decision)
             attempts.append(call)
-            self.router.begin(pair)
+            self.router.begin(pair, decision.local)
             try:
-                self._spawn_prefill(call, path, p_bytes)
-                if self.config.dispatch == "prefill_first":
+                if not decision.local:
+                    self._spawn_prefill(call, path, p_bytes)
+                if self.config.dispatch == "prefill_first" and call.prefill is not None:
                     await _until(call.prefill, call, watcher)  # the leg watches its node itself
                 if stream:
                     return await self._open_stream(call, path, body_bytes, watcher)
@@ -182,6 +191,16 @@ class Dispatcher:
             except BaseException:
                 await self._close(call)
                 raise
+
+    def _decide(self, pair: Pair, prompt: str) -> Decision:
+        decision = self.disagg.decide(pair.prefill, pair.decode, prompt)
+        self.disagg.sent(decision, pair.prefill, pair.decode, prompt)
+        self.metrics.count_decision(decision.path, decision.reason)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("prefill %s (%s): est_local=%s est_remote=%s P=%s D=%s", decision.path, decision.reason,
+                         _ms(decision.est_local_s), _ms(decision.est_remote_s), pair.prefill.http_address,
+                         pair.decode.http_address)
+        return decision
 
     def _spawn_prefill(self, call: Call, path: str, p_bytes: bytes) -> None:
         # watched in either dispatch order: a stalled P must fail the leg, not wait out --prefill-timeout-s
@@ -233,7 +252,9 @@ class Dispatcher:
                     first_content = watch.feed(chunk)
                     yield chunk
                     if first_content:  # what a client's TTFT measures: content, not the role chunk
-                        self.metrics.observe_ttft(time.perf_counter() - call.start)
+                        ttft = time.perf_counter() - call.start
+                        self.metrics.observe_ttft(ttft)
+                        self.disagg.observe_ttft(call.decision, call.pair.prefill, call.pair.decode, ttft)
                     # The deadlines wrap each read, never a yield: a timeout armed across a yield
                     # would fire inside Starlette's send, outside this generator.
                     idle_at = loop.time() + idle_s
@@ -272,7 +293,7 @@ class Dispatcher:
         if call.closed:
             return
         call.closed = True
-        self.router.end(call.pair)
+        self.router.end(call.pair, call.decision.local)
         await call.abort()
 
     def _failed(self, exc: ProxyError, incoming: Incoming, call: Call | None = None) -> Response:
@@ -296,8 +317,9 @@ class Dispatcher:
                        latency * 1e3, detail)
             return
         client = f" client_id={call.client_id}" if call.client_id else ""
+        prefill = "local" if call.decision.local else call.pair.prefill.http_address
         logger.log(level, "request %s%s tag=%s P=%s D=%s status=%d latency=%.1fms %s", call.public_id, client,
-                   call.request_id, call.pair.prefill.http_address, call.pair.decode.http_address, status,
+                   call.request_id, prefill, call.pair.decode.http_address, status,
                    latency * 1e3, detail)
 
 
@@ -320,6 +342,10 @@ async def _until(task: asyncio.Task, call: Call, watcher: asyncio.Task | None,
         if gone is not None and not task.done() and (error := gone()) is not None:
             raise error
     return task.result()
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}ms"
 
 
 def _raise_if_failed(task: asyncio.Task | None) -> None:

@@ -126,13 +126,13 @@ class Router:
     def models(self) -> list[str]:
         return sorted({g.model for g in self.registry.groups() if g.model})
 
-    def begin(self, pair: Pair) -> None:
-        """Count both legs as in flight (least-loaded reads it) until ``end(pair)``."""
-        self._inflight[("P", pair.prefill.http_address)] += 1
-        self._inflight[("D", pair.decode.http_address)] += 1
+    def begin(self, pair: Pair, local: bool = False) -> None:
+        """Count the legs (only D's for a ``local`` prefill) as in flight until ``end``."""
+        for key in _leg_keys(pair, local):
+            self._inflight[key] += 1
 
-    def end(self, pair: Pair) -> None:
-        for key in (("P", pair.prefill.http_address), ("D", pair.decode.http_address)):
+    def end(self, pair: Pair, local: bool = False) -> None:
+        for key in _leg_keys(pair, local):
             self._inflight[key] -= 1
             if self._inflight[key] <= 0:
                 del self._inflight[key]
@@ -181,6 +181,11 @@ class _Candidates:
                                     " (model and KV layout fingerprint must match)")
         prefills = sorted((n for g in usable for n in g.prefills), key=lambda n: n.info.http_address)
         return cls(prefills, {(g.model, g.kv_fingerprint): list(g.decodes) for g in usable}, error)
+
+
+def _leg_keys(pair: Pair, local: bool) -> list[tuple[str, str]]:
+    decode = ("D", pair.decode.http_address)
+    return [decode] if local else [("P", pair.prefill.http_address), decode]
 
 
 def _describe(nodes: list[Node]) -> str:

@@ -113,7 +113,10 @@ class ServingContext:
         request_id = request_id_of(request)
         tags = parse_tags(request_id)
         self._check_role(tags, len(prompts))
-        kv_params = {"prefill_addr": tags.prefill_addr, "decode_addr": tags.decode_addr} if tags else None
+        kv_params = None
+        if tags is not None:  # a local prefill asks no peer: the engine prefills it like any prompt
+            prefill = "" if tags.local_prefill else tags.prefill_addr
+            kv_params = {"prefill_addr": prefill, "decode_addr": tags.decode_addr}
         prepared = PreparedRequest(request_id, prompts, params, tags, kv_params)
         if self.prepare_request is not None:  # before the range checks: a prefill leg bounds min_tokens
             result = self.prepare_request(prepared, request)
@@ -179,6 +182,9 @@ class ServingContext:
             )
         if num_prompts != 1:
             raise OpenAIError(f"a {role} node serves one prompt per request", param="prompt")
+        if role == "prefill" and tags.local_prefill:
+            raise OpenAIError("this request is marked for a local prefill on its decode node; a prefill "
+                              "node has nothing to do for it", param="X-Request-Id", code="local_prefill")
 
 
 def request_id_of(request: Request, prefix: str = "cmpl-") -> str:

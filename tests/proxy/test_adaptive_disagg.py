@@ -1,0 +1,110 @@
+"""Adaptive disaggregation through real processes: proxy (auto) + prefill + decode + colocated,
+plus two proxies over the same daemons with ``--disagg-policy always`` and ``never``.
+
+Under ``auto`` a short prompt is prefilled on the decode node (no prefill leg, no KV moved) and
+a long one on the prefill node (KV moved), asserted on the proxy's decision counter and the decode
+node's transfer bytes; the answers (greedy with logprobs, and seeded sampling) are the same on
+every path and on the colocated node (logprobs to float32 rounding: a prefix one node has
+cached is computed in other chunks than on a node computing it fresh).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from pydoc_data.topics import topics
+
+from helpers.cluster import Proc, pd_cluster, start
+
+SHORT = "What does the with statement do?"
+LONG = " ".join(topics.values())[:9000]  # ~2,500 tokens: past the decode node's 50 ms stall bound
+MEDIUM = " ".join(topics.values())[20000:21500]  # ~400 tokens: a timed prefill on the prefill node
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
+    tmp = tmp_path_factory.mktemp("adaptive")
+    with pd_cluster(tmp, ("--log-level", "debug")) as procs:
+        p, d = procs["prefill"], procs["decode"]
+        statics = ("--static-prefill", f"127.0.0.1:{p.port}@{p.kv_addr}",
+                   "--static-decode", f"127.0.0.1:{d.port}@{d.kv_addr}")
+        others = {}
+        try:
+            for policy in ("always", "never"):
+                others[policy] = start("proxy", tmp, *statics, "--disagg-policy", policy, name=f"proxy-{policy}")
+            yield {**procs, **others}
+        finally:
+            for proc in others.values():
+                proc.stop()
+
+
+def _complete(proc: Proc, prompt: str, **extra) -> dict:
+    body = {"model": "pdserve-tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            **extra}
+    r = httpx.post(proc.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def _same_logprobs(got: dict | None, expected: dict | None) -> None:
+    """Same tokens and top-token sets; values equal to float32 rounding (a prompt whose prefix one
+    node has cached is computed in other chunks than on a node computing it fresh)."""
+    if expected is None:
+        assert got is None
+        return
+    assert got["tokens"] == expected["tokens"]
+    assert got["token_logprobs"] == pytest.approx(expected["token_logprobs"], abs=1e-4)
+    for g, e in zip(got["top_logprobs"], expected["top_logprobs"], strict=True):
+        assert g.keys() == e.keys() and list(g.values()) == pytest.approx(list(e.values()), abs=1e-4)
+
+
+def _decisions(proc: Proc, path: str) -> dict[str, float]:
+    """``{reason: count}`` of the proxy's decisions for ``path``."""
+    out = {}
+    for line in httpx.get(proc.url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith("pdserve:proxy_prefill_decisions_total{") and f'path="{path}"' in line:
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _kv_bytes(proc: Proc) -> float:
+    text = httpx.get(proc.url + "/metrics", timeout=5).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith("pdserve:kv_transfer_bytes_total{"))
+
+
+def test_auto_prefills_a_short_prompt_locally_and_a_long_one_remotely(cluster) -> None:
+    proxy, decode = cluster["proxy"], cluster["decode"]
+    _complete(proxy, MEDIUM)  # nothing measured yet: remote, and the prefill node times its prefill
+    deadline = time.monotonic() + 60
+    while sum(_decisions(proxy, "local").values()) == 0:  # until a heartbeat carries the measured rate
+        assert time.monotonic() < deadline, _decisions(proxy, "remote")
+        _complete(proxy, SHORT)
+        time.sleep(0.2)
+
+    local, moved = _decisions(proxy, "local"), _kv_bytes(decode)
+    _complete(proxy, SHORT)
+    assert _decisions(proxy, "local")["cheaper_local"] == local["cheaper_local"] + 1
+    assert _kv_bytes(decode) == moved  # no transfer for a local prefill
+
+    remote = sum(_decisions(proxy, "remote").values())
+    _complete(proxy, LONG)
+    assert sum(_decisions(proxy, "remote").values()) == remote + 1
+    assert _kv_bytes(decode) > moved  # the long prompt's KV came from the prefill node
+    assert "prefill local (cheaper_local)" in proxy.log.read_text(errors="replace")  # logged at debug
+
+
+def test_every_policy_gives_the_colocated_answer(cluster) -> None:
+    for prompt in (SHORT, LONG):
+        for extra in ({"logprobs": 3}, {"temperature": 0.9, "seed": 11, "max_tokens": 12}):
+            expected = _complete(cluster["both"], prompt, **extra)
+            for name in ("proxy", "always", "never"):
+                got = _complete(cluster[name], prompt, **extra)
+                assert got["text"] == expected["text"], (name, prompt[:20], extra)
+                _same_logprobs(got["logprobs"], expected["logprobs"])
+    assert sum(_decisions(cluster["always"], "local").values()) == 0
+    assert sum(_decisions(cluster["never"], "remote").values()) == 0
