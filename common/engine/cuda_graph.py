@@ -10,12 +10,17 @@ host (pinned) and copied with one ``copy_``. A step of ``n`` sequences runs in t
 bucket ``b >= n``; rows ``n..b-1`` are padding: token 0 at position 0 whose K/V go to the
 cache's scratch block (never handed out by the block manager), attending to that one slot, so
 padding never touches a real sequence's KV.
+
+The graphs' memory is measured as what this process's caching allocator reserved while they
+were captured (``memory_reserved``, which counts the graphs' private pool), not as the drop in
+the device's free memory: ``pdserve up`` starts two daemons on one GPU at once, and the other
+daemon's allocations in the meantime are not this process's graphs.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -32,6 +37,18 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = {b for b in (1, 2, 4) if b <= max_num_seqs}
     sizes |= set(range(8, max_num_seqs + 1, 8)) | {max_num_seqs}
     return sorted(sizes)
+
+
+def reserved_during(run: Callable[[], object], reserved: Callable[[], int],
+                    sync: Callable[[], None] = lambda: None) -> int:
+    """Bytes ``reserved`` (this process's allocator) grew by while ``run`` ran, its work finished.
+
+    Only this process's own bytes count: another process's allocations in the meantime do not."""
+    sync()
+    before = reserved()
+    run()
+    sync()
+    return max(0, reserved() - before)
 
 
 def choose_bucket(n: int, sizes: Sequence[int]) -> int | None:
@@ -115,10 +132,14 @@ class CudaGraphRunner:
         return self.sizes[-1]
 
     def capture(self) -> int:
-        """Capture every bucket, largest first (the smaller ones reuse its pool); returns bytes taken."""
+        """Capture every bucket, largest first (the smaller ones reuse its pool); returns the bytes this
+        process's allocator reserved for them (see the module docstring)."""
         device = self.buffers.device_buf.device
-        torch.cuda.synchronize(device)
-        free_before, _ = torch.cuda.mem_get_info(device)
+        return reserved_during(self._capture_all, lambda: torch.cuda.memory_reserved(device),
+                               lambda: torch.cuda.synchronize(device))
+
+    def _capture_all(self) -> None:
+        device = self.buffers.device_buf.device
         pool = None
         for b in reversed(self.sizes):
             self.buffers.fill_padding(b)
@@ -134,9 +155,6 @@ class CudaGraphRunner:
                 out = self.model(ids, positions, self.kv_caches, meta)
             pool = graph.pool()
             self._graphs[b] = (graph, out)
-        torch.cuda.synchronize(device)
-        free_after, _ = torch.cuda.mem_get_info(device)
-        return max(0, free_before - free_after)
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
             block_tables: list[list[int]]) -> torch.Tensor:

@@ -6,6 +6,13 @@ fits beside the other's (``pdserve up`` gives each :func:`split_share` of the de
 The KV cache gets what is left of the share after the weights (measured) and a reserve
 for one step's activations (estimated). A share that cannot be had fails at start with
 the numbers. Pure functions: the engine passes in what it measured.
+
+Only this process's bytes (its allocator's, ``torch.cuda.memory_reserved``) are taken from its
+share; the device's free memory only checks that the share can still be had. So two daemons
+starting at once on one GPU, with shares that add up to at most the default 0.9, each get the
+same KV cache whatever the other holds at the moment (tests/common/engine/test_graph_memory_share.py
+runs every order). What lies outside any allocator (each process's CUDA context, ~0.5 GiB) is
+not in the share: it is why the shares should leave some of the GPU over.
 """
 
 from __future__ import annotations
