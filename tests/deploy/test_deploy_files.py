@@ -50,6 +50,11 @@ def compose() -> dict:
 
 
 @pytest.fixture(scope="module")
+def gpu_compose() -> dict:
+    return yaml.safe_load((DEPLOY / "docker-compose.gpu.yml").read_text())
+
+
+@pytest.fixture(scope="module")
 def example_toml() -> dict:
     with open(DEPLOY / "pdserve.example.toml", "rb") as f:
         return tomllib.load(f)
@@ -135,6 +140,47 @@ def test_compose_builds_the_repo_dockerfile(compose):
     assert (DEPLOY / build["context"] / build["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
 
 
+def gpu_devices(service: dict) -> list[dict]:
+    return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+
+
+def test_compose_alone_requests_no_gpu_so_it_starts_without_one(compose):
+    assert all(not gpu_devices(svc) and "gpus" not in svc for svc in compose["services"].values())
+
+
+def test_gpu_override_reserves_nvidia_gpus_for_the_daemons_only(gpu_compose):
+    services = gpu_compose["services"]
+    assert set(services) <= {"proxy", "prefill", "decode"}
+    assert not gpu_devices(services.get("proxy", {}))
+    for role in ("prefill", "decode"):
+        devices = gpu_devices(services[role])
+        assert devices and all(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+        assert services[role]["environment"]["PDSERVE_DEVICE"] == "cuda"
+    for name, svc in services.items():  # every service runs the CUDA image the override builds
+        assert svc["image"] == "pdserve:cuda" and svc["build"]["args"]["DEVICE"] == "cuda", name
+
+
+def test_gpu_override_shares_fit_when_the_daemons_share_a_gpu(gpu_compose):
+    """--gpu-memory-utilization is a share of the whole GPU: two on one GPU must fit together."""
+    from common.engine.gpu_memory import DEFAULT_GPU_MEMORY_UTILIZATION
+
+    services = gpu_compose["services"]
+    ids = [tuple(d.get("device_ids", ["all"])) for role in ("prefill", "decode") for d in gpu_devices(services[role])]
+    if ids[0] == ids[1]:
+        shares = [float(services[r]["environment"].get("PDSERVE_GPU_MEMORY_UTILIZATION", DEFAULT_GPU_MEMORY_UTILIZATION))
+                  for r in ("prefill", "decode")]
+        assert sum(shares) <= DEFAULT_GPU_MEMORY_UTILIZATION
+        # cuda_ipc between two containers: decode joins prefill's PID and IPC namespaces
+        assert services["decode"]["pid"] == services["decode"]["ipc"] == "service:prefill"
+        assert services["prefill"]["ipc"] == "shareable"
+
+
+def test_gpu_override_is_documented_with_the_compose_command():
+    command = "docker compose -f deploy/docker-compose.yml -f deploy/docker-compose.gpu.yml up"
+    assert command in (DEPLOY / "docker-compose.gpu.yml").read_text()
+    assert command in (REPO / "README.md").read_text()
+
+
 def test_prometheus_scrapes_the_three_metrics_endpoints():
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     targets = {t for job in config["scrape_configs"] for sc in job["static_configs"]
@@ -159,6 +205,22 @@ def test_dockerfile_device_arg_torch_pin_healthcheck_and_cmd():
     assert re.search(r'^CMD \["pdserve", "serve"\]$', text, re.M)
     exposed = {int(p) for line in re.findall(r"^EXPOSE (.*)$", text, re.M) for p in line.split()}
     assert exposed == set(PORTS.values())
+
+
+def dockerfile_stage(name: str) -> str:
+    """The text of one build stage of deploy/Dockerfile, from its FROM to the next."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    stages = re.split(r"^(?=FROM )", text, flags=re.M)
+    return next(s for s in stages if re.match(rf"FROM \S+ AS {name}$", s, re.M))
+
+
+def test_cuda_image_can_compile_triton_kernels():
+    """Triton compiles its kernels when a daemon starts: a C compiler and the venv Python's headers."""
+    stage = dockerfile_stage("base-cuda")
+    packages = set(" ".join(re.findall(r"apt-get install ([^&\n]+)", stage)).split())
+    assert packages & {"gcc", "build-essential", "clang"}
+    venv_python = re.search(r"RUN (python3[\d.]*) -m venv", stage).group(1)
+    assert venv_python in packages and f"{venv_python}-dev" in packages
 
 
 # ---------------------------------------------------------------------------- systemd
