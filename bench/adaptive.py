@@ -1,0 +1,204 @@
+"""Adaptive disaggregation: ``--disagg-policy always`` vs ``never`` vs ``auto`` vs a colocated node.
+
+One prefill and one decode daemon (real processes, embedded model, CPU, one thread each) serve
+three proxies: ``auto`` (the daemons register with it, so it sees their measured figures) and
+``always`` / ``never`` (the same daemons as static nodes). The colocated node is one process
+given two threads: the same two processes' worth of CPU. Each configuration runs the same mixed
+workload at each rate (Poisson arrivals, streamed, greedy, ``--max-tokens`` output tokens each):
+short prompts of 16-128 tokens and long ones of 1,500-3,000 tokens, half of the long ones
+sharing a 1,000-token document. Every run's prompts start with a run-unique tag, so no run
+reuses another's prefix cache (within a run the shared document is cached: that is the
+workload, not an artefact). Reported per run: TTFT p50/p99 and ITL p50/p99 at the client (ms),
+output tokens/s over the run, KV bytes the decode daemon received, and auto's local/remote split.
+
+    python bench/adaptive.py [--rates 1,2,4] [--requests 24] [--max-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from common.model.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model  # noqa: E402
+from common.model.tokenizer import Tokenizer  # noqa: E402
+from helpers.cluster import MODULES, Proc, free_port, metric, start  # noqa: E402
+
+HTTP = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=128, max_keepalive_connections=128))
+
+
+@dataclass
+class Run:
+    ttft_ms: list[float] = field(default_factory=list)
+    itl_ms: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    seconds: float = 0.0
+    kv_bytes: float = 0.0
+    local: float = 0.0
+    remote: float = 0.0
+
+
+def workload(n: int, seed: int) -> list[tuple[float, list[int]]]:
+    """``n`` (arrival offset in units of 1/rate, prompt token ids): 70 % short, 30 % long."""
+    tok = Tokenizer.from_dir(ensure_embedded_model())
+    import pydoc_data.topics
+
+    text = tok.encode(" ".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)))
+    rng = random.Random(seed)
+    document = text[:1000]
+    out, t = [], 0.0
+    for _ in range(n):
+        t += rng.expovariate(1.0)
+        start_at = rng.randrange(1000, len(text) - 3000)
+        if rng.random() < 0.7:
+            prompt = text[start_at:start_at + rng.randint(16, 128)]
+        else:
+            k = rng.randint(1500, 3000)
+            prompt = (document + text[start_at:start_at + k - 1000]) if rng.random() < 0.5 else \
+                text[start_at:start_at + k]
+        out.append((t, prompt))
+    return out
+
+
+def one(url: str, prompt: list[int], max_tokens: int, run: Run) -> None:
+    body = {"model": EMBEDDED_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    t0 = time.perf_counter()
+    times = []
+    with HTTP.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if line.startswith("data: {") and any(c.get("text") for c in json.loads(line[6:])["choices"]):
+                times.append(time.perf_counter())
+    run.ttft_ms.append((times[0] - t0) * 1000)
+    run.itl_ms += [(b - a) * 1000 for a, b in zip(times, times[1:])]
+    run.output_tokens += len(times)
+
+
+def measure(url: str, decode: Proc | None, proxy: Proc | None, rate: float, args: argparse.Namespace,
+            tag: list[int]) -> Run:
+    run = Run()
+    jobs = workload(args.requests, args.seed)
+    kv0 = metric(decode.url, "pdserve:kv_transfer_bytes_total") if decode else 0.0
+    split0 = decisions(proxy) if proxy else (0.0, 0.0)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = []
+        for offset, prompt in jobs:
+            time.sleep(max(0.0, t0 + offset / rate - time.perf_counter()))
+            futures.append(pool.submit(one, url, tag + prompt, args.max_tokens, run))
+        for f in futures:
+            f.result()
+    run.seconds = time.perf_counter() - t0
+    if decode:
+        run.kv_bytes = metric(decode.url, "pdserve:kv_transfer_bytes_total") - kv0
+    if proxy:
+        split = decisions(proxy)
+        run.local, run.remote = split[0] - split0[0], split[1] - split0[1]
+    return run
+
+
+def decisions(proxy: Proc) -> tuple[float, float]:
+    local = remote = 0.0
+    for line in HTTP.get(proxy.url + "/metrics").text.splitlines():
+        if line.startswith("pdserve:proxy_prefill_decisions_total{"):
+            value = float(line.rsplit(" ", 1)[1])
+            if 'path="local"' in line:
+                local += value
+            else:
+                remote += value
+    return local, remote
+
+
+def start_threads(role: str, tmp: Path, threads: int, *args: str) -> Proc:
+    """``helpers.cluster.start`` for a colocated node with ``threads`` compute threads."""
+    port = free_port()
+    log = tmp / f"{role}-{threads}t.log"
+    cmd = [sys.executable, "-m", MODULES[role], "serve", "--port", str(port), *args]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads))
+    with open(log, "wb") as out:
+        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                 start_new_session=True)
+    proc = Proc(role, popen, port, log)
+    proc.wait_ready()
+    return proc
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="1,2,4", help="request rates (requests/s), comma-separated")
+    ap.add_argument("--requests", type=int, default=24, help="requests per run")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    tok = Tokenizer.from_dir(ensure_embedded_model())
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-adaptive-"))
+    procs: list[Proc] = []
+    try:
+        auto = start("proxy", tmp, wait=False)
+        procs.append(auto)
+        p = start("prefill", tmp, "--proxy", f"127.0.0.1:{auto.kv_port}", "--heartbeat-interval-s", "0.5")
+        d = start("decode", tmp, "--proxy", f"127.0.0.1:{auto.kv_port}", "--heartbeat-interval-s", "0.5")
+        procs += [p, d]
+        auto.wait_ready()
+        statics = ("--static-prefill", f"127.0.0.1:{p.port}@{p.kv_addr}", "--static-decode",
+                   f"127.0.0.1:{d.port}@{d.kv_addr}")
+        always = start("proxy", tmp, *statics, "--disagg-policy", "always", name="proxy-always")
+        never = start("proxy", tmp, *statics, "--disagg-policy", "never", name="proxy-never")
+        both = start_threads("both", tmp, 2)
+        procs += [always, never, both]
+        configs = [("always", always, d), ("never", never, d), ("auto", auto, d), ("colocated (2 threads)", both, None)]
+        warm = workload(6, 99)
+        for _, proxy, _ in configs:  # pairs built, first-call costs paid, rates measured: unmeasured
+            for _, prompt in warm:
+                one(proxy.url, tok.encode(f"warm {uuid.uuid4().hex}") + prompt, 4, Run())
+        rows = []
+        for rate in rates:
+            for name, proxy, decode in configs:
+                tag = tok.encode(f"run {uuid.uuid4().hex}: ")
+                run = measure(proxy.url, decode, proxy if name == "auto" else None, rate, args, tag)
+                rows.append((rate, name, run))
+                print(f"rate {rate}: {name} done", file=sys.stderr)
+        report(rows, args)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def report(rows: list[tuple[float, str, Run]], args: argparse.Namespace) -> None:
+    print(f"\n{args.requests} requests per run, {args.max_tokens} output tokens each, 70 % short (16-128 "
+          f"tokens), 30 % long (1,500-3,000; half share a 1,000-token document); embedded model, CPU\n")
+    print("| rate (req/s) | policy | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | output tok/s | KV moved | "
+          "auto local/remote |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rate, name, r in rows:
+        split = f"{r.local:.0f}/{r.remote:.0f}" if name == "auto" else ""
+        kv = f"{r.kv_bytes / 2**20:.1f} MiB" if not name.startswith("colocated") else "-"
+        print(f"| {rate:g} | {name} | {pct(r.ttft_ms, .5):.0f} ms | {pct(r.ttft_ms, .99):.0f} ms | "
+              f"{pct(r.itl_ms, .5):.1f} ms | {pct(r.itl_ms, .99):.1f} ms | {r.output_tokens / r.seconds:.1f} | "
+              f"{kv} | {split} |")
+
+
+if __name__ == "__main__":
+    main()
