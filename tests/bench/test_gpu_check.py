@@ -1,0 +1,122 @@
+"""bench/gpu_check.py: the GPU acceptance harness, on CPU.
+
+Without CUDA it must still run (CI does), mark every step SKIP with the reason and write both
+files. Its parts are checked with fake steps: a table of figures beside their goals, a step
+past its timeout (FAIL, nothing it started left alive), a failed step's dependants skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_check  # noqa: E402
+from gpu_check_runner import FAIL, PASS, SKIP, Context, Figure, Step, StepResult, render_table, run_step  # noqa: E402
+
+
+def test_without_cuda_every_step_is_skipped_and_both_files_are_written(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # hides a GPU where there is one
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), str(out)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "gpu-check.json").read_text())
+    steps = report["steps"]
+    assert [s["name"] for s in steps] == ["pytest", "checkpoints", "engine", "ttft", "cuda_ipc", "nccl"]
+    assert all(s["status"] == SKIP and s["reason"] == "no CUDA device" for s in steps), steps
+    assert report["exit_code"] == 0
+    table = (out / "gpu-check.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "SKIP" in line]
+    assert len(rows) == len(steps)
+    for step, row in zip(steps, rows):
+        assert step["title"] in row and "no CUDA device" in row
+    assert proc.stdout.rstrip().endswith(rows[-1])  # the table is printed last
+
+
+def test_table_shows_each_figure_beside_its_goal() -> None:
+    results = [
+        StepResult("engine", "decode ms/step", PASS, "every goal met",
+                   [Figure("8B batch 1", "7.10 ms/step", "<= 8 ms", True), Figure("eager", "20.00 ms/step")],
+                   timeout_s=110, wall_s=61.4),
+        StepResult("ttft", "TTFT", FAIL, "TTFT 80.0 > 70 ms | slow", [Figure("8B", "80.0 ms", "<= 70 ms", False)],
+                   timeout_s=35, wall_s=20.0),
+        StepResult("nccl", "NCCL pair", SKIP, "one GPU: NCCL refuses two ranks on one GPU", timeout_s=45),
+    ]
+    engine, ttft, nccl = render_table(results).splitlines()[2:]
+    assert "| PASS |" in engine and "8B batch 1: 7.10 ms/step (goal <= 8 ms: met); eager: 20.00 ms/step" in engine
+    assert "| 61 / 110 |" in engine
+    assert "| FAIL |" in ttft and "8B: 80.0 ms (goal <= 70 ms: NOT met)" in ttft
+    assert "80.0 > 70 ms \\| slow" in ttft  # a "|" in a reason does not split the row
+    assert "| SKIP | - | one GPU: NCCL refuses two ranks on one GPU | - / 45 |" in nccl
+
+
+def test_engine_figures_hold_each_decode_step_to_its_goal(tmp_path: Path) -> None:
+    def row(shape: str, batch: int, graphs: bool, ms: float, goal: float | None) -> dict:
+        return dict(shape=shape, batch=batch, graphs=graphs, ms_per_step=ms, floor_ms=5.3, goal_ms=goal)
+
+    rows = [row("llama3.1-8b", 1, True, 7.5, 8.0), row("llama3.1-8b", 1, False, 19.0, 8.0),
+            row("llama3.1-8b", 64, True, 12.5, 12.0)]
+    (tmp_path / "engine.json").write_text(json.dumps({"decode": rows}))
+    ctx = Context(python=sys.executable, out=tmp_path, work=tmp_path, gpus=1)
+    status, reason, figures = gpu_check.judge_engine(ctx, 0, "")
+    assert status == FAIL and reason == "goal not met: 8B batch 64 12.50 > 12 ms"
+    assert [f.text() for f in figures] == [
+        "8B batch 1: 7.50 ms/step (eager 19.00, floor 5.30) (goal <= 8 ms: met)",
+        "8B batch 64: 12.50 ms/step (eager nan, floor 5.30) (goal <= 12 ms: NOT met)",
+    ]
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only its zombie (killed, not yet reaped by init)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find a step's processes")
+def test_step_past_its_timeout_fails_and_nothing_it_started_survives(tmp_path: Path) -> None:
+    pid_file = tmp_path / "server.pid"
+    # the step starts a "server" in a session of its own (as the benches do), then hangs
+    script = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '30'], start_new_session=True); "
+              "open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(30)")
+    step = Step("hang", "hangs", 2, lambda ctx: [sys.executable, "-c", script, str(pid_file)],
+                lambda ctx, code, text: (PASS, "finished", []), gpus=0)
+    ctx = Context(python=sys.executable, out=tmp_path, work=tmp_path)
+    result = run_step(step, ctx, {})
+    assert result.status == FAIL and result.reason.startswith("timed out after 2 s"), result
+    assert (tmp_path / "logs" / "hang.log").is_file()
+    server = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while not gone(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(server)
+
+
+def test_a_failed_step_skips_its_dependants_and_the_exit_code_is_1(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def command(code: int):
+        return lambda ctx: [sys.executable, "-c", f"import sys; print('step ran'); sys.exit({code})"]
+
+    def judge(ctx, code, text):
+        return (PASS, "ran", []) if code == 0 and "step ran" in text else (FAIL, f"exit {code}", [])
+
+    steps = [Step("first", "first", 30, command(0), judge, gpus=0),
+             Step("second", "second", 30, command(3), judge, gpus=0),
+             Step("third", "third", 30, command(0), judge, gpus=0, needs="second"),
+             Step("gpu", "gpu", 30, command(0), judge)]
+    out = tmp_path / "out"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the probe (a subprocess) sees no GPU
+    assert gpu_check.main([str(out)], steps) == 1
+    report = json.loads((out / "gpu-check.json").read_text())
+    assert [(s["status"], s["reason"]) for s in report["steps"]] == [
+        (PASS, "ran"), (FAIL, "exit 3"), (SKIP, "not run: step second did not pass"), (SKIP, "no CUDA device")]
