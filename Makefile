@@ -8,7 +8,7 @@ PDSERVE := $(VENV)/bin/pdserve
 # is newer (the editable install picks up code changes by itself).
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: install up down test bench clean
+.PHONY: install up down test bench clean gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ bench: install
 	$(PY) bench/engine_throughput.py
 	$(PY) bench/kv_transfer.py
 	$(PY) bench/proxy_overhead.py
+
+# The GPU acceptance (issue 18): runs with any $(PYTHON) that has torch + CUDA, on a machine with no
+# network, so it neither makes the venv nor installs (README, "GPU acceptance"). Without CUDA every
+# step is SKIP. Writes $(OUT)/gpu-check.md and $(OUT)/gpu-check.json.
+OUT ?= gpu-check-out
+gpu-check:
+	$(PYTHON) bench/gpu_check.py $(OUT)
 
 clean:
 	rm -rf $(VENV) .pdserve

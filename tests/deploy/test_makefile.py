@@ -62,3 +62,16 @@ def test_a_changed_pyproject_reinstalls(tmp_path: Path) -> None:
 def test_a_venv_without_the_stamp_installs(tmp_path: Path) -> None:
     """An interrupted install (or one from before the stamp existed) is finished, not trusted."""
     assert "pip install -q -e '.[test]'" in dry_run("test", fake_venv(tmp_path, stamp_age_s=None))
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ([], "python3 bench/gpu_check.py gpu-check-out"),
+    (["PYTHON=/opt/py/bin/python", "OUT=/tmp/x"], "/opt/py/bin/python bench/gpu_check.py /tmp/x"),
+])
+def test_gpu_check_runs_the_given_python_without_a_venv(overrides: list[str], expected: str) -> None:
+    """An offline GPU machine has its own torch: `make gpu-check` neither makes a venv nor installs."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "PYTHON", "OUT")}
+    result = subprocess.run(["make", "-n", "gpu-check", *overrides], cwd=REPO, capture_output=True, text=True,
+                            timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == expected
