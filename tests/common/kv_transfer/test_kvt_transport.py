@@ -28,6 +28,43 @@ def test_auto_picks_by_device_and_host(p, d, want):
     assert choose_transport("auto", p, "auto", d) == want
 
 
+# Two containers on one machine: different hostnames (so different host ids), one physical GPU.
+CTR_A = Endpoint("ctr-a/boot-1", "cuda", "GPU-5", "00000000:3B:00.0")
+CTR_B = Endpoint("ctr-b/boot-1", "cuda", "GPU-5", "00000000:3B:00.0")
+CTR_B_OWN_GPU = Endpoint("ctr-b/boot-1", "cuda", "GPU-6", "00000000:86:00.0")
+
+
+@pytest.mark.parametrize("p, d, want", [
+    (CTR_A, CTR_B, "cuda_ipc"),  # one GPU, whatever the hostnames: NCCL would say "Duplicate GPU detected"
+    (GPU0, GPU1, "cuda_ipc"),  # two GPUs, one OS instance: they can share memory
+    (CTR_A, CTR_B_OWN_GPU, "nccl"),  # two GPUs, two host ids: sharing memory is not known to work
+    (GPU0, GPU_OTHER_HOST, "nccl"),  # two hosts
+])
+def test_auto_compares_the_physical_gpu_not_the_host_name(p, d, want):
+    assert choose_transport("auto", p, "auto", d) == want
+    assert choose_transport("auto", d, "auto", p) == want
+
+
+def test_one_gpu_in_two_containers_refuses_nccl_naming_the_gpu_and_takes_cuda_ipc():
+    with pytest.raises(TransportMismatchError) as err:
+        choose_transport("nccl", CTR_A, "auto", CTR_B)
+    assert "GPU-5 (00000000:3B:00.0)" in str(err.value) and "--kv-transport cuda_ipc" in str(err.value)
+    assert choose_transport("cuda_ipc", CTR_A, "auto", CTR_B) == "cuda_ipc"
+    assert ipc_fallback("auto", CTR_A, "auto", CTR_B) is None  # cannot map it: refuse, NCCL cannot work
+
+
+def test_cuda_ipc_between_two_gpus_under_two_host_ids_refused_naming_nccl():
+    with pytest.raises(TransportMismatchError, match="use nccl or auto"):
+        choose_transport("cuda_ipc", CTR_A, "auto", CTR_B_OWN_GPU)
+
+
+def test_endpoint_carries_the_pci_bus_id_and_reads_a_peer_without_it():
+    assert Endpoint.from_dict(CTR_A.to_dict()) == CTR_A
+    old = {"host": "h", "device_type": "cuda", "gpu_uuid": "GPU-5"}  # a peer from before the bus id
+    assert Endpoint.from_dict(old) == Endpoint("h", "cuda", "GPU-5", "")
+    assert Endpoint.local("cpu").pci_bus_id == ""
+
+
 @pytest.mark.parametrize("p_mode, d_mode, want", [
     ("gloo", "auto", "gloo"), ("auto", "gloo", "gloo"), ("tcp", "tcp", "tcp"),
 ])
