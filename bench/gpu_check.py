@@ -173,8 +173,10 @@ STEPS = [
                "--no-transformers", "--workdir", "{ckpt}", "--json", "{work}/ttft.json"),
          judge_ttft, needs="checkpoints"),
     Step("cuda_ipc", "pdserve up on one GPU (cuda_ipc)", 110,
+         # every request disaggregated: the proxy may otherwise prefill a short prompt on the decode node
          bench("ttft_breakdown.py", *disaggregated_args("cuda_ipc", "0.28", "--up-parity", str(PARITY_REQUESTS),
-                                                         "--up-env", "PDSERVE_KV_TRANSPORT=cuda_ipc")),
+                                                         "--up-env", "PDSERVE_KV_TRANSPORT=cuda_ipc",
+                                                         "--up-env", "PDSERVE_DISAGG_POLICY=always")),
          judge_disaggregated("cuda_ipc", "parity_up", "pdserve up, proxy vs colocated"), needs="checkpoints"),
     Step("nccl", "NCCL pair, cuda:0 -> cuda:1", 45,
          bench("ttft_breakdown.py", *disaggregated_args("nccl", "0.45", "--decode-gpu", "1",

@@ -131,7 +131,7 @@ def engine_rows(path: Path, name: str, args, bandwidth: float, eager: bool) -> t
 
     config = EngineConfig(
         model=str(path), device="cuda", max_num_seqs=max(args.batches, default=1),
-        max_num_batched_tokens=max(args.ttft_tokens, PROMPT_LEN), max_model_len=4096,
+        max_num_batched_tokens=max(args.ttft_tokens, TTFT_LEN), max_model_len=4096,
         kv_cache_memory_gb=args.kv_cache_gb, enforce_eager=eager,
     )
     t0 = time.perf_counter()
