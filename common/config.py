@@ -126,6 +126,11 @@ class NodeConfig(BaseModel):
         description="How long a KV transfer may go without progress (a peer silent this long has failed; "
                     "a slow link that keeps moving is not cut off)",
     )
+    kv_connect_timeout_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="How long building a KV data-plane pair may take after the handshake (NCCL's first "
+                    "communicator set-up takes seconds)",
+    )
     kv_lease_s: float = Field(30.0, gt=0, le=86400, description="How long prefill holds KV nobody asked for")
     kv_transport: Literal["auto", "cuda_ipc", "nccl", "tcp", "gloo"] = Field(
         "auto", description="KV data plane, chosen per pair at its handshake; auto = cuda_ipc (CUDA, one "

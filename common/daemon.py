@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from common.engine.async_engine import AsyncLLMEngine
+    from common.kv_transfer.config import TransferConfig
     from common.kv_transfer.engine import KVTransferEngine
     from common.metrics import NodeMetrics
     from common.registry_client import Heartbeater
@@ -36,6 +37,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 NODE_TYPES = {"prefill": "P", "decode": "D"}
+
+
+def transfer_config(cfg: NodeConfig) -> TransferConfig:
+    """The transfer engine's knobs from the node's options."""
+    from common.kv_transfer.config import TransferConfig
+
+    # the control handshake shares the operation deadline: an unreachable prefill node fails
+    # fast; building the data-plane pair after it has its own, longer bound (NCCL's set-up)
+    return TransferConfig(timeout_s=cfg.kv_timeout_s, lease_s=cfg.kv_lease_s, handshake_timeout_s=cfg.kv_timeout_s,
+                          connect_timeout_s=cfg.kv_connect_timeout_s)
 
 
 class TransferConnector(Protocol):
@@ -58,7 +69,7 @@ class Daemon:
     # ---- start ----------------------------------------------------------------------
     def attach(self, app: FastAPI, engine: AsyncLLMEngine) -> None:
         """``run_node``'s ``on_app``: the engine exists, HTTP is not serving yet."""
-        from common.kv_transfer.config import TransferConfig, TransferStats
+        from common.kv_transfer.config import TransferStats
         from common.kv_transfer.engine import KVTransferEngine
         from common.registry_client import Heartbeater
 
@@ -68,11 +79,8 @@ class Daemon:
                         "routable address (set --kv-host to choose another)", cfg.host, cfg.kv_host)
         metrics: NodeMetrics = app.state.serving.metrics
         stats = TransferStats(on_transfer=metrics.observe_transfer)
-        # the handshake shares the operation deadline: an unreachable prefill node fails fast
-        transfer_config = TransferConfig(timeout_s=cfg.kv_timeout_s, lease_s=cfg.kv_lease_s,
-                                         handshake_timeout_s=cfg.kv_timeout_s)
         self.transfer = KVTransferEngine(
-            f"{cfg.host}:{cfg.kv_port}", engine.kv_layout, transfer_config, stats,
+            f"{cfg.host}:{cfg.kv_port}", engine.kv_layout, transfer_config(cfg), stats,
             device=str(engine.engine.device), advertise_host=cfg.kv_host, transport=cfg.kv_transport,
             key=self.key, on_progress=engine.wake,
         )

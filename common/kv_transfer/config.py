@@ -25,7 +25,8 @@ class TransferConfig:
 
     timeout_s: float = 5.0  # one data-plane operation or one control request/response
     lease_s: float = 30.0  # how long the producer holds a request's KV waiting for the consumer
-    handshake_timeout_s: float = 10.0  # control handshake plus building the data-plane pair
+    handshake_timeout_s: float = 10.0  # the control handshake (an unreachable producer fails this fast)
+    connect_timeout_s: float = 60.0  # building a data-plane pair after it (NCCL's first set-up takes long)
     max_bytes_in_flight: int = 256 << 20  # staged (gathered, not yet sent) bytes on the producer
     heartbeat_s: float = 1.0  # consumer pings a producer it waits on this often
     coalesce_bytes: int = 16 << 20  # layers gathered after prefill travel in messages up to this size
@@ -33,11 +34,18 @@ class TransferConfig:
     max_peers: int = 256  # control-plane connections to distinct peers, at most
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "lease_s", "handshake_timeout_s", "heartbeat_s", "peer_idle_s"):
+        for name in ("timeout_s", "lease_s", "handshake_timeout_s", "connect_timeout_s", "heartbeat_s",
+                     "peer_idle_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransferConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_bytes_in_flight <= 0:
             raise ValueError("TransferConfig.max_bytes_in_flight must be > 0")
+
+    @property
+    def peer_silent_s(self) -> float:
+        """A consumer that holds a pair pings it every ``heartbeat_s``; one silent this long
+        is gone, and the producer drops its cuda_ipc pair (and the mapping of its cache)."""
+        return self.timeout_s + 3 * self.heartbeat_s
 
 
 @dataclass

@@ -1,23 +1,30 @@
 """The ``cuda_ipc`` data plane: the producer writes straight into the consumer's KV blocks.
 
-Both KV caches are on CUDA on one host (one shared GPU, or two GPUs both visible to the
-producer). Once per pair the consumer exports its cache's CUDA IPC handles in the
-handshake (:func:`export_cache`); the producer opens them (:func:`open_cache`, on the
-control thread, so a cache it cannot map refuses the handshake with the fix). For each
-job the producer's sender thread copies the request's blocks into the consumer's blocks
-on its own transfer stream, ordered after the layer's KV write by the event the engine
-thread recorded (``SendJob.ready``); DONE goes out only once that stream has finished.
+Both KV caches are on CUDA and able to share memory (one shared GPU, or two GPUs of one
+host, both visible to the producer). Once per pair the consumer exports its cache's CUDA
+IPC handles in the handshake (:func:`export_cache`); the producer opens them
+(:func:`open_cache`, on the control thread, so a cache it cannot map refuses the handshake
+with the fix). For each job the producer's sender thread copies the request's blocks into
+the consumer's blocks, ordered after the layer's KV write by the event the engine thread
+recorded (``SendJob.ready``). The copies run on the pair's streams: one on the producer's
+device, and one on the destination device, where each copy ends (``index_copy_`` runs
+there; torch orders it after a cross-device copy). DONE goes out only once an event
+recorded on that destination stream completed (streams.py has the rules).
 Nothing is received on the consumer: layer notices just count the layers.
 
-An abort, or any transfer the consumer gives up on, must not let a copy land in blocks
-the consumer is about to reuse: the consumer waits for the producer's answer to ABORT,
-which the sender gives after its stream drained (``KVProducer._on_abort``), or for that
-answer's deadline (a producer that does not answer in time is taken for dead).
+An abort, a failed link, or any transfer the consumer gives up on, must not let a copy
+land in blocks the consumer is about to reuse: the consumer waits for the producer's answer
+to ABORT, which the sender gives after its streams drained (``KVProducer._on_abort``), or
+for that answer's deadline (a producer that does not answer in time is taken for dead).
+
+The mapping of the consumer's cache lives as long as the pair: closing the pair drains its
+streams, drops the mapped tensors and lets CUDA IPC release them, so a decode daemon that
+restarted gets its memory back once the producer drops the old pair (it does when that
+consumer stops pinging it, see ``TransferConfig.peer_silent_s``).
 """
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +33,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 from common.kv_transfer.config import PairBrokenError
 from common.kv_transfer.p2p_group import DTYPE_NAMES, dtype_name
 from common.kv_transfer.paged import block_run
+from common.kv_transfer.streams import StreamOps
 
 if TYPE_CHECKING:
     from common.kv_transfer.sender import SendJob
@@ -65,7 +73,8 @@ def open_cache(exported: list[dict]) -> list[torch.Tensor]:
 
 
 def copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int]) -> None:
-    """``dst[:, dst_ids] = src[:, src_ids]`` on the current stream; runs copy without a gather."""
+    """``dst[:, dst_ids] = src[:, src_ids]`` on the current streams of both devices (the last
+    kernel runs on ``dst``'s); runs copy without a gather."""
     drun, srun = block_run(dst_ids), block_run(src_ids)
     if drun is not None and srun is not None:
         dst[:, drun].copy_(src[:, srun], non_blocking=True)
@@ -78,27 +87,33 @@ def copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_id
 
 
 class IpcPair:
-    """Rank 0 holds the consumer's mapped cache and a transfer stream; rank 1 holds nothing."""
+    """Rank 0 holds the consumer's mapped cache and the transfer streams; rank 1 holds nothing."""
 
     backend = "cuda_ipc"
 
-    def __init__(self, rank: int, device: str, peer_cache: list[torch.Tensor] | None) -> None:
-        self.rank, self.broken = rank, False
+    def __init__(self, rank: int, device: str, peer_cache: list[torch.Tensor] | None, timeout_s: float,
+                 streams: StreamOps) -> None:
+        self.rank, self.broken, self.timeout_s, self.streams = rank, False, timeout_s, streams
         self.peer_cache = peer_cache or []
-        self.stream = torch.cuda.Stream(device=torch.device(device)) if rank == 0 else None
+        self.src_stream = self.dst_stream = None
+        if rank == 0:
+            here = torch.device(device)
+            there = self.peer_cache[0].device if self.peer_cache else here
+            self.src_stream = streams.new_stream(here)
+            self.dst_stream = self.src_stream if there == here else streams.new_stream(there)
 
     def write(self, job: SendJob, source: tuple) -> int:
         """Queue the copies of ``job``'s layers into the consumer's blocks; returns their bytes."""
-        assert self.stream is not None
+        assert self.src_stream is not None
         kv_src, src_ids = source
         dst_ids = job.req.remote_block_ids[: len(src_ids)]
         if len(dst_ids) < len(src_ids):
             raise PairBrokenError(f"consumer named {len(dst_ids)} blocks, producer sends {len(src_ids)}")
         ready = job.ready if job.ready is not None else job.req.ready
         nbytes = 0
-        with torch.cuda.stream(self.stream):
+        with self.streams.use(self.src_stream, self.dst_stream):
             if ready is not None:
-                self.stream.wait_event(ready)  # after the layer's KV write on the compute stream
+                self.streams.wait(self.src_stream, ready)  # after the layer's KV write on the compute stream
             for j, layer in enumerate(job.layers):
                 src = job.staged[j] if job.staged is not None else kv_src[layer]
                 ids = list(range(src.shape[1])) if job.staged is not None else src_ids
@@ -107,17 +122,22 @@ class IpcPair:
         return nbytes
 
     def synchronize(self, timeout_s: float) -> None:
-        """Wait until every queued copy finished, at most ``timeout_s``."""
-        if self.stream is None:
+        """Wait until every queued copy finished, at most ``timeout_s``: an event on the
+        destination stream, where every copy ends."""
+        if self.dst_stream is None:
             return
-        done = self.stream.record_event()
-        deadline = time.monotonic() + timeout_s
-        while not done.query():
-            if time.monotonic() > deadline:
-                self.broken = True
-                raise PairBrokenError("cuda_ipc copies did not finish before the deadline")
-            time.sleep(0.0002)
+        if not self.streams.synchronize(self.streams.record(self.dst_stream), timeout_s):
+            self.broken = True
+            raise PairBrokenError("cuda_ipc copies did not finish before the deadline")
 
     def close(self) -> None:
+        """Drain the streams, then drop the mapping of the consumer's cache."""
+        if self.peer_cache and self.dst_stream is not None:
+            try:
+                self.synchronize(self.timeout_s)  # no copy may still target memory we unmap
+            except PairBrokenError:
+                pass  # unmapped anyway: holding a gone consumer's whole cache is worse
         self.broken = True
-        self.peer_cache = []
+        had_mapping, self.peer_cache = bool(self.peer_cache), []
+        if had_mapping:
+            self.streams.release_ipc()

@@ -136,7 +136,11 @@ class Abort(Message):
 
 @dataclass
 class Ping(Message):
+    """Consumer -> producer, every ``heartbeat_s`` while it holds pair ``pair_id`` (or waits
+    on one): both sides learn the other is alive."""
+
     CMD: ClassVar[str] = "ping"
+    pair_id: str = ""
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
@@ -146,7 +150,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 
 
 # fields a peer from before they existed does not send
-_OPTIONAL: dict[str, tuple[str, ...]] = {Pull.CMD: ("first_block",)}
+_OPTIONAL: dict[str, tuple[str, ...]] = {Pull.CMD: ("first_block",), Ping.CMD: ("pair_id",)}
 
 
 _FIELD_NAMES: dict[type[Message], tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls))

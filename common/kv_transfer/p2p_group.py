@@ -3,8 +3,10 @@
 Built straight on a ``TCPStore`` (no ``init_process_group``), so one process can hold
 many pairs. ``gloo`` on CPU or ``nccl`` on CUDA (see transport.py for the choice); the code
 path is the same.
-Every operation waits at most ``timeout_s``; any failure marks the pair broken (gloo
-closes a pair after a timeout) and the owner rebuilds it for the next request.
+Building the pair (store, communicator, a first round trip) waits at most
+``connect_timeout_s``: NCCL sets its communicator up on the first operation, which takes
+seconds. Every later operation waits at most ``timeout_s``; any failure marks the pair
+broken (gloo closes a pair after a timeout) and the owner rebuilds it for the next request.
 """
 
 from __future__ import annotations
@@ -76,21 +78,27 @@ class PairGroup:
     build it on a background thread, never on a serving thread."""
 
     def __init__(self, backend: str, rank: int, store_host: str, store_port: int,
-                 timeout_s: float, store: dist.TCPStore | None = None, device: str = "cpu") -> None:
+                 timeout_s: float, store: dist.TCPStore | None = None, device: str = "cpu",
+                 connect_timeout_s: float | None = None) -> None:
         self.rank, self.peer, self.backend, self.timeout_s = rank, 1 - rank, backend, timeout_s
+        self.connect_timeout_s = connect_timeout_s or timeout_s
         self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = store or dist.TCPStore(store_host, store_port, 2, False, self._timeout)
+        connect = datetime.timedelta(seconds=self.connect_timeout_s)
+        self._store = store or dist.TCPStore(store_host, store_port, 2, False, connect)
         self._device = torch.device(device)
         self.broken = False
         self._lock = threading.Lock()
         try:
-            self._pg = _make_backend(backend, self._store, rank, self._timeout, store_host)
-            # One tiny round trip proves both directions work before real data flows.
+            # the backend's own timeout bounds its set-up (gloo's connect, NCCL's first
+            # communicator); our operations pass their own, shorter one
+            self._pg = _make_backend(backend, self._store, rank, max(connect, self._timeout), store_host)
+            # One tiny round trip proves both directions work before real data flows; with
+            # NCCL it is also what builds the communicator.
             probe = torch.zeros(1, dtype=torch.int64, device=self._device)
             if rank == 0:
-                self.send([probe])
+                self.send([probe], self.connect_timeout_s)
             else:
-                self.recv_into([probe])
+                self.recv_into([probe], self.connect_timeout_s)
         except Exception as e:
             self.broken = True
             raise PairBrokenError(f"building the {backend} pair failed: {e}") from e

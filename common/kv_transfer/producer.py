@@ -3,7 +3,9 @@
 A request's life here (:class:`ProducerState`): the consumer may PULL before or after
 prefill (PULLED or HELD). ``save_layer`` (engine thread, after each layer) queues a layer
 only if the consumer already asked (gloo/nccl: staged, if the byte budget allows; tcp and
-cuda_ipc: sent from the blocks); otherwise the KV simply stays in the paged blocks.
+cuda_ipc: sent from the blocks); otherwise the KV simply stays in the paged blocks. Each
+queued job carries an event recorded on the engine's stream after its KV was written (or
+gathered): the sender orders its work after it (streams.py).
 ``finish`` starts the lease; once both the pull and the finish are in, every layer not
 yet queued is queued for the pair's sender thread, then DONE with the first token
 (SENDING, then AWAITING_ACK). The consumer's ACK, an ABORT, a failed pair or an expired
@@ -30,6 +32,7 @@ from common.kv_transfer.messages import (UNKNOWN_PAIR, Abort, Ack, Error, Handsh
                                          Ping, Pull)
 from common.kv_transfer.paged import ByteBudget, block_run, gather_blocks
 from common.kv_transfer.sender import PairSender, SendJob
+from common.kv_transfer.streams import StreamOps, stream_ops
 from common.kv_transfer.transport import (Endpoint, TransportMismatchError, choose_transport, ipc_fallback,
                                           listen)
 
@@ -37,15 +40,6 @@ if TYPE_CHECKING:
     from common.kv_transfer.control import ControlPlane
 
 logger = logging.getLogger(__name__)
-
-
-def _kv_written(kv_layer: torch.Tensor):
-    """A CUDA event after the KV written so far on the compute stream (None on CPU)."""
-    if kv_layer.device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(kv_layer.device))
-    return event
 
 
 class ProducerState(enum.Enum):
@@ -76,7 +70,7 @@ class ProducerRequest:
     kv_caches: list[torch.Tensor] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     remote_block_ids: list[int] = field(default_factory=list)  # the consumer's (cuda_ipc writes there)
-    ready: object | None = None  # CUDA event after the prompt's last KV write (cuda_ipc orders on it)
+    ready: object | None = None  # event after the prompt's last KV write (sends from the blocks order on it)
     queued_layers: set[int] = field(default_factory=set)
 
     @property
@@ -93,10 +87,11 @@ class KVProducer:
     """The producer half of :class:`~common.kv_transfer.engine.KVTransferEngine`."""
 
     def __init__(self, layout: KVLayout, config: TransferConfig, stats: TransferStats, host: str,
-                 device: str = "cpu", transport: str = "auto") -> None:
+                 device: str = "cpu", transport: str = "auto", streams: StreamOps | None = None) -> None:
         self.layout, self.config, self.stats, self._host = layout, config, stats, host
         self.device = device  # where the KV cache lives: with ``transport``, picks each pair's data plane
         self.transport = transport
+        self.streams = streams or stream_ops(device)  # orders the GPU paths' work (streams.py)
         self.control: ControlPlane | None = None  # set by the engine once bound
         self._lock = threading.Lock()
         self._requests: dict[str, ProducerRequest] = {}
@@ -138,7 +133,7 @@ class KVProducer:
             if req.link.transport in ("tcp", "cuda_ipc"):  # sent from the blocks: nothing staged
                 req.queued_layers.add(layer_idx)
                 req.link.jobs.put(SendJob("layers", req, [layer_idx], source=(kv_layer, ids),
-                                          ready=_kv_written(kv_layer)))
+                                          ready=self._kv_written(kv_layer)))
                 return
             if not self._budget.try_acquire(len(ids) * self.layout.bytes_per_block_per_layer()):
                 return
@@ -146,7 +141,9 @@ class KVProducer:
             # Queued under the lock: a pair failing now either sees this job when it drains
             # its queue or marks the request dropped before we get here (no leaked budget).
             staged = gather_blocks(kv_layer, ids)
-            req.link.jobs.put(SendJob("layers", req, [layer_idx], staged.unsqueeze(0)))
+            # the gather runs on the engine's stream; the send waits for it on another
+            req.link.jobs.put(SendJob("layers", req, [layer_idx], staged.unsqueeze(0),
+                                      ready=self._kv_written(kv_layer)))
 
     def finish(self, request_id: str, first_token: int, kv_caches: list[torch.Tensor],
                block_ids: list[int], num_tokens: int, first_logprobs: dict[int, float] | None = None) -> None:
@@ -162,9 +159,13 @@ class KVProducer:
             req.state, req.first_token = ProducerState.HELD, first_token  # SENDING below if pulled
             req.first_logprobs = [[t, lp] for t, lp in (first_logprobs or {}).items()]
             req.kv_caches, req.block_ids = kv_caches, list(block_ids)[req.first_block:]
-            req.ready = _kv_written(kv_caches[0]) if kv_caches else None
+            req.ready = self._kv_written(kv_caches[0]) if kv_caches else None
             req.deadline = time.monotonic() + self.config.lease_s
             self._queue_rest(req)
+
+    def _kv_written(self, kv_layer: torch.Tensor):
+        """An event after the work queued so far on the engine's stream (None on CPU)."""
+        return self.streams.record(self.streams.current(kv_layer.device))
 
     def discard(self, request_id: str, why: str) -> None:
         """The engine dropped the request before ``finish`` (aborted, failed): forget it, and
@@ -212,6 +213,10 @@ class KVProducer:
         self.control.reply(identity, msg)
 
     def _on_ping(self, identity: bytes, msg: Ping) -> None:
+        with self._lock:  # the consumer is still there: its pair stays (a silent one is closed)
+            for link in self._links.values():
+                if link.pair_id == msg.pair_id or (not msg.pair_id and link.identity == identity):
+                    link.heard()
         self._reply(identity, Ok(id=msg.id))
 
     def _on_handshake(self, identity: bytes, msg: Handshake) -> None:
@@ -242,17 +247,17 @@ class KVProducer:
                 transport = ipc_fallback(self.transport, mine, msg.backend, theirs) or ""
                 if not transport:
                     reason = (f"cannot map the decode daemon's KV cache over CUDA IPC ({e}): run both "
-                              "daemons with the same CUDA_VISIBLE_DEVICES, or use --kv-transport nccl "
-                              "on two GPUs")
+                              "daemons with the same CUDA_VISIBLE_DEVICES (two containers: share the host's "
+                              "IPC and PID namespaces), or use --kv-transport nccl on two GPUs")
                     logger.warning("producer: refused a pair: %s", reason)
                     self._reply(identity, Error(id=msg.id, reason=reason))
                     return
                 logger.info("producer: cannot map the consumer's cache (%s); pair uses nccl", e)
-        rendezvous = listen(transport, self._host, self.config.handshake_timeout_s)
+        rendezvous = listen(transport, self._host, self.config.connect_timeout_s)
         assert self.control is not None
         link = PairSender(msg.pair_id, identity, config=self.config, stats=self.stats, budget=self._budget,
                           control=self.control, device=self.device, on_done_sent=self._on_done_sent,
-                          on_failed=self._link_failed, on_message=self.handle)
+                          on_failed=self._link_failed, on_message=self.handle, streams=self.streams)
         with self._lock:
             if self._closed:
                 if hasattr(rendezvous, "close"):
@@ -268,6 +273,8 @@ class KVProducer:
     def _on_pull(self, identity: bytes, msg: Pull) -> None:
         with self._lock:
             link = self._links.get(msg.pair_id)
+            if link is not None:
+                link.heard()
             why = self._gone.get(msg.request_id)
             req = self._requests.get(msg.request_id)
             if why is None and (link is None or link.broken):

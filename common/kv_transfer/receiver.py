@@ -7,6 +7,12 @@ into the blocks), DONE (report, ACK), errors and aborts. On a ``tcp`` pair the t
 also wakes when the socket is readable: each message's header is in-band, so the bytes
 go straight into the blocks the moment they arrive. A failed receive or an unanswered ping
 fails every transfer on the link and drops the pair; the next transfer builds a new one.
+
+On a ``cuda_ipc`` pair the producer writes into our blocks from its own process, so no
+transfer there is failed (its blocks handed back for reuse) before the producer confirmed
+that it writes no more into them: the link asks it with ABORT, which it answers once its
+streams drained, and fails the transfer on the answer or at the answer's deadline
+(``_fail_fenced``). That holds on every failure path, a broken link included.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ class PairReceiver:
         self.staging: list[StagingBuffer] = []
         self._pushback: collections.deque = collections.deque()  # events read ahead, not yet handled
         self._ping: Future | None = None
+        self._fencing = 0  # cuda_ipc transfers failed, waiting for the producer's word before their blocks go
         self._last_ping = 0.0
         self._last_active = time.monotonic()
         self.thread = threading.Thread(target=self._run, name=f"kv-recv-{address}", daemon=True)
@@ -111,7 +118,8 @@ class PairReceiver:
 
     def _idle_for(self) -> float:
         """Seconds with no transfer and no pair (an idle but built pair is kept: it is costly)."""
-        return 0.0 if self.transfers or self.pair is not None else time.monotonic() - self._last_active
+        busy = self.transfers or self.pair is not None or self._fencing
+        return 0.0 if busy else time.monotonic() - self._last_active
 
     # ---- events --------------------------------------------------------------------
     def _on_tick(self) -> None:
@@ -215,6 +223,7 @@ class PairReceiver:
         if self.transfers.pop(request_id, None) is None:
             self.owner._abort_stopped(request_id)
         elif self.transport == "cuda_ipc":  # the producer writes into our blocks: wait for its word
+            self._fencing += 1
             fut = self.owner.control.request(self.address, Abort(request_id=request_id),
                                              self.owner.config.timeout_s)
             fut.add_done_callback(lambda f: self.events.put(("abort_fenced", request_id, f)))
@@ -228,14 +237,17 @@ class PairReceiver:
         if self.transport != "cuda_ipc":
             self.owner._fail(t, reason)
             return
+        self._fencing += 1
         fut = self.owner.control.request(self.address, Abort(request_id=t.request_id),
                                          self.owner.config.timeout_s)
         fut.add_done_callback(lambda f: self.events.put(("fenced_fail", t, reason)))
 
     def _on_fenced_fail(self, t: Transfer, reason: str) -> None:
+        self._fencing -= 1
         self.owner._fail(t, reason)
 
     def _on_abort_fenced(self, request_id: str, fut: Future) -> None:
+        self._fencing -= 1
         self.owner._abort_stopped(request_id)
         if fut.exception() is not None:  # no answer: treat the producer as gone, drop the pair
             raise TransferError(f"producer {self.address} did not confirm the abort: {fut.exception()}")
@@ -356,8 +368,8 @@ class PairReceiver:
         if not isinstance(reply, HandshakeOk):
             raise TransferError(f"unexpected handshake reply {reply.CMD}")
         try:
-            self.pair = open_pair(reply.backend, 1, cfg.handshake_timeout_s, pair_id, host=reply.store_host,
-                                  port=reply.store_port, device=str(device))
+            self.pair = open_pair(reply.backend, 1, cfg.timeout_s, pair_id, connect_timeout_s=cfg.connect_timeout_s,
+                                  host=reply.store_host, port=reply.store_port, device=str(device))
         except TransferError as e:  # the client's error must say which peer went away
             raise TransferError(f"data plane to producer {self.address} failed: {e}") from e
         self.pair_id, self.transport = pair_id, reply.backend
@@ -378,11 +390,12 @@ class PairReceiver:
         due = self._ping is None and now - self._last_ping >= cfg.heartbeat_s
         if due and (self.transfers or self.pair is not None):
             self._last_ping = now
-            self._ping = self.owner.control.request(self.address, Ping(), cfg.timeout_s)
+            self._ping = self.owner.control.request(self.address, Ping(pair_id=self.pair_id), cfg.timeout_s)
 
     def _fail_all(self, reason: str) -> None:
+        """Fail every transfer on the link and drop the pair (cuda_ipc: each fenced, as above)."""
         for t in self.transfers.values():
-            self.owner._fail(t, reason)
+            self._fail_fenced(t, reason)
         self.transfers.clear()
         self._close_pair()
         self._ping = None

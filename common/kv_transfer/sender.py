@@ -5,8 +5,10 @@ the next job's notice goes out before this job's bytes so the consumer can post 
 receive early. ``tcp`` sends straight from the blocks (the kernel gathers them) behind
 an in-band header instead of a notice;
 gloo/nccl send contiguous block runs in place and gather anything else into one of two
-reusable staging buffers; ``cuda_ipc`` copies into the consumer's blocks on a transfer
-stream and sends DONE once that stream has finished.
+reusable staging buffers, each after the engine's event for that KV (the sender's stream
+waits on it, so the gather and NCCL's send come after the write); ``cuda_ipc`` copies into
+the consumer's blocks on the pair's streams and sends DONE once they have finished.
+A cuda_ipc pair whose consumer stopped pinging it is closed (its mapping with it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import queue
 import select
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -27,6 +30,7 @@ from common.kv_transfer.messages import (Ack, Done, LayerNotice, Message, Messag
                                          encode)
 from common.kv_transfer.p2p_group import dtype_name
 from common.kv_transfer.paged import ByteBudget, StagingBuffer, block_run, gather_blocks
+from common.kv_transfer.streams import StreamOps, stream_ops
 from common.kv_transfer.tcp_pair import MESSAGE, READABLE, Inbox
 from common.kv_transfer.transport import open_pair
 
@@ -46,7 +50,7 @@ class SendJob:
     layers: list[int] = field(default_factory=list)
     staged: torch.Tensor | None = None  # [len(layers), 2, blocks, ...] gathered by save_layer
     source: tuple[torch.Tensor, list[int]] | None = None  # (kv layer, block ids) from save_layer, not staged
-    ready: object | None = None  # CUDA event after this layer's KV write (cuda_ipc waits on it)
+    ready: object | None = None  # event after this layer's KV write or gather (the send waits on it)
     reply_id: int = 0  # fence: the ABORT request to answer
     announced: bool = False  # its notice is out: the bytes must follow, dropped or not
 
@@ -72,10 +76,12 @@ class PairSender:
                  budget: ByteBudget, control: ControlPlane, device: str,
                  on_done_sent: Callable[[ProducerRequest], None],
                  on_failed: Callable[[PairSender, str], None],
-                 on_message: Callable[[bytes, Message], None] | None = None) -> None:
+                 on_message: Callable[[bytes, Message], None] | None = None,
+                 streams: StreamOps | None = None) -> None:
         self.pair_id, self.identity = pair_id, identity
         self.config, self.stats, self._budget, self._control = config, stats, budget, control
         self.device = device
+        self.streams = streams or stream_ops(device)
         self._on_done_sent, self._on_failed = on_done_sent, on_failed
         self._on_message = on_message  # the producer's handler, for what a tcp consumer sends in-band
         self.jobs = Inbox()  # of SendJob, or None to stop
@@ -83,13 +89,19 @@ class PairSender:
         self.transport = ""
         self.broken = False
         self.thread: threading.Thread | None = None
+        self._peer_cache: list | None = None  # cuda_ipc: handed to the pair, then held by it alone
+        self._last_heard = time.monotonic()
 
     def start(self, rendezvous, transport: str, peer_cache: list | None = None) -> None:
         """Build the pair (rank 0, blocks until the consumer joins) and serve jobs, off-thread."""
-        self.transport = transport
-        self.thread = threading.Thread(target=self._run, args=(rendezvous, peer_cache),
+        self.transport, self._peer_cache = transport, peer_cache
+        self.thread = threading.Thread(target=self._run, args=(rendezvous,),
                                        name=f"kv-send-{self.pair_id[:8]}", daemon=True)
         self.thread.start()
+
+    def heard(self) -> None:
+        """The consumer spoke on this pair (a ping, a pull): it is still there."""
+        self._last_heard = time.monotonic()
 
     def stop(self, timeout_s: float) -> None:
         self.jobs.put(None)
@@ -106,7 +118,7 @@ class PairSender:
             if job is not None:
                 self._budget.release(job.budget)
 
-    def _run(self, rendezvous, peer_cache: list | None) -> None:
+    def _run(self, rendezvous) -> None:
         # Two sends in flight: layer i+1 is gathered and announced while layer i is on the
         # wire. The next job's notice goes out before this job's bytes, so the consumer can
         # post its receive early. Gathered layers alternate between two staging buffers.
@@ -114,8 +126,12 @@ class PairSender:
         inflight: collections.deque[tuple[_Sends, int]] = collections.deque()
         ahead: SendJob | None = None
         try:
-            self.pair = open_pair(self.transport, 0, self.config.handshake_timeout_s, self.pair_id,
-                                  rendezvous=rendezvous, device=self.device, peer_cache=peer_cache)
+            # the mapped cache lives in the pair alone, so closing the pair unmaps it
+            peer_cache, self._peer_cache = self._peer_cache, None
+            self.pair = open_pair(self.transport, 0, self.config.timeout_s, self.pair_id,
+                                  connect_timeout_s=self.config.connect_timeout_s, rendezvous=rendezvous,
+                                  device=self.device, peer_cache=peer_cache, streams=self.streams)
+            del peer_cache
             while True:
                 if ahead is not None:
                     job, ahead = ahead, None
@@ -162,12 +178,21 @@ class PairSender:
             return self.jobs.get_nowait()
         while True:
             try:
-                item = self.jobs.get(1.0, fd)
+                item = self.jobs.get(min(1.0, self.config.heartbeat_s), fd)
             except queue.Empty:
+                self._check_consumer()
                 continue
             if item is not READABLE:
                 return item
             self._read_message()
+
+    def _check_consumer(self) -> None:
+        """cuda_ipc: nothing on the data plane tells that the consumer went (a restarted decode
+        daemon just makes a new pair), and this pair maps its whole cache: its pings do."""
+        silent = time.monotonic() - self._last_heard
+        if self.transport == "cuda_ipc" and silent > self.config.peer_silent_s:
+            raise PairBrokenError(f"consumer silent for {silent:.1f} s; dropping its pair and the mapping "
+                                  "of its KV cache")
 
     def _read_message(self) -> None:
         """tcp: a consumer's in-band message (PULL, ACK), or its close (the pair fails)."""
@@ -219,6 +244,7 @@ class PairSender:
         if inband:
             self._send_tcp(job, ahead)
             return None
+        self._after_kv_written(job)
         parts = self._parts(job, staging)
         try:
             work = self.pair.send_async(parts)
@@ -227,6 +253,13 @@ class PairSender:
             raise
         self.stats.add(bytes_sent=sum(p.numel() * p.element_size() for p in parts))
         return (_Sends(work, parts), job.budget)
+
+    def _after_kv_written(self, job: SendJob) -> None:
+        """gloo/nccl: order this thread's stream after the engine's event for the job's KV (its
+        write, or save_layer's gather): the gather below and NCCL's send run after it."""
+        ready = job.ready if job.ready is not None else job.req.ready
+        if ready is not None:
+            self.streams.wait(self.streams.current(torch.device(self.device)), ready)
 
     def _send_tcp(self, job: SendJob, ahead: SendJob | None) -> None:
         """tcp: the layers straight from the blocks behind their header; when the request's

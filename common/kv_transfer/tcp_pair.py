@@ -203,7 +203,7 @@ class TcpPair:
     backend = "tcp"
 
     def __init__(self, rank: int, timeout_s: float, pair_id: str, *, listener: TcpListener | None = None,
-                 host: str = "", port: int = 0) -> None:
+                 host: str = "", port: int = 0, connect_timeout_s: float | None = None) -> None:
         self.rank, self.timeout_s, self.broken = rank, timeout_s, False
         try:
             if rank == 0:
@@ -220,12 +220,13 @@ class TcpPair:
             self._sock.settimeout(None)
             self._kernel_timeout = 0.0
             self._set_kernel_timeout(timeout_s)
-            # One tiny round trip proves both directions work before real data flows.
+            # One tiny round trip proves both directions work before real data flows; it is
+            # part of the set-up, so it may take ``connect_timeout_s``.
             probe = torch.zeros(1, dtype=torch.int64)
             if rank == 0:
-                self.send([probe])
+                self.send([probe], connect_timeout_s)
             else:
-                self.recv_into([probe])
+                self.recv_into([probe], connect_timeout_s)
         except (OSError, PairBrokenError) as e:
             self.broken = True
             raise PairBrokenError(f"building the tcp pair failed: {e}") from e

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from common.kv_transfer.config import TransferError
+from common.kv_transfer.streams import StreamOps, stream_ops
 
 TRANSPORTS = ("cuda_ipc", "nccl", "tcp", "gloo")
 MODES = ("auto", *TRANSPORTS)
@@ -154,43 +155,49 @@ def ipc_fallback(p_mode: str, p: Endpoint, d_mode: str, d: Endpoint) -> str | No
     """What ``auto`` uses when cuda_ipc was chosen but the producer cannot map the consumer's
     cache (its GPU is not visible here, e.g. another CUDA_VISIBLE_DEVICES): ``nccl`` between
     two GPUs; None (refuse) on one GPU or when cuda_ipc was asked for by name."""
-    if "cuda_ipc" in (p_mode, d_mode) or (p.gpu_uuid and p.gpu_uuid == d.gpu_uuid):
+    if "cuda_ipc" in (p_mode, d_mode) or same_gpu(p, d):
         return None
     return "nccl"
 
 
-def listen(transport: str, host: str, timeout_s: float):
-    """The producer's rendezvous for a new pair (its ``port`` goes in HANDSHAKE_OK);
-    ``None`` for cuda_ipc, where nothing travels over a connection."""
+def listen(transport: str, host: str, connect_timeout_s: float):
+    """The producer's rendezvous for a new pair (its ``port`` goes in HANDSHAKE_OK), waiting
+    at most ``connect_timeout_s`` for the consumer; ``None`` for cuda_ipc, where nothing
+    travels over a connection."""
     if transport == "tcp":
         from common.kv_transfer.tcp_pair import TcpListener
 
-        return TcpListener(host, timeout_s)
+        return TcpListener(host, connect_timeout_s)
     if transport in ("gloo", "nccl"):
         from common.kv_transfer.p2p_group import host_store
 
-        return host_store(host, timeout_s)
+        return host_store(host, connect_timeout_s)
     return None
 
 
-def open_pair(transport: str, rank: int, timeout_s: float, pair_id: str, *, rendezvous=None,
-              host: str = "", port: int = 0, device: str = "cpu", peer_cache=None):
+def open_pair(transport: str, rank: int, timeout_s: float, pair_id: str, *, connect_timeout_s: float,
+              rendezvous=None, host: str = "", port: int = 0, device: str = "cpu", peer_cache=None,
+              streams: StreamOps | None = None):
     """Build this side's pair (blocks until the peer is there: call it off the serving thread).
 
-    ``rendezvous`` is what :func:`listen` returned (rank 0); rank 1 joins ``host:port``.
-    ``peer_cache`` (cuda_ipc, rank 0) is the consumer's exported KV cache."""
+    Building it may take ``connect_timeout_s`` (NCCL's first communicator takes seconds);
+    each operation on it then ``timeout_s``. ``rendezvous`` is what :func:`listen` returned
+    (rank 0); rank 1 joins ``host:port``. ``peer_cache`` (cuda_ipc, rank 0) is the
+    consumer's exported KV cache; ``streams`` orders GPU work (default: by ``device``)."""
     if transport == "tcp":
         from common.kv_transfer.tcp_pair import TcpPair
 
-        return TcpPair(rank, timeout_s, pair_id, listener=rendezvous, host=host, port=port)
+        return TcpPair(rank, timeout_s, pair_id, listener=rendezvous, host=host, port=port,
+                       connect_timeout_s=connect_timeout_s)
     if transport in ("gloo", "nccl"):
         from common.kv_transfer.p2p_group import PairGroup
 
         if rendezvous is not None:
             host, port = rendezvous.host, rendezvous.port
-        return PairGroup(transport, rank, host, port, timeout_s, store=rendezvous, device=device)
+        return PairGroup(transport, rank, host, port, timeout_s, store=rendezvous, device=device,
+                         connect_timeout_s=connect_timeout_s)
     if transport == "cuda_ipc":
         from common.kv_transfer.cuda_ipc import IpcPair
 
-        return IpcPair(rank, device, peer_cache)
+        return IpcPair(rank, device, peer_cache, timeout_s, streams or stream_ops(device))
     raise ValueError(f"unknown transport {transport!r}")

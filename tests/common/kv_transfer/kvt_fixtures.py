@@ -8,7 +8,7 @@ import pytest
 from common.kv_layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, block_size=4, dtype="bfloat16")
-FAST = {"timeout_s": 2.0, "lease_s": 5.0, "handshake_timeout_s": 5.0, "heartbeat_s": 0.3}
+FAST = {"timeout_s": 2.0, "lease_s": 5.0, "handshake_timeout_s": 5.0, "connect_timeout_s": 5.0, "heartbeat_s": 0.3}
 
 
 @pytest.fixture

@@ -104,6 +104,15 @@ def serve_engine(conn, layout: dict, config: dict, address: str = "127.0.0.1:0",
             conn.send(engine.producer.request_state(rid))
         elif cmd == "pairs":
             conn.send(engine.pair_counts())
+        elif cmd == "wait_pairs":  # until the live pairs are ``counts`` (or the timeout): the last seen
+            counts, timeout = args
+            deadline = time.monotonic() + timeout
+            while engine.pair_counts() != counts and time.monotonic() < deadline:
+                time.sleep(0.05)
+            conn.send(engine.pair_counts())
+        elif cmd == "gpu_free_bytes":  # free memory on the whole GPU, as the driver sees it
+            torch.cuda.ipc_collect()
+            conn.send(torch.cuda.mem_get_info(torch.device(device))[0])
         elif cmd == "stop":
             engine.close()
             conn.send("bye")

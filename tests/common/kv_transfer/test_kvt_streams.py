@@ -1,0 +1,199 @@
+"""The GPU paths' stream/event protocol, checked on CPU through the StreamOps seam.
+
+A recording fake stands in for CUDA streams; the copies themselves run on CPU tensors, so
+each test checks both the order of record/wait/synchronize calls and the bytes.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+import common.kv_transfer.producer as producer_mod
+import common.kv_transfer.sender as sender_mod
+from common.kv_transfer.config import TransferConfig, TransferStats
+from common.kv_transfer.cuda_ipc import IpcPair
+from common.kv_transfer.messages import Handshake, Pull
+from common.kv_transfer.paged import ByteBudget
+from common.kv_transfer.producer import KVProducer, ProducerRequest, ProducerState
+from common.kv_transfer.sender import PairSender, SendJob
+from common.kv_transfer.transport import Endpoint
+from kvt_fixtures import FAST, LAYOUT
+from kvt_peers import make_kv, same_bytes
+from kvt_streams import FakeControl, FakeSendPair, RecordingStreams, index_of
+
+ENGINE = f"current:cpu@{threading.current_thread().name}"  # the test thread plays the engine
+
+
+def _entries(log: list, kind: str) -> list[tuple]:
+    return [e for e in log if e[0] == kind]
+
+
+@pytest.fixture
+def gloo_producer(monkeypatch):
+    """A producer with one pulled request "r" on a gloo/nccl-path pair whose sends are logged."""
+    log: list = []
+    streams, control = RecordingStreams(log), FakeControl(log)
+    pair = FakeSendPair(log, control)
+    monkeypatch.setattr(sender_mod, "open_pair", lambda *a, **k: pair)
+    gather = producer_mod.gather_blocks
+
+    def logged_gather(*args, **kwargs):
+        out = gather(*args, **kwargs)
+        log.append(("gather",))
+        return out
+
+    monkeypatch.setattr(producer_mod, "gather_blocks", logged_gather)
+    producer = KVProducer(LAYOUT, TransferConfig(**FAST), TransferStats(), "127.0.0.1", "cpu", "gloo",
+                          streams=streams)
+    producer.control = control
+    producer.handle(b"d", Handshake(id=1, pair_id="p", layout=LAYOUT.to_dict(), backend="gloo",
+                                    endpoint=Endpoint.local("cpu").to_dict()))
+    producer.handle(b"d", Pull(id=2, request_id="r", pair_id="p", num_blocks=2, num_tokens=8, block_ids=[0, 1]))
+    yield producer, log, control, pair
+    producer.close()
+
+
+def test_send_waits_on_the_event_recorded_after_the_gather(gloo_producer):
+    """save_layer gathers on the engine's stream and records an event after it; the sender's
+    stream waits on that event before the send (NCCL orders its stream after the sender's)."""
+    producer, log, control, pair = gloo_producer
+    kv = make_kv(LAYOUT, 8, 1)
+    producer.save_layer("r", 0, kv[0], [5, 2])  # scattered: gathered into a staging tensor
+    assert control.wait_for(lambda: ("send", 1) in log)
+    (record,) = _entries(log, "record")
+    assert record[1] == ENGINE
+    event = record[2]
+    (wait,) = [e for e in _entries(log, "wait") if e[2] == event]
+    assert wait[1].startswith("current:cpu@kv-send-")  # the sender thread's stream
+    assert index_of(log, ("gather",)) < log.index(record) < log.index(wait) < index_of(log, ("send", 1))
+    assert same_bytes(pair.sent[0][0][0], kv[0][:, [5, 2]])
+
+
+def test_sends_from_the_blocks_wait_on_the_prompts_last_write(gloo_producer):
+    """Layers sent after prefill are read by the sender from the blocks: each send waits on
+    the event finish() recorded on the engine's stream."""
+    producer, log, control, pair = gloo_producer
+    kv = make_kv(LAYOUT, 8, 2)
+    producer.finish("r", 42, kv, [3, 4], 8)  # a run: sent in place, layer by layer
+    assert control.wait_for(lambda: len(_entries(log, "send")) == LAYOUT.num_layers)
+    (record,) = _entries(log, "record")
+    assert record[1] == ENGINE
+    sends = [i for i, e in enumerate(log) if e[0] == "send"]
+    waits = [i for i, e in enumerate(log) if e[0] == "wait" and e[2] == record[2]]
+    assert len(sends) == len(waits) == LAYOUT.num_layers
+    assert log.index(record) < waits[0] and all(w < s for w, s in zip(waits, sends))
+    assert same_bytes(pair.sent[0][0], kv[0][0, 3:5]) and same_bytes(pair.sent[0][1], kv[0][1, 3:5])
+
+
+def _ipc_job(dst_ids: list[int], src_ids: list[int], kv: list[torch.Tensor], ready: str | None) -> SendJob:
+    req = ProducerRequest("r", None, ProducerState.SENDING, remote_block_ids=dst_ids)
+    return SendJob("layers", req, [1], source=(kv[1], src_ids), ready=ready)
+
+
+def test_ipc_copy_ends_on_the_destination_devices_stream_and_is_synchronized_there():
+    """Producer on one device, the consumer's cache on another: the copy runs with a stream
+    of each device current, after the layer's event; the fence is an event recorded on the
+    destination device's stream (where index_copy_ runs), and synchronized."""
+    log: list = []
+    streams = RecordingStreams(log)
+    peer = [torch.zeros(LAYOUT.layer_shape(8), dtype=LAYOUT.torch_dtype) for _ in range(LAYOUT.num_layers)]
+    pair = IpcPair(0, "cuda:0", peer, 1.0, streams)  # "cuda:0" only names the source device here
+    kv = make_kv(LAYOUT, 8, 3)
+    pair.write(_ipc_job([6, 1], [2, 7], kv, ready="layer-written"), (kv, [2, 7]))
+    pair.synchronize(1.0)
+    assert log[:2] == [("use", "stream:cuda:0", "stream:cpu"), ("wait", "stream:cuda:0", "layer-written")]
+    (record,) = _entries(log, "record")
+    assert record[1] == "stream:cpu"  # the destination device's stream
+    assert log[-1] == ("synchronize", record[2])
+    assert same_bytes(peer[1][:, [6, 1]], kv[1][:, [2, 7]])
+
+
+def test_done_goes_out_only_after_the_copies_event_completed():
+    log: list = []
+    streams, control = RecordingStreams(log), FakeControl(log)
+    peer = [torch.zeros(LAYOUT.layer_shape(8), dtype=LAYOUT.torch_dtype) for _ in range(LAYOUT.num_layers)]
+    sender = PairSender("p", b"d", config=TransferConfig(**FAST), stats=TransferStats(), budget=ByteBudget(1 << 20),
+                        control=control, device="cpu", on_done_sent=lambda req: None,
+                        on_failed=lambda link, why: None, streams=streams)
+    sender.start(None, "cuda_ipc", peer)
+    kv = make_kv(LAYOUT, 8, 4)
+    job = _ipc_job([0, 5], [4, 3], kv, ready="layer-written")
+    try:
+        sender.jobs.put(job)
+        sender.jobs.put(SendJob("done", job.req))
+        assert control.wait_for(lambda: ("reply", "done", "r") in log)
+    finally:
+        sender.stop(5)
+    fence = _entries(log, "record")[0]  # the first after the copies (the last one: closing the pair)
+    assert fence[1] == "stream:cpu"
+    assert index_of(log, ("wait", "stream:cpu", "layer-written")) < log.index(fence) \
+        < index_of(log, ("synchronize", fence[2])) < index_of(log, ("reply", "done", "r"))
+    assert same_bytes(peer[1][:, [0, 5]], kv[1][:, [4, 3]])
+
+
+def test_closing_an_ipc_pair_drains_its_stream_then_drops_the_mapping():
+    log: list = []
+    peer = [torch.zeros(LAYOUT.layer_shape(4), dtype=LAYOUT.torch_dtype) for _ in range(LAYOUT.num_layers)]
+    mapped = weakref.ref(peer[0])
+    pair = IpcPair(0, "cpu", peer, 1.0, RecordingStreams(log))
+    del peer
+    pair.close()
+    gc.collect()
+    assert mapped() is None, "the pair still holds the consumer's cache"
+    (record,) = _entries(log, "record")
+    assert log == [record, ("synchronize", record[2]), ("release_ipc",)]
+
+
+def test_a_silent_consumers_ipc_pair_is_closed_and_its_cache_unmapped():
+    """A restarted decode daemon never says goodbye: its old pair is closed when its pings
+    stop, and with it the mapping of the old cache (which would otherwise stay allocated)."""
+    log: list = []
+    failed: list[str] = []
+    closed = threading.Event()
+    peer = [torch.zeros(LAYOUT.layer_shape(4), dtype=LAYOUT.torch_dtype) for _ in range(LAYOUT.num_layers)]
+    mapped = weakref.ref(peer[0])
+    cfg = TransferConfig(**dict(FAST, timeout_s=0.2, heartbeat_s=0.05))
+    sender = PairSender("p", b"d", config=cfg, stats=TransferStats(), budget=ByteBudget(1 << 20),
+                        control=FakeControl(log), device="cpu", on_done_sent=lambda req: None,
+                        on_failed=lambda link, why: (failed.append(why), closed.set()),
+                        streams=RecordingStreams(log))
+    sender.start(None, "cuda_ipc", peer)
+    del peer
+    assert closed.wait(10)
+    sender.thread.join(5)
+    gc.collect()
+    assert "consumer silent" in failed[0] and sender.broken
+    assert mapped() is None, "the pair still holds the gone consumer's cache"
+    assert log[-1] == ("release_ipc",) and log[-2][0] == "synchronize"
+
+
+def test_a_pinging_consumers_pair_stays():
+    """The same pair, but its consumer pings: still serving when the test checks it after the
+    silence bound passed several times over (counted by the sender's own idle wake-ups)."""
+    log: list = []
+    cfg = TransferConfig(**dict(FAST, timeout_s=0.5, heartbeat_s=0.05))
+    sender = PairSender("p", b"d", config=cfg, stats=TransferStats(), budget=ByteBudget(1 << 20),
+                        control=FakeControl(log), device="cpu", on_done_sent=lambda req: None,
+                        on_failed=lambda link, why: None, streams=RecordingStreams(log))
+    wakeups = threading.Semaphore(0)
+    check = sender._check_consumer
+
+    def counted_check() -> None:
+        check()
+        wakeups.release()
+
+    sender._check_consumer = counted_check
+    sender.start(None, "cuda_ipc", [torch.zeros(LAYOUT.layer_shape(4), dtype=LAYOUT.torch_dtype)])
+    try:
+        bound_wakeups = int(cfg.peer_silent_s / cfg.heartbeat_s)
+        for _ in range(2 * bound_wakeups):
+            sender.heard()
+            assert wakeups.acquire(timeout=5)
+        assert not sender.broken and sender.thread.is_alive()
+    finally:
+        sender.stop(5)
