@@ -13,16 +13,16 @@ everything it started, and marked FAIL "timed out":
 
 | step | timeout | what |
 |---|---:|---|
-| pytest | 100 s | ``pytest -m gpu`` over the test files that hold gpu-marked tests |
+| pytest | 95 s | ``pytest -m gpu`` over the test files that hold gpu-marked tests |
 | checkpoints | 40 s | random bf16 checkpoints of a Qwen2.5-0.5B and a Llama-3.1-8B shape |
-| engine | 110 s | decode ms/step at batch 1 and 64, CUDA graphs and eager, beside the memory floor |
+| engine | 105 s | decode ms/step at batch 1 and 64, CUDA graphs and eager, beside the memory floor |
 | ttft | 35 s | TTFT of a 2,000-token prompt on the 8B shape |
-| cuda_ipc | 110 s | one GPU, 8B: `pdserve up`'s proxy vs a colocated node on 20 greedy requests; |
+| cuda_ipc | 100 s | one GPU, 8B: `pdserve up`'s proxy vs a colocated node on 20 greedy requests; |
 | | | TTFT disaggregated / colocated and the KV bandwidth of a 2,000-token move (ttft_breakdown) |
 | nccl | 45 s | the same over an NCCL pair, prefill on GPU 0, decode on GPU 1 (parity through the pair) |
 
-The timeouts add up to 440 s; with the probe (15 s) and each step's 3 s of grace the worst
-case stays under 8 minutes. Writes OUT/gpu-check.md (printed last) and OUT/gpu-check.json;
+The timeouts add up to 420 s; with the probe (15 s), each step's 3 s of grace and the cuda_ipc
+step's clean-up (`pdserve down`, 20 s) the worst case is 473 s, under 8 minutes. Writes OUT/gpu-check.md (printed last) and OUT/gpu-check.json;
 each step's output is in OUT/logs/. Without CUDA every step is SKIP ("no CUDA device") and
 the exit code is 0; it is 1 when a step FAILs.
 """
@@ -158,13 +158,13 @@ def disaggregated_args(transport: str, share: str, *extra: str) -> tuple[str, ..
 
 
 STEPS = [
-    Step("pytest", "pytest -m gpu", 100,
+    Step("pytest", "pytest -m gpu", 95,
          lambda ctx: [ctx.python, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
                       *gpu_test_files()], judge_pytest),
     Step("checkpoints", "random checkpoints (0.5B, 8B shapes)", 40,
          bench("gpu_engine.py", "--make-checkpoints", "--workdir", "{ckpt}", "--json", "{work}/checkpoints.json"),
          judge_checkpoints),
-    Step("engine", "decode ms/step, graphs and eager", 110,
+    Step("engine", "decode ms/step, graphs and eager", 105,
          bench("gpu_engine.py", "--shapes", "qwen2.5-0.5b,llama3.1-8b", "--batches", "1,64", "--eager",
                "--no-transformers", "--ttft-tokens", "0", "--workdir", "{ckpt}", "--json", "{work}/engine.json"),
          judge_engine, needs="checkpoints"),
@@ -172,12 +172,15 @@ STEPS = [
          bench("gpu_engine.py", "--shapes", "llama3.1-8b", "--batches=", "--ttft-tokens", "2000",
                "--no-transformers", "--workdir", "{ckpt}", "--json", "{work}/ttft.json"),
          judge_ttft, needs="checkpoints"),
-    Step("cuda_ipc", "pdserve up on one GPU (cuda_ipc)", 110,
+    Step("cuda_ipc", "pdserve up on one GPU (cuda_ipc)", 100,
          # every request disaggregated: the proxy may otherwise prefill a short prompt on the decode node
          bench("ttft_breakdown.py", *disaggregated_args("cuda_ipc", "0.28", "--up-parity", str(PARITY_REQUESTS),
                                                          "--up-env", "PDSERVE_KV_TRANSPORT=cuda_ipc",
-                                                         "--up-env", "PDSERVE_DISAGG_POLICY=always")),
-         judge_disaggregated("cuda_ipc", "parity_up", "pdserve up, proxy vs colocated"), needs="checkpoints"),
+                                                         "--up-env", "PDSERVE_DISAGG_POLICY=always",
+                                                         "--up-run-dir", "{work}/up")),
+         judge_disaggregated("cuda_ipc", "parity_up", "pdserve up, proxy vs colocated"), needs="checkpoints",
+         # `up`'s daemons leave the step's process tree (the launcher exits once they are ready)
+         cleanup=lambda ctx: [ctx.python, "-m", "common.cli", "down", "--run-dir", str(ctx.work / "up")]),
     Step("nccl", "NCCL pair, cuda:0 -> cuda:1", 45,
          bench("ttft_breakdown.py", *disaggregated_args("nccl", "0.45", "--decode-gpu", "1",
                                                          "--parity", str(PARITY_REQUESTS))),
@@ -208,7 +211,10 @@ def probe(python: str) -> dict:
         return {"error": f"the probe (import torch, count GPUs) took over {PROBE_TIMEOUT_S:g} s"}
     if proc.returncode != 0:
         return {"error": last_line(proc.stderr)}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": f"the probe printed no JSON: {last_line(proc.stdout)}"}
 
 
 def describe(machine: dict) -> str:

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 NO_CUDA = "no CUDA device"
 GRACE_S = 3.0  # between SIGINT and SIGKILL when a step overruns
+CLEANUP_TIMEOUT_S = 20.0  # a step's clean-up command (`pdserve down`: SIGTERM, SIGKILL after 10 s)
 
 
 @dataclass
@@ -85,6 +86,8 @@ class Step:
     gpus: int = 1
     fewer_gpus: str = NO_CUDA  # the SKIP reason when there are some GPUs, but fewer than ``gpus``
     needs: str | None = None  # a step that must PASS first
+    # run after the step, whatever its end: stops what it may have left running outside its tree
+    cleanup: Callable[[Context], list[str]] | None = None
 
 
 # ---------------------------------------------------------------------------- running a step
@@ -170,6 +173,8 @@ def run_step(step: Step, ctx: Context, done: dict[str, StepResult]) -> StepResul
     log = ctx.out / "logs" / f"{step.name}.log"
     result.log = str(log.relative_to(ctx.out))
     code, result.wall_s = run_command(step.command(ctx), step.timeout_s, log)
+    if step.cleanup is not None:
+        run_command(step.cleanup(ctx), CLEANUP_TIMEOUT_S, log.with_suffix(".cleanup.log"))
     text = log.read_text(errors="replace")
     if code is None:
         result.status, result.reason = FAIL, f"timed out after {step.timeout_s:g} s (see {result.log})"

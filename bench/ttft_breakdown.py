@@ -229,9 +229,8 @@ def compare(expected: list[tuple[str, int]], got: list[tuple[str, int]]) -> dict
 
 
 def up_parity(model: str | None, bodies: list[dict], expected: list[tuple[str, int]], up_env: dict[str, str],
-              tmp: Path) -> dict:
+              run_dir: Path) -> dict:
     """``bodies`` through a fresh `pdserve up` (its proxy), compared with ``expected``; then `down`."""
-    run_dir = tmp / "up"
     ports = {name: free_port() for name in PORT_FLAGS}
     cli = [sys.executable, "-m", "common.cli"]
     up = [*cli, "up", "--run-dir", str(run_dir), "--timeout", "300",
@@ -292,7 +291,8 @@ def run(args, node_args: list[str], model: str | None, label: str) -> dict:
             proc.stop()
     if args.up_parity:  # after the three have stopped: `up`'s daemons take their own GPU shares
         report["parity_up"] = up_parity(model, bodies[:args.up_parity], expected[:args.up_parity],
-                                        dict(kv.split("=", 1) for kv in args.up_env), tmp)
+                                        dict(kv.split("=", 1) for kv in args.up_env),
+                                        Path(args.up_run_dir) if args.up_run_dir else tmp / "up")
     print_report(report)
     return report
 
@@ -355,6 +355,9 @@ def main() -> int:
                         help="N greedy requests through `pdserve up`'s proxy, compared with the colocated node")
     parser.add_argument("--up-env", action="append", default=[], metavar="KEY=VALUE",
                         help="environment for `pdserve up`'s processes, e.g. PDSERVE_KV_TRANSPORT=cuda_ipc")
+    parser.add_argument("--up-run-dir", default=None, metavar="DIR",
+                        help="`pdserve up`'s run directory (default: a temporary one); `pdserve down --run-dir "
+                             "DIR` stops what a killed run left")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write every figure here")
     args = parser.parse_args()
     model = args.model

@@ -89,12 +89,15 @@ def test_step_past_its_timeout_fails_and_nothing_it_started_survives(tmp_path: P
     # the step starts a "server" in a session of its own (as the benches do), then hangs
     script = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '30'], start_new_session=True); "
               "open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(30)")
+    cleaned = tmp_path / "cleaned"
     step = Step("hang", "hangs", 2, lambda ctx: [sys.executable, "-c", script, str(pid_file)],
-                lambda ctx, code, text: (PASS, "finished", []), gpus=0)
+                lambda ctx, code, text: (PASS, "finished", []), gpus=0,
+                cleanup=lambda ctx: [sys.executable, "-c", f"open({str(cleaned)!r}, 'w')"])
     ctx = Context(python=sys.executable, out=tmp_path, work=tmp_path)
     result = run_step(step, ctx, {})
     assert result.status == FAIL and result.reason.startswith("timed out after 2 s"), result
     assert (tmp_path / "logs" / "hang.log").is_file()
+    assert cleaned.is_file()  # the clean-up runs after a step that timed out, too
     server = int(pid_file.read_text())
     deadline = time.monotonic() + 10
     while not gone(server) and time.monotonic() < deadline:
@@ -120,3 +123,13 @@ def test_a_failed_step_skips_its_dependants_and_the_exit_code_is_1(tmp_path: Pat
     report = json.loads((out / "gpu-check.json").read_text())
     assert [(s["status"], s["reason"]) for s in report["steps"]] == [
         (PASS, "ran"), (FAIL, "exit 3"), (SKIP, "not run: step second did not pass"), (SKIP, "no CUDA device")]
+
+
+def test_worst_case_fits_in_8_minutes() -> None:
+    """Every step hanging to its timeout, plus the probe, the grace periods and the clean-ups."""
+    from gpu_check_runner import CLEANUP_TIMEOUT_S, GRACE_S
+
+    steps = gpu_check.STEPS
+    worst = (gpu_check.PROBE_TIMEOUT_S + sum(s.timeout_s + GRACE_S for s in steps)
+             + CLEANUP_TIMEOUT_S * sum(s.cleanup is not None for s in steps))
+    assert worst < 8 * 60, worst
