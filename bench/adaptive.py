@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -155,6 +156,7 @@ def main() -> None:
     tok = Tokenizer.from_dir(ensure_embedded_model())
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-adaptive-"))
     procs: list[Proc] = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the daemons are stopped on kill too
     try:
         auto = start("proxy", tmp, wait=False)
         procs.append(auto)
