@@ -236,7 +236,8 @@ def up_parity(model: str | None, bodies: list[dict], expected: list[tuple[str, i
     up = [*cli, "up", "--run-dir", str(run_dir), "--timeout", "300",
           *[f"--{name.replace('_', '-')}={port}" for name, port in ports.items()],
           *(["--model", model] if model else [])]
-    env = {**os.environ, **up_env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, **up_env, "PYTHONPATH": pythonpath}
     try:
         started = subprocess.run(up, cwd=ROOT, env=env, capture_output=True, text=True)
         if started.returncode != 0:
