@@ -22,9 +22,10 @@ everything it started, and marked FAIL "timed out":
 | nccl | 45 s | the same over an NCCL pair, prefill on GPU 0, decode on GPU 1 (parity through the pair) |
 
 The timeouts add up to 420 s; with the probe (15 s), each step's 3 s of grace and the cuda_ipc
-step's clean-up (`pdserve down`, 20 s) the worst case is 473 s, under 8 minutes. Writes OUT/gpu-check.md (printed last) and OUT/gpu-check.json;
-each step's output is in OUT/logs/. Without CUDA every step is SKIP ("no CUDA device") and
-the exit code is 0; it is 1 when a step FAILs.
+step's clean-up (`pdserve down`, 20 s) the worst case is 473 s, under 8 minutes. They are
+estimates no GPU run has checked yet. Writes OUT/gpu-check.md (printed last) and
+OUT/gpu-check.json; each step's output is in OUT/logs/. Without CUDA every step is SKIP
+("no CUDA device") and the exit code is 0; it is 1 when a step FAILs.
 """
 
 from __future__ import annotations
