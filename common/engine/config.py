@@ -31,10 +31,10 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     attention_backend: str = "auto"  # auto (triton on CUDA when installed, else sdpa) | sdpa | triton
+    fused_ops: str = "auto"  # auto (on for CUDA when triton is installed) | on | off: Triton RMSNorm/rotary/SiLU
     # while sequences decode, a step carries at most the prompt tokens this many ms of measured
     # prefill compute allow (a decode node's local prefills); None: only max_num_batched_tokens
     max_local_prefill_stall_ms: float | None = None
-    fused_ops: str = "auto"  # auto (on for CUDA when triton is installed) | on | off: Triton RMSNorm/rotary/SiLU
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
