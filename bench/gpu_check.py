@@ -88,9 +88,19 @@ def judge_checkpoints(ctx: Context, code: int, text: str) -> Verdict:
 
 
 def judge_engine(ctx: Context, code: int, text: str) -> Verdict:
-    rows = ctx.results("engine")["decode"]
+    results = ctx.results("engine")
+    rows = results["decode"]
     eager = {(r["shape"], r["batch"]): r["ms_per_step"] for r in rows if not r["graphs"]}
     figures, missed = [], []
+    # the engine falls back to SDPA (no Triton) or to eager steps (a failed capture) with a warning only
+    backends = sorted({e["backend"] for e in results["engines"]})
+    captured = all(e["graph_sizes"] for e in results["engines"] if e["graphs"])
+    for label, value, goal, met in (("attention", ", ".join(backends), "triton", backends == ["triton"]),
+                                    ("CUDA graphs", "captured" if captured else "NOT captured", "captured",
+                                     captured)):
+        figures.append(Figure(label, value, goal, met))
+        if not met:
+            missed.append(f"{label} {value}")
     for r in (r for r in rows if r["graphs"]):
         label = f"{SHAPES.get(r['shape'], r['shape'])} batch {r['batch']}"
         ms, goal = r["ms_per_step"], r["goal_ms"]

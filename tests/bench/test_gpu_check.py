@@ -65,14 +65,22 @@ def test_engine_figures_hold_each_decode_step_to_its_goal(tmp_path: Path) -> Non
 
     rows = [row("llama3.1-8b", 1, True, 7.5, 8.0), row("llama3.1-8b", 1, False, 19.0, 8.0),
             row("llama3.1-8b", 64, True, 12.5, 12.0)]
-    (tmp_path / "engine.json").write_text(json.dumps({"decode": rows}))
+    engines = [dict(backend="triton", graphs=True, graph_sizes=[1, 2, 4]),
+               dict(backend="triton", graphs=False, graph_sizes=None)]
+    (tmp_path / "engine.json").write_text(json.dumps({"decode": rows, "engines": engines}))
     ctx = Context(python=sys.executable, out=tmp_path, work=tmp_path, gpus=1)
     status, reason, figures = gpu_check.judge_engine(ctx, 0, "")
     assert status == FAIL and reason == "goal not met: 8B batch 64 12.50 > 12 ms"
     assert [f.text() for f in figures] == [
+        "attention: triton (goal triton: met)",
+        "CUDA graphs: captured (goal captured: met)",
         "8B batch 1: 7.50 ms/step (eager 19.00, floor 5.30) (goal <= 8 ms: met)",
         "8B batch 64: 12.50 ms/step (eager nan, floor 5.30) (goal <= 12 ms: NOT met)",
     ]
+    engines[0].update(backend="sdpa", graph_sizes=None)  # the fallbacks a warning alone would hide
+    (tmp_path / "engine.json").write_text(json.dumps({"decode": rows[:1], "engines": engines}))
+    status, reason, _ = gpu_check.judge_engine(ctx, 0, "")
+    assert status == FAIL and reason == "goal not met: attention sdpa, triton; CUDA graphs NOT captured"
 
 
 def gone(pid: int) -> bool:
