@@ -15,7 +15,8 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(PY)
-	# torch is pinned first so the CPU wheel is used (an unpinned torch pulls a multi-GB CUDA build)
+	# torch is pinned first so pip resolves it before the rest: where a local wheel folder holds this
+	# version's CPU build, pip takes it; from PyPI alone the same pin is the CUDA build (several GB)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
