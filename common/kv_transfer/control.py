@@ -2,6 +2,9 @@
 
 One thread owns every socket (ZMQ sockets are not thread-safe); other threads hand it
 work through a queue and a wake-up socketpair, so nothing they call blocks on the network.
+The owner never posts a wake-up to itself (it flushes the queue before it polls again) and
+the wake-up socket never blocks (one pending byte is enough), so a flood of requests whose
+replies it queues cannot make it wait on the socket only it drains.
 Requests get a response matched by message id or fail at their deadline. Frames that do
 not decode are logged and dropped; the listener keeps serving.
 
@@ -69,6 +72,7 @@ class ControlPlane:
         self._next_id = 1
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)  # full = a wake-up is pending already
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"kv-control-{port}", daemon=True)
         self._thread.start()
@@ -113,6 +117,8 @@ class ControlPlane:
         self._wake()
 
     def _wake(self) -> None:
+        if threading.current_thread() is self._thread:
+            return  # a handler replying: the loop flushes the outbox before it polls again
         try:
             self._wake_w.send(b"x")
         except (BlockingIOError, OSError):
@@ -123,7 +129,7 @@ class ControlPlane:
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
         while not self._stop.is_set():
-            events = dict(poller.poll(50))
+            events = dict(poller.poll(0 if not self._outbox.empty() else 50))
             if self._wake_r.fileno() in events:
                 self._drain_wake()
             self._flush_outbox(poller)
@@ -158,7 +164,10 @@ class ControlPlane:
                     self._dealer(target, poller).send_multipart(frames, flags=zmq.NOBLOCK)
                     self._last_used[target] = time.monotonic()
             except (zmq.ZMQError, TransferError) as e:
-                logger.warning("control: cannot send %s to %r: %s", msg.CMD, target, e)
+                if kind == "router":  # a consumer that does not read its replies (a flood): log once a minute
+                    self._drop("unsendable reply", f"{msg.CMD} reply: {e}")
+                else:
+                    logger.warning("control: cannot send %s to %r: %s", msg.CMD, target, e)
                 self._fail_pending(msg.id, TransferError(f"peer {target!r} unreachable: {e}"))
 
     def _dealer(self, address: str, poller: zmq.Poller) -> zmq.Socket:
