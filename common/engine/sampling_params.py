@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.engine.structured_output import Grammar
+
+MAX_CACHE_SALT_CHARS = 256
 
 
 class SamplingParamsError(ValueError):
@@ -25,12 +31,25 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return; None = none
+    grammar: Grammar | None = None  # structured output: what the tokens must spell (shared, read-only)
+    n: int = 1  # choices: one prompt pass, then the sequence forks (``choice``)
+    # not sampling, but it travels with every copy of the request: only requests with the same
+    # salt share prefix-cache blocks (tenant isolation, vLLM's request field)
+    cache_salt: str | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def choice(self, index: int) -> SamplingParams:
+        """Choice ``index``'s own settings (n=1): choice 0 keeps the seed, so it answers as n=1
+        would; choice i > 0 draws from a seed derived from (seed, i), the same on every node."""
+        seed = self.seed if self.seed is None or index == 0 else choice_seed(self.seed, index)
+        return replace(self, n=1, seed=seed)
+
     def validate(self) -> None:
+        if self.n < 1:
+            raise SamplingParamsError("n must be at least 1", "n")
         if not 0.0 <= self.temperature <= 2.0:
             raise SamplingParamsError("temperature must be in [0, 2]", "temperature")
         if not 0.0 < self.top_p <= 1.0:
@@ -47,3 +66,17 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise SamplingParamsError("logprobs must be in [0, 20]", "logprobs")
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
+            raise SamplingParamsError(f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
+
+
+_MASK64 = 2**64 - 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """A signed 64-bit seed for choice ``index`` of a request seeded ``seed`` (splitmix64 of both)."""
+    x = (seed * 0x9E3779B97F4A7C15 + index) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return x - 2**64 if x >= 2**63 else x

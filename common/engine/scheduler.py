@@ -23,7 +23,9 @@ computed starts on the longest run of cached full blocks of its tokens (held, no
 copied) and computes only the rest; at least its last token is always computed, since
 that yields the logits. A parked sequence does the same, and the connector asks the peer
 only for the blocks after that prefix. Full blocks are registered in the cache once
-their KV is computed (or landed), so later requests and recomputes can reuse them.
+their KV is computed (or landed), so later requests and recomputes can reuse them. A
+request's ``cache_salt`` roots its hash chain apart, so it shares blocks only with the
+same salt (on a decode node too: it asks the peer for every block its salt has not cached).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.engine.block_hash import BlockHash, extend_hashes, root_hash
+from common.engine.block_hash import BlockHash, extend_hashes, root_hash, salted_root
 from common.engine.block_manager import BlockManager
 from common.engine.kv_connector import (EMPTY_METADATA, FinishedTransfers, KVConnectorMetadata,
                                         KVConnectorScheduler)
@@ -115,7 +117,7 @@ class Scheduler:
         for seq in self.running:  # KV computed by the last step is complete: share it
             self._cache_full_blocks(seq)
         budget = self._schedule_running(batch, self.max_num_batched_tokens, stall_token_cap)
-        self._admit_waiting(batch, budget)
+        self._admit_waiting(batch, budget, stall_token_cap)
         batch.kv_connector_metadata = self.connector.build_meta(batch.seqs, batch.num_new_tokens)
         return batch
 
@@ -158,11 +160,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, stall_token_cap: int | None = None) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if self._wants_remote_kv(seq):
-                if not self._park(seq):
+                if not self._park(seq, max(stall_token_cap or 0, self.block_manager.block_size)):
                     return
                 continue
             took = self._take_cached_prefix(seq, seq.num_tokens)
@@ -189,10 +191,17 @@ class Scheduler:
         seq.external_kv_checked = not wants  # re-asked until parked: parking may wait for blocks
         return wants
 
-    def _park(self, seq: Sequence) -> bool:
+    def _park(self, seq: Sequence, local_token_cap: int) -> bool:
         """Allocate blocks for the whole prompt and wait for the peer to fill them; blocks of a
-        cached prefix are taken as they are (``num_computed_tokens`` says how many tokens)."""
+        cached prefix are taken as they are (``num_computed_tokens`` says how many tokens).
+        When the connector would rather compute the uncached rest here (at most
+        ``local_token_cap`` tokens: one stall-bounded step), the sequence stays waiting, as a
+        local prefill (the next pass admits it and looks its prefix up again)."""
         took = self._take_cached_prefix(seq, seq.num_prompt_tokens)
+        if took and self.connector.prefill_here(seq, seq.num_uncomputed_tokens, local_token_cap):
+            self._release(seq)
+            seq.external_kv_checked = True
+            return True
         if not self.block_manager.ensure_capacity(seq.block_table, seq.num_prompt_tokens):
             if took:
                 self._release(seq)  # a later try looks up again: what was cached may be gone
@@ -211,6 +220,11 @@ class Scheduler:
         """Record a sampled token and finish the sequence when a stop condition holds."""
         seq.output_token_ids.append(token_id)
         reason = self._check_stop(seq, token_id)
+        if seq.grammar is not None and reason is None:  # a peer's first token advances it too
+            if not seq.grammar.advance(token_id):
+                self.finish(seq, "error", error=f"token {token_id} breaks the response format: {seq.grammar.error}")
+                return
+            reason = "stop" if seq.grammar.is_complete else None
         if reason is not None:
             self.finish(seq, reason)
 
@@ -278,11 +292,15 @@ class Scheduler:
         if not bm.enable_prefix_caching or seq.num_computed_tokens or seq.block_table:
             return False
         num_blocks = (num_tokens - 1) // bm.block_size
-        extend_hashes(seq.block_hashes, self.cache_root, seq.token_ids, bm.block_size, num_blocks)
+        extend_hashes(seq.block_hashes, self._root(seq), seq.token_ids, bm.block_size, num_blocks)
         seq.block_table.extend(bm.take_cached(seq.block_hashes[:num_blocks]))
         seq.num_cached_blocks = len(seq.block_table)
         seq.num_computed_tokens = seq.num_cached_blocks * bm.block_size
         return True
+
+    def _root(self, seq: Sequence) -> BlockHash:
+        """Where ``seq``'s hash chain starts: its ``cache_salt`` keeps it apart from other salts."""
+        return salted_root(self.cache_root, seq.params.cache_salt)
 
     def _count_lookup(self, seq: Sequence, num_tokens: int) -> None:
         self.prefix_cache_queries += num_tokens
@@ -294,7 +312,7 @@ class Scheduler:
         num_full = seq.num_computed_tokens // bm.block_size
         if not bm.enable_prefix_caching or num_full <= seq.num_cached_blocks:
             return
-        extend_hashes(seq.block_hashes, self.cache_root, seq.token_ids, bm.block_size, num_full)
+        extend_hashes(seq.block_hashes, self._root(seq), seq.token_ids, bm.block_size, num_full)
         for i in range(seq.num_cached_blocks, num_full):
             bm.cache_block(seq.block_table[i], seq.block_hashes[i])
         seq.num_cached_blocks = num_full

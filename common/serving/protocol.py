@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from common.engine.sampling_params import SamplingParams
+from common.engine.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -61,6 +61,8 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    # vLLM's: only requests with the same salt share prefix-cache blocks (tenant isolation)
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -91,6 +93,7 @@ class SamplingRequest(BaseModel):
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
+            cache_salt=self.cache_salt,
         )
 
 
