@@ -6,12 +6,11 @@ and the registry's listener thread, so nothing outlives the app.
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
@@ -19,8 +18,9 @@ from common.serving.errors import error_body, error_type, http_error
 from common.serving.limits import BodyLimits
 from common.serving.write_stall import bound_writes
 from common.cluster_auth import ClusterKey, warn_if_open
+from proxy.api_key import ApiKeyOnly
 from proxy.config import ProxyConfig
-from proxy.errors import NoNodeAvailable, ProxyError, Unauthorized
+from proxy.errors import NoNodeAvailable, ProxyError
 from proxy.legs import Legs
 from proxy.model_cards import ModelCards
 from proxy.metrics import ProxyMetrics
@@ -70,7 +70,10 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
 
     _add_error_handlers(app, metrics)
     app.add_middleware(BodyLimits, max_bytes=config.max_request_bytes)
-    app.include_router(_openai_routes(config, router), dependencies=[Depends(_api_key_check(config))])
+    if config.api_key:  # added last = outermost: a stranger's body is never read
+        app.add_middleware(ApiKeyOnly, api_key=config.api_key,
+                           on_refused=lambda: metrics.count_error("unauthorized"))
+    app.include_router(_openai_routes(config, router))
     _add_ops_routes(app, router, registry, metrics)
     bound_writes(app, config.stream_write_timeout_s)
     return app
@@ -97,19 +100,6 @@ def _add_error_handlers(app: FastAPI, metrics: ProxyMetrics) -> None:
         metrics.count_error("internal")
         error = ProxyError("internal proxy error; see the proxy log")
         return error.response(request.headers.get("x-request-id"))
-
-
-def _api_key_check(config: ProxyConfig):
-    expected = f"Bearer {config.api_key}".encode() if config.api_key else None
-
-    async def check(request: Request) -> None:
-        if expected is None:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>'")
-
-    return check
 
 
 def _openai_routes(config: ProxyConfig, router: Router) -> APIRouter:

@@ -49,7 +49,14 @@ class ProxyConfig(BaseModel):
         default_factory=list,
         description="Decode nodes that need no registration, same format as static_prefill.",
     )
-    api_key: str | None = Field(None, description="If set, clients must send 'Authorization: Bearer KEY'.")
+    api_key: str | None = Field(
+        None, description="If set, clients must send 'Authorization: Bearer KEY' to the OpenAI routes and /metrics."
+    )
+    cache_salt_from_api_key: bool = Field(
+        False, description="Set every request's cache_salt from the client's API key (an HMAC of its bearer "
+        "token; a client's own cache_salt is overridden), so clients with different keys share no cached "
+        "prefix and cannot time each other's prompts."
+    )
     cluster_key_file: str | None = Field(
         None, description="Shared secret file (same on every node): signs ids, authenticates registration."
     )

@@ -58,10 +58,6 @@ class BadRequest(ProxyError):
     status, code, kind, param = 400, "invalid_value", "bad_request", "body"
 
 
-class Unauthorized(ProxyError):
-    status, code, kind = 401, "invalid_api_key", "unauthorized"
-
-
 class ModelNotFound(ProxyError):
     status, code, kind, param = 404, "model_not_found", "model_not_found", "model"
 

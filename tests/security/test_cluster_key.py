@@ -108,7 +108,8 @@ def test_a_signed_id_is_accepted_once(cluster):
 
 
 def _registry_metric(proxy_url: str, reason: str) -> float:
-    for line in httpx.get(f"{proxy_url}/metrics").text.splitlines():
+    auth = {"Authorization": f"Bearer {API_KEY}"}  # /metrics names node addresses: behind the API key
+    for line in httpx.get(f"{proxy_url}/metrics", headers=auth).text.splitlines():
         if line.startswith("pdserve:proxy_registry_rejected_total{") and f'reason="{reason}"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
