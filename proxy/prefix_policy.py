@@ -7,6 +7,8 @@ recently used forgotten first): an approximation of what its prefix cache holds,
 SGLang's cache-aware router keeps. A request goes to the node sharing the longest run of
 leading chunks, ties to the least loaded; when the loads spread too far apart, or no node
 shares anything, it goes to the least loaded node (load as ``least_loaded`` counts it).
+A request's ``cache_salt`` roots its chain, as it roots the engine's: prompts of different
+salts share no chunk, so routing follows only what the nodes could actually reuse.
 """
 
 from __future__ import annotations
@@ -17,8 +19,24 @@ from collections import Counter, OrderedDict
 from proxy.registry import Node
 
 
+class PromptText(str):
+    """A prompt's text carrying the request's ``cache_salt``, which keys its chunk names (a
+    ``str``, so routing and the disaggregation policy pass it on unchanged)."""
+
+    def __new__(cls, text: str, cache_salt: str) -> PromptText:
+        obj = super().__new__(cls, text)
+        obj.cache_salt = cache_salt
+        return obj
+
+
 def prompt_text(body: dict) -> str:
-    """The part of an OpenAI request body that becomes the prompt, as one string."""
+    """The part of an OpenAI request body that becomes the prompt, as one string (a
+    ``PromptText`` when the body has a ``cache_salt``)."""
+    salt = body.get("cache_salt")
+    return PromptText(_prompt_text(body), salt) if isinstance(salt, str) else _prompt_text(body)
+
+
+def _prompt_text(body: dict) -> str:
     messages = body.get("messages")
     if isinstance(messages, list):
         parts = []
@@ -40,8 +58,11 @@ def prompt_text(body: dict) -> str:
 
 
 def chunk_hashes(text: str, chunk_chars: int) -> list[bytes]:
-    """Names of the full ``chunk_chars`` chunks of ``text``, each covering all text before it."""
-    out, parent = [], b""
+    """Names of the full ``chunk_chars`` chunks of ``text``, each covering all text before it
+    (and the salt of a salted ``PromptText``)."""
+    salt = getattr(text, "cache_salt", None)
+    out = []
+    parent = b"" if salt is None else hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     data = text.encode("utf-8", "surrogatepass")
     step = chunk_chars  # bytes, not characters: the same cut for the same text is all that matters
     for start in range(0, len(data) - step + 1, step):

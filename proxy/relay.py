@@ -33,11 +33,13 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from common.cluster_auth import ClusterKey
 from common.logging_setup import current_request_id
 from common.registry_client import RegistrationMessage
 from common.request_id import LOCAL_PREFILL, make_request_id
 from common.serving.errors import body_error, invalid_json
 from common.serving.limits import MAX_REQUEST_ID_CHARS
+from proxy.cache_salt import TenantSalt
 from proxy.config import ProxyConfig
 from proxy.disagg import Decision, DisaggPolicy
 from proxy.errors import (BadRequest, ClientDisconnected, ProxyError, RequestTimeout, StreamIdle,
@@ -119,6 +121,8 @@ class Dispatcher:
     def __init__(self, legs: Legs, router: Router, config: ProxyConfig, metrics: ProxyMetrics):
         self.legs, self.router, self.config, self.metrics = legs, router, config, metrics
         self.disagg = DisaggPolicy(config.disagg_policy)
+        self.tenant_salt = (TenantSalt(ClusterKey.optional(config.cluster_key_file))
+                            if config.cache_salt_from_api_key else None)
 
     async def handle(self, request: Request, path: str) -> Response:
         incoming = Incoming(path, request.headers.get("x-request-id"), time.perf_counter())
@@ -133,6 +137,9 @@ class Dispatcher:
             if refused is not None:
                 raise BadRequest(refused.message, code=refused.code)
             body = await _off_loop(len(body_bytes), _parse_body, body_bytes)
+            if self.tenant_salt is not None:  # both legs and the prefix routing see the tenant's salt
+                body = self.tenant_salt.apply(body, request.headers.get("authorization"))
+                body_bytes = await _off_loop(len(body_bytes), _encode_body, body)
         except ProxyError as exc:
             return self._failed(exc, incoming)
         watcher = asyncio.ensure_future(_wait_disconnect(request))  # only after the body is read
@@ -386,6 +393,10 @@ def _is_text(value: object) -> bool:
     except UnicodeEncodeError:  # a lone surrogate: no node serves such a name
         return False
     return True
+
+
+def _encode_body(body: dict) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def _parse_body(raw: bytes) -> dict:
