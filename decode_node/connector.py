@@ -16,10 +16,22 @@ table (:class:`~common.engine.kv_connector.ConnectorState`):
    still be writing into the blocks, so they are held until the worker reports the
    receive stopped. Aborted while LOAD_PENDING (not yet handed to the worker), the load is
    dropped and the blocks are freed at once.
+
+**Override** (adaptive disaggregation): the proxy tags a request remote from an estimate of
+what this node caches; the scheduler knows it exactly. When the prompt's uncached part fits
+one stall-bounded step (``--max-local-prefill-stall-ms`` at the measured rate, at least one
+block) it is computed here, like a local prefill: no entry in the table, no load; the worker
+tells the prefill node to drop the request's KV (an ABORT, as for a refused request; the
+prefill node frees it once its prefill ends, and its leg still answers the proxy). Counted by
+reason in ``overrides`` (``pdserve:decode_prefill_overrides_total``). The other way round
+there is no override: a request tagged local has no prefill leg, so it is prefilled here even
+when its prompt is long or blocks are short: in stall-bounded chunks, waiting for blocks like
+any prompt.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import TYPE_CHECKING
 
@@ -40,8 +52,23 @@ def prefill_addr(seq: Sequence) -> str | None:
 class ConsumerScheduler(KVConnectorScheduler):
     """Decides which requests load which blocks from which peer; holds no transfer engine."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.overrides: collections.Counter[str] = collections.Counter()  # reason -> remote tags computed here
+
     def num_external_tokens(self, seq: Sequence) -> int:
         return seq.num_prompt_tokens if prefill_addr(seq) else 0
+
+    def prefill_here(self, seq: Sequence, num_uncached: int, max_tokens: int) -> bool:
+        addr = prefill_addr(seq)
+        if addr is None or num_uncached > max_tokens:
+            return False
+        self.overrides["cached"] += 1
+        self._releases.append((seq.request_id, addr))
+        logger.debug("request %s: override to a local prefill (cached): %d of %d prompt tokens cached here, "
+                     "%d to compute (one step holds %d); telling %s to drop its KV", seq.request_id,
+                     seq.num_prompt_tokens - num_uncached, seq.num_prompt_tokens, num_uncached, max_tokens, addr)
+        return True
 
     def on_blocks_allocated(self, seq: Sequence, first_block: int) -> None:
         addr = prefill_addr(seq)
@@ -100,6 +127,8 @@ class ConsumerWorker(TransferWorker):
         consumer = self.transfer.consumer
         for rid in meta.aborts:
             consumer.abort(rid)
+        for rid, addr in meta.releases:  # as the pull would have, it may open the connection
+            consumer.release_remote(rid, addr)
         for load in meta.loads:
             try:
                 consumer.request(load.request_id, load.prefill_addr, list(load.block_ids),

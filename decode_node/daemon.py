@@ -17,16 +17,20 @@ A request's life here, as queues (SGLang's picture):
    that disconnects mid-transfer aborts it (blocks held until the receive has stopped).
    A request refused here (a 4xx: bad input, prompt too long) never asks for its KV, so
    the prefill node is told to drop it at once instead of holding it until its lease ends.
+6. **override** — a prompt this node has all but one stall-bounded step of cached is computed
+   here instead of pulled, and the prefill node is told to drop its KV (decode_node.connector).
 """
 
 from __future__ import annotations
 
 from fastapi import FastAPI
+from prometheus_client import Counter
 
 from common.config import NodeConfig
 from common.daemon import Daemon, run_daemon
+from common.metrics import PREFIX
 from common.node import parse_config
-from decode_node.connector import ConsumerConnector
+from decode_node.connector import ConsumerConnector, ConsumerScheduler
 from decode_node.release import ReleaseRefusedKV
 
 
@@ -41,8 +45,33 @@ def add_release_on_refusal(app: FastAPI, daemon: Daemon) -> None:
     app.add_middleware(ReleaseRefusedKV, release=release)
 
 
+def add_override_counter(app: FastAPI, connector: ConsumerConnector) -> None:
+    """``pdserve:decode_prefill_overrides_total{role, reason}``: requests tagged for a remote
+    prefill that this node computed itself (see decode_node.connector), brought up to date at scrape."""
+    metrics = app.state.serving.metrics
+    counter = Counter(PREFIX + "decode_prefill_overrides", "Requests tagged for a remote prefill that the "
+                      "decode node prefilled itself, by reason", ["role", "reason"], registry=metrics.registry)
+    counter.labels(metrics.role, "cached")  # shown at 0 before the first override
+    exported: dict[str, int] = {}
+
+    def export() -> None:
+        assert isinstance(connector.scheduler, ConsumerScheduler)
+        for reason, total in list(connector.scheduler.overrides.items()):
+            if total > exported.get(reason, 0):
+                counter.labels(metrics.role, reason).inc(total - exported.get(reason, 0))
+                exported[reason] = total
+
+    metrics.add_scrape_hook(export)
+
+
 def serve(config: NodeConfig) -> None:
-    run_daemon(config, ConsumerConnector(), on_app=add_release_on_refusal)
+    connector = ConsumerConnector()
+
+    def on_app(app: FastAPI, daemon: Daemon) -> None:
+        add_release_on_refusal(app, daemon)
+        add_override_counter(app, connector)
+
+    run_daemon(config, connector, on_app=on_app)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,8 @@ no transfer engine, no network. It decides, from the ``Sequence`` objects it see
   * which requests save KV in this step (their row in the batch, the peer, the blocks):
     only the pass that completes the prompt saves, earlier chunks go out from the blocks;
   * which finished requests are handed over (first token, its logprobs, blocks) or
-    discarded, and which loads are aborted;
+    discarded, which loads are aborted, and which requests tagged for a load compute their
+    few uncached tokens here instead (``prefill_here``; the peer is told to drop the KV);
   * whether the scheduler holds a finished request's blocks (``request_finished``), read
     from its one table of live transfers (``table``: request id -> :class:`ConnectorState`).
 Everything decided since the last metadata goes into the next :class:`KVConnectorMetadata`
@@ -99,9 +100,10 @@ class KVConnectorMetadata:
     handovers: tuple[HandoverSpec, ...] = ()
     discards: tuple[DiscardSpec, ...] = ()
     aborts: tuple[str, ...] = ()  # consumer: request ids whose load stops
+    releases: tuple[tuple[str, str], ...] = ()  # consumer: (request id, peer) never loaded: the peer drops it
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves or self.handovers or self.discards or self.aborts)
+        return bool(self.loads or self.saves or self.handovers or self.discards or self.aborts or self.releases)
 
 
 EMPTY_METADATA = KVConnectorMetadata()
@@ -144,6 +146,7 @@ class KVConnectorScheduler:
         self._handovers: list[HandoverSpec] = []
         self._discards: list[DiscardSpec] = []
         self._aborts: list[str] = []
+        self._releases: list[tuple[str, str]] = []
 
     def state(self, request_id: str) -> ConnectorState | None:
         return self.table.get(request_id)
@@ -155,6 +158,11 @@ class KVConnectorScheduler:
 
     def on_blocks_allocated(self, seq: Sequence, first_block: int) -> None:
         """``seq`` holds blocks for its whole prompt; the first ``first_block`` are cached here."""
+
+    def prefill_here(self, seq: Sequence, num_uncached: int, max_tokens: int) -> bool:
+        """A request tagged for remote KV whose prompt lacks only ``num_uncached`` tokens here:
+        True to compute them here instead (``max_tokens``: what one stall-bounded step holds)."""
+        return False
 
     def saves(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[SaveSpec]:
         """Rows of the scheduled batch whose KV the workers save during the forward."""
@@ -171,7 +179,7 @@ class KVConnectorScheduler:
 
     # ---- the metadata ---------------------------------------------------------------------
     def has_pending(self) -> bool:
-        return bool(self._loads or self._handovers or self._discards or self._aborts)
+        return bool(self._loads or self._handovers or self._discards or self._aborts or self._releases)
 
     def build_meta(self, seqs: list[Sequence] | None = None,
                    num_new_tokens: list[int] | None = None) -> KVConnectorMetadata:
@@ -182,8 +190,8 @@ class KVConnectorScheduler:
         for load in self._loads:
             self.table[load.request_id] = ConnectorState.LOADING
         meta = KVConnectorMetadata(tuple(self._loads), tuple(saves), tuple(self._handovers),
-                                   tuple(self._discards), tuple(self._aborts))
-        self._loads, self._handovers, self._discards, self._aborts = [], [], [], []
+                                   tuple(self._discards), tuple(self._aborts), tuple(self._releases))
+        self._loads, self._handovers, self._discards, self._aborts, self._releases = [], [], [], [], []
         return meta
 
 
@@ -191,7 +199,7 @@ class KVConnectorWorker:
     """Worker side with no transfer: nothing to move, nothing finishes."""
 
     def start_step(self, meta: KVConnectorMetadata) -> None:
-        """Before the forward: issue the step's loads, hand-overs, discards and aborts."""
+        """Before the forward: issue the step's loads, hand-overs, discards, aborts and releases."""
 
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, meta: KVConnectorMetadata) -> None:
         """After attention layer ``layer_idx`` wrote its KV, for ``meta.saves``."""
