@@ -117,7 +117,8 @@ class LLMEngine:
         check_prompt(prompt_token_ids, self.max_model_len)
         params.validate()
         seq = Sequence(request_id, list(prompt_token_ids), params,
-                       kv_transfer_params=dict(kv_transfer_params or {}))
+                       kv_transfer_params=dict(kv_transfer_params or {}),
+                       grammar=params.grammar.matcher() if params.grammar is not None else None)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 

@@ -13,6 +13,10 @@ first token) and the decode node (the rest) agree without carrying generator sta
 a seeded request gets the same tokens whatever else is in the batch. Unseeded rows share
 the engine's one generator.
 
+Structured outputs: a row with a grammar matcher gets its allowed-token mask (computed on
+the host by llguidance, copied once) applied to its logits first; rows without one cost
+nothing, and a batch without any skips the step entirely.
+
 ``min_tokens`` (vLLM's meaning): until a row has generated that many tokens, its stop
 token ids and EOS (unless ``ignore_eos``) are masked out. Logprobs are the model's raw
 ones (before temperature and masks), like vLLM's default.
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.sampling_params import SamplingParams
+from common.engine.structured_output import GrammarMasks, GrammarMatcher
 
 # splitmix64's constants as signed int64 (torch has no uint64 arithmetic; int64 wraps the same)
 _GAMMA = 0x9E3779B97F4A7C15 - 2**64
@@ -40,6 +45,7 @@ class SampleRow:
     params: SamplingParams
     position: int  # index the new token takes in prompt + output: a seeded draw depends on it
     num_output_tokens: int = 0  # tokens generated so far (for min_tokens)
+    grammar: GrammarMatcher | None = None  # structured output: only the tokens it allows
 
 
 @dataclass
@@ -54,12 +60,13 @@ class Sampler:
         # unseeded requests share this stream; it is seeded so a whole run is reproducible
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.grammar_masks = GrammarMasks()
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         """``logits`` is ``[len(rows), vocab]`` on the sampler's device."""
         logits = logits.float()
-        token_ids = self._sample(self._mask_stop_tokens(logits, rows), rows)
+        token_ids = self._sample(self._mask_stop_tokens(self._mask_grammar(logits, rows), rows), rows)
         ids = token_ids.tolist()  # the step's one device->host copy of the tokens
         return SamplerOutput(ids, self._logprobs(logits, token_ids, ids, rows))
 
@@ -99,6 +106,18 @@ class Sampler:
             return hashed
         shared = torch.empty(shape, device=self.device).exponential_(generator=self.generator)
         return torch.where(seeded.unsqueeze(1), hashed, shared)
+
+    def _mask_grammar(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """-inf on the tokens a row's grammar does not allow; unconstrained rows untouched.
+        Out of place: logprobs stay the model's."""
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not constrained:
+            return logits
+        allowed = self.grammar_masks.allowed([rows[i].grammar for i in constrained], logits.shape[-1], self.device)
+        if len(constrained) == len(rows):
+            return logits.masked_fill(~allowed, float("-inf"))
+        index = self._to_device([constrained], torch.int64)[0]
+        return logits.index_put((index,), logits[index].masked_fill(~allowed, float("-inf")))
 
     def _mask_stop_tokens(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """-inf on the stop tokens and EOS of rows that have not reached ``min_tokens``."""

@@ -6,7 +6,12 @@ import enum
 from dataclasses import dataclass, field
 
 from common.engine.outputs import FinishReason
+from typing import TYPE_CHECKING
+
 from common.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from common.engine.structured_output import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -43,6 +48,7 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when asked
     block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: names of its full blocks
     num_cached_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
+    grammar: GrammarMatcher | None = None  # its own matcher of params.grammar (a fork copies it: fork())
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -102,6 +102,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` tokenizer serialized (what a grammar engine reads the vocabulary from)."""
+        return self._tok.to_str()
+
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         return [self._tok.id_to_token(i) for i in ids]
 

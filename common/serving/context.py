@@ -28,6 +28,7 @@ from common.request_id import Tags, parse_tags
 from common.serving.errors import REQUEST_ID_HEADER, OpenAIError, client_visible_id, model_not_served
 from common.serving.limits import MAX_REQUEST_ID_CHARS
 from common.serving.protocol import SamplingRequest
+from common.serving.response_format import ResponseFormats
 
 TAG_FORMAT = "___prefill_addr_HOST:PORT___decode_addr_HOST:PORT_<uuid hex>"
 OFF_LOOP_CHARS = 16_384  # prompts longer than this are tokenized in a worker thread
@@ -68,9 +69,11 @@ class ServingContext:
     ready: Callable[[], bool]
     prepare_request: PrepareHook | None = None
     max_token_chars: int = field(init=False)
+    response_formats: ResponseFormats = field(init=False)
 
     def __post_init__(self) -> None:
         self.max_token_chars = _longest_token_chars(self.tokenizer, self.vocab_size)
+        self.response_formats = ResponseFormats(self.tokenizer, self.vocab_size)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -110,6 +113,7 @@ class ServingContext:
                       request: Request) -> PreparedRequest:
         """Validate what the route tokenized and apply the node role's rules."""
         params = body.sampling_params()
+        params.grammar = await self.response_formats.grammar(body.response_format)
         request_id = request_id_of(request)
         tags = parse_tags(request_id)
         self._check_role(tags, len(prompts))

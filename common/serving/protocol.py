@@ -42,6 +42,22 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: usage on every chunk (with include_usage)
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # BaseModel.schema exists
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``"""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -61,6 +77,7 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    response_format: ResponseFormat | None = None  # compiled by common.serving.response_format
     # vLLM's: only requests with the same salt share prefix-cache blocks (tenant isolation)
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
