@@ -158,6 +158,18 @@ class NodeConfig(BaseModel):
         description="A streamed reply whose client accepted no bytes this long is aborted (blocks freed, "
         "connection reset)"
     )
+    http_header_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="A client that has not sent a request's headers this long after it "
+        "connected (or began the request) gets a 408 and is disconnected"
+    )
+    http_body_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="A client that has not sent a request's whole body this long after its "
+        "headers gets a 408 and is disconnected (the request is aborted)"
+    )
+    http_max_connections: int = Field(
+        1024, ge=1, le=1_000_000, description="Most open HTTP connections; more are answered 503 and closed "
+        "(keep it above the proxy's --max-idle-connections)"
+    )
 
     @field_validator("cluster_key_file")
     @classmethod

@@ -24,6 +24,7 @@ from common.logging_setup import configure_logging
 from common.metrics import NodeMetrics
 from common.serving.app import build_app
 from common.serving.context import PrepareHook
+from common.serving.http_server import HttpLimits, server_config
 
 if TYPE_CHECKING:
     from common.engine.async_engine import AsyncLLMEngine
@@ -83,9 +84,10 @@ def run_node(
             "serving %s as role %s on http://%s:%d (max_model_len %d)",
             engine.model_name, config.role, config.host, config.port, engine.max_model_len,
         )
+        limits = HttpLimits(config.http_header_timeout_s, config.http_body_timeout_s, config.http_max_connections)
         server = uvicorn.Server(
-            uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
-                           timeout_graceful_shutdown=30, timeout_keep_alive=config.keep_alive_timeout_s)
+            server_config(app, config.host, config.port, limits, log_config=None,
+                          timeout_graceful_shutdown=30, timeout_keep_alive=config.keep_alive_timeout_s)
         )
         _serve_until_signal(server)
     finally:

@@ -110,8 +110,9 @@ class ConsumerScheduler(KVConnectorScheduler):
         for rid, err in failed.items():
             logger.warning("request %s: KV transfer failed: %s", rid, err)
         logprobs = {rid: lp for rid, lp in finished.first_logprobs.items() if rid in done}
+        choices = {rid: c for rid, c in finished.choice_firsts.items() if rid in done}
         return FinishedTransfers(done_sending=stopped, done_recving=done, failed_recving=failed,
-                                 first_logprobs=logprobs)
+                                 first_logprobs=logprobs, choice_firsts=choices)
 
 
 class ConsumerWorker(TransferWorker):
@@ -144,8 +145,9 @@ class ConsumerWorker(TransferWorker):
         if self._refused:
             failed, self._refused = {**failed, **self._refused}, {}
         first_logprobs = consumer.take_first_logprobs(done) if done else {}
+        choices = consumer.take_choices(done) if done else {}
         return FinishedTransfers(done_sending=consumer.poll_aborted(), done_recving=done,
-                                 failed_recving=failed, first_logprobs=first_logprobs)
+                                 failed_recving=failed, first_logprobs=first_logprobs, choice_firsts=choices)
 
 
 class ConsumerConnector(KVConnector):

@@ -6,6 +6,7 @@ import uvicorn
 
 from common.config import load_config
 from common.logging_setup import configure_logging
+from common.serving.http_server import HttpLimits, server_config
 from proxy.app import build_app
 from proxy.config import ProxyConfig
 
@@ -21,8 +22,9 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(config.log_level, f"proxy:{config.port}", config.log_file)
     app = build_app(config)
     # Our own per-request log line names the tagged id and the pair; uvicorn's access log would repeat it.
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
-                timeout_keep_alive=config.keep_alive_timeout_s)
+    limits = HttpLimits(config.http_header_timeout_s, config.http_body_timeout_s, config.http_max_connections)
+    uvicorn.Server(server_config(app, config.host, config.port, limits, log_level=config.log_level,
+                                 access_log=False, timeout_keep_alive=config.keep_alive_timeout_s)).run()
 
 
 if __name__ == "__main__":

@@ -71,6 +71,10 @@ class ProxyConfig(BaseModel):
         300.0, gt=0, description="From dispatch to the decode node's first bytes."
     )
     total_timeout_s: float = Field(3600.0, gt=0, description="A whole request, stream included.")
+    migration_limit: int = Field(
+        2, ge=0, le=100, description="A stream whose decode node dies or stalls after it began goes on from "
+        "another decode node (the tokens sent so far resent as ids) at most this many times; 0 turns it off."
+    )
     max_idle_connections: int = Field(256, gt=0, description="Keep-alive connections kept open to each node.")
     stream_idle_timeout_s: float = Field(
         30.0, gt=0, description="A stream that relayed nothing this long is ended (SSE error + [DONE]) and "
@@ -83,6 +87,17 @@ class ProxyConfig(BaseModel):
     stream_write_timeout_s: float = Field(
         30.0, gt=0, le=3600, description="A client that accepted no bytes of a stream this long is cut off "
         "(connection reset) and both legs are cancelled."
+    )
+    http_header_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="A client that has not sent a request's headers this long after it "
+        "connected (or began the request) gets a 408 and is disconnected."
+    )
+    http_body_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="A client that has not sent a request's whole body this long after its "
+        "headers gets a 408 and is disconnected."
+    )
+    http_max_connections: int = Field(
+        1024, ge=1, le=1_000_000, description="Most open client connections; more are answered 503 and closed."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_file: str | None = Field(None, description="Also write logs to this file.")

@@ -81,6 +81,8 @@ class HandoverSpec:
     first_logprobs: tuple[tuple[int, float], ...] | None
     block_ids: tuple[int, ...]
     num_prompt_tokens: int
+    # n > 1: choices 1..'s first tokens, each with its logprobs ([[token_id, logprob], ...] or [])
+    choices: tuple[tuple[int, tuple[tuple[int, float], ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ class FinishedTransfers:
     done_recving: dict[str, int] = field(default_factory=dict)
     # consumer: the first token's logprobs from the producer, for landed requests that asked
     first_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # consumer, n > 1: the first tokens (and logprobs) of choices 1.. that came with choice 0's
+    choice_firsts: dict[str, list[tuple[int, dict[int, float] | None]]] = field(default_factory=dict)
     # consumer: requests whose transfer failed: request_id -> error message (request fails, blocks freed)
     failed_recving: dict[str, str] = field(default_factory=dict)
 

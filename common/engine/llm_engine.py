@@ -123,12 +123,12 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
-        """Finish the request with reason "abort" (reported by the next ``step``); unknown ids are ignored."""
-        seq = self._requests.get(request_id)
-        if seq is None or seq.is_finished:
-            return
-        self.scheduler.finish(seq, "abort")
-        self._finished_unreported.append(seq)
+        """Finish the request (every choice of it) or one choice (``choice_request_id``) with reason
+        "abort", reported by the next ``step``; unknown ids are ignored."""
+        for seq in [s for s in self._requests.values() if request_id in (s.request_id, s.group_id)]:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                self._finished_unreported.append(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -159,7 +159,8 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        landed = self._outputs(self.scheduler.process_transfers(self.kv_worker.get_finished()))
+        landed = self.scheduler.process_transfers(self.kv_worker.get_finished())
+        landed = self._outputs(landed + self._adopt_forked())
         if landed and self.early_outputs is not None:
             self.early_outputs(landed)
             landed = []
@@ -180,12 +181,24 @@ class LLMEngine:
             for seq, token_id, logprobs in zip(result.sampled_seqs, result.token_ids, result.logprobs):
                 if logprobs is not None:
                     seq.logprobs.append(logprobs)
+                if seq in result.choice_firsts:  # before choice 0's token: if that ends it, its blocks are shared
+                    self.scheduler.fork(seq, result.choice_firsts[seq])
                 self.scheduler.append_token(seq, token_id)
-            touched += result.sampled_seqs
+            touched += result.sampled_seqs + self._adopt_forked()
         tail = self.scheduler.take_kv_metadata()  # e.g. a first token to hand over: it goes now
         if tail:
             self.kv_worker.start_step(tail)
         return landed + self._outputs(touched)
+
+    def _adopt_forked(self) -> list[Sequence]:
+        """Track the choices the scheduler just forked and copy their prompt's tail block now,
+        before any later allocation or write can touch the block copied from."""
+        forked, copies = self.scheduler.take_forked()
+        for seq in forked:
+            self._requests[seq.request_id] = seq
+        if copies:
+            self.runner.copy_blocks(copies)
+        return forked
 
     def _record_step(self, batch, cap: int | None, seconds: float) -> None:
         prompt = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.is_prefill)
@@ -219,12 +232,14 @@ class LLMEngine:
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=seq.group_id or seq.request_id,
+            index=seq.index,
             new_token_ids=new,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
+            num_cached_tokens=seq.num_cached_tokens,
             new_logprobs=logprobs,
             error=seq.error,
             kv_transfer_params=seq.kv_transfer_params,

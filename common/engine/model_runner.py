@@ -17,12 +17,13 @@ a warning, or stops with :class:`TritonStartError` when a flag asked for Triton 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import logging
 
 import torch
 
+from common.engine.choices import FirstToken, expand_rows, split_choices
 from common.engine.cuda_graph import CudaGraphRunner, DecodeBuffers, graph_batch_sizes
 from common.engine.sampler import Sampler, SampleRow
 from common.engine.scheduler import ScheduledBatch
@@ -61,6 +62,8 @@ class RunnerOutput:
     sampled_seqs: list[Sequence]
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+    # n > 1: a sequence that sampled its first token -> choices 1..'s first tokens (same logits)
+    choice_firsts: dict[Sequence, list[FirstToken]] = field(default_factory=dict)
 
 
 LayerHook = Callable[[int, torch.Tensor], None]  # (layer index, that layer's KV cache) after it wrote
@@ -215,8 +218,17 @@ class ModelRunner:
             return RunnerOutput([], [], [])
         logits = self.model.compute_logits(hidden[sample_rows])
         rows = [SampleRow(s.params, s.num_tokens, len(s.output_token_ids), s.grammar) for s in sampled_seqs]
+        logits, rows, extra = expand_rows(logits, rows, sampled_seqs)
         out = self.sampler(logits, rows)
-        return RunnerOutput(sampled_seqs, out.token_ids, out.logprobs)
+        firsts = split_choices(sampled_seqs, out.token_ids, out.logprobs, extra) if extra else {}
+        return RunnerOutput(sampled_seqs, out.token_ids, out.logprobs, firsts)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy blocks' KV (``(from, to)`` ids) in every layer: a forked choice's own prompt tail."""
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
 
     def _sample_rows(self, rows: list[int], num_rows: int) -> torch.Tensor | slice:
         if rows == list(range(num_rows)):

@@ -17,6 +17,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # cumulative
+    num_cached_tokens: int = 0  # prompt tokens the computing node found in its prefix cache
     new_logprobs: list[dict[int, float]] | None = None  # per new token: {token_id: logprob}
     error: str | None = None  # set with finish_reason "error" (e.g. KV transfer failed)
     kv_transfer_params: dict = field(default_factory=dict)  # e.g. first token for the decode side
+    index: int = 0  # the choice (``SamplingParams.n`` > 1: one request, n choices)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from common.engine.block_hash import BlockHash, extend_hashes, root_hash, salted_root
 from common.engine.block_manager import BlockManager
+from common.engine.choices import FirstToken, new_choice
 from common.engine.kv_connector import (EMPTY_METADATA, FinishedTransfers, KVConnectorMetadata,
                                         KVConnectorScheduler)
 from common.engine.outputs import FinishReason
@@ -92,6 +93,8 @@ class Scheduler:
         self.cache_root = root_hash(cache_root, block_manager.block_size)
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache (vLLM's meaning)
         self.prefix_cache_hits = 0  # of those, tokens found cached
+        self.forked: list[Sequence] = []  # choices forked since ``take_forked``
+        self.block_copies: list[tuple[int, int]] = []  # (from, to): a forked choice's prompt tail block
 
     # ---- queues -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -178,6 +181,8 @@ class Scheduler:
                 return  # without chunking a whole prompt must fit: it waits for a step of its own
             if took:
                 self._count_lookup(seq, seq.num_tokens)
+                if not seq.num_preemptions:  # a recompute's hits are not the prompt's
+                    seq.num_cached_tokens = seq.num_computed_tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -256,7 +261,10 @@ class Scheduler:
             self.waiting.appendleft(seq)  # next decode step feeds first_token at position len(prompt)
             if seq.params.logprobs is not None and rid in finished.first_logprobs:
                 seq.logprobs.append(finished.first_logprobs[rid])
-            self.append_token(seq, first_token)
+            if seq.params.n > 1:  # before choice 0's token: if that ends it, its blocks are shared already
+                self.fork(seq, finished.choice_firsts.get(rid, []))
+            if not seq.is_finished:
+                self.append_token(seq, first_token)
             touched.append(seq)
         for rid, message in finished.failed_recving.items():
             seq = self.parked.get(rid)
@@ -264,6 +272,48 @@ class Scheduler:
                 self.finish(seq, "error", error=message)
                 touched.append(seq)
         return touched
+
+    # ---- n > 1 (common/engine/choices.py) ------------------------------------------------
+    def fork(self, parent: Sequence, firsts: list[FirstToken]) -> None:
+        """Choices 1.. of ``parent`` (prompt computed, its own first token not yet appended), each
+        with its first token; they share the prompt's blocks, the tail block copied (the engine
+        applies ``block_copies`` before anything writes). A choice its first token ends holds none."""
+        parent.choice_firsts = list(firsts)
+        if len(firsts) != parent.params.n - 1:
+            self.finish(parent, "error", error=f"{len(firsts) + 1} first tokens for n={parent.params.n} choices")
+            return
+        for index, first in enumerate(firsts, start=1):
+            child = new_choice(parent, index, first)
+            child.output_token_ids.append(first[0])
+            if (reason := self._check_stop(child, first[0])) is not None:
+                child.status, child.finish_reason = SequenceStatus.FINISHED, reason
+            else:
+                child.output_token_ids.pop()
+                self._share_prompt_blocks(parent, child)
+                self.waiting.appendleft(child)
+                self.append_token(child, first[0])
+            self.forked.append(child)
+
+    def _share_prompt_blocks(self, parent: Sequence, child: Sequence) -> None:
+        bm, bs = self.block_manager, self.block_manager.block_size
+        num_full = parent.num_prompt_tokens // bs
+        child.block_table = parent.block_table[:num_full]
+        bm.fork(child.block_table)
+        child.block_hashes = parent.block_hashes[:num_full]
+        child.num_cached_blocks = min(parent.num_cached_blocks, num_full)
+        if num_full * bs == parent.num_prompt_tokens:
+            return
+        if bm.can_allocate(1):
+            child.block_table += bm.allocate(1)
+            self.block_copies.append((parent.block_table[num_full], child.block_table[-1]))
+        else:  # no block to copy into: it recomputes the tail, as a preempted sequence would
+            child.num_computed_tokens = num_full * bs
+
+    def take_forked(self) -> tuple[list[Sequence], list[tuple[int, int]]]:
+        """The choices forked and the blocks to copy for them since the last call."""
+        forked, copies = self.forked, self.block_copies
+        self.forked, self.block_copies = [], []
+        return forked, copies
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """Take ``seq`` out of every queue; free its blocks unless the connector still sends them."""

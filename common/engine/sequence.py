@@ -48,6 +48,14 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when asked
     block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: names of its full blocks
     num_cached_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
+    # prompt tokens served from the prefix cache where the prompt was computed (a remote
+    # prefill: the prefill node's count, from DONE); usage.prompt_tokens_details.cached_tokens
+    num_cached_tokens: int = 0
+    # n > 1 (common/engine/choices.py): choice ``index`` of request ``group_id`` ("" = its own);
+    # choice 0 keeps the first tokens of the others it forked, for a prefill node's hand-over
+    index: int = 0
+    group_id: str = ""
+    choice_firsts: list[tuple[int, dict[int, float] | None]] = field(default_factory=list)
     grammar: GrammarMatcher | None = None  # its own matcher of params.grammar (a fork copies it: fork())
 
     @property

@@ -118,14 +118,18 @@ class GrammarMasks:
         self._executor: llguidance.LLExecutor | None = None  # its thread pool starts on first use
 
     def allowed(self, matchers: list[GrammarMatcher], vocab_size: int, device: torch.device) -> torch.Tensor:
-        """``[len(matchers), vocab_size]`` bool on ``device``: True where the token may follow."""
+        """``[len(matchers), vocab_size]`` bool on ``device``: True where the token may follow.
+        A matcher may fill several rows (the first tokens of n > 1 choices share one state)."""
+        slots = {id(m): m for m in matchers}  # one mask per distinct matcher
+        order = {key: i for i, key in enumerate(slots)}
         words = (vocab_size + 31) // 32
-        bitmask = torch.empty((len(matchers), words), dtype=torch.int32,
-                              pin_memory=device.type == "cuda")
+        bitmask = torch.empty((len(slots), words), dtype=torch.int32, pin_memory=device.type == "cuda")
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
-        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(matchers))
+        pairs = [(m._matcher, order[key]) for key, m in slots.items()]
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(slots))
+        if len(slots) < len(matchers):
+            bitmask = bitmask[[order[id(m)] for m in matchers]]
         bitmask = bitmask.to(device, non_blocking=True)
         shifts = torch.arange(32, device=device, dtype=torch.int32)
         bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # bit j of word w is token 32 w + j

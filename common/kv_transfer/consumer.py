@@ -44,6 +44,7 @@ class KVConsumer:
         self._owner_of: dict[str, PairReceiver] = {}
         self._finished: dict[str, int] = {}
         self._first_logprobs: dict[str, dict[int, float]] = {}  # until the connector takes them
+        self._choices: dict[str, list[tuple[int, dict[int, float] | None]]] = {}  # n > 1: likewise
         self._failed: dict[str, str] = {}
         self._aborted: set[str] = set()
         self._closed = False
@@ -92,6 +93,11 @@ class KVConsumer:
         with self._lock:
             return {rid: lp for rid in request_ids if (lp := self._first_logprobs.pop(rid, None)) is not None}
 
+    def take_choices(self, request_ids: set[str] | dict) -> dict[str, list[tuple[int, dict[int, float] | None]]]:
+        """Choices 1..'s first tokens that came with DONE (n > 1), for these landed requests (taken once)."""
+        with self._lock:
+            return {rid: c for rid in request_ids if (c := self._choices.pop(rid, None)) is not None}
+
     def abort(self, request_id: str) -> None:
         """Stop waiting for ``request_id`` and tell its producer to drop it. Its blocks may be
         reused once :meth:`poll_aborted` names it (a receive into them may still be running)."""
@@ -99,6 +105,7 @@ class KVConsumer:
             link = self._owner_of.pop(request_id, None)
             self._finished.pop(request_id, None)
             self._first_logprobs.pop(request_id, None)
+            self._choices.pop(request_id, None)
             self._failed.pop(request_id, None)
             if link is None:
                 self._aborted.add(request_id)
@@ -161,7 +168,8 @@ class KVConsumer:
     def _num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.layout.block_size)
 
-    def _done(self, t: Transfer, first_token: int, first_logprobs: list | None = None) -> None:
+    def _done(self, t: Transfer, first_token: int, first_logprobs: list | None = None,
+              choices: list | None = None) -> None:
         seconds = time.monotonic() - t.started
         self.stats.transfer_done(seconds, t.nbytes)
         with self._lock:
@@ -170,6 +178,9 @@ class KVConsumer:
             self._finished[t.request_id] = first_token
             if first_logprobs:
                 self._first_logprobs[t.request_id] = {int(tok): float(lp) for tok, lp in first_logprobs}
+            if choices:
+                self._choices[t.request_id] = [(int(tok), {int(a): float(b) for a, b in lps} or None)
+                                               for tok, lps in choices]
         self.on_progress()
 
     def _abort_stopped(self, request_id: str) -> None:

@@ -109,13 +109,16 @@ class LayerNotice(Message):
 class Done(Message):
     """Producer -> consumer: every layer of ``request_id`` was sent; here is the first token
     and, when the request asked for logprobs, its ``[[token_id, logprob], ...]`` (chosen and
-    top-n, as the prefill node's sampler reported them; empty otherwise)."""
+    top-n, as the prefill node's sampler reported them; empty otherwise). ``choices``: a request
+    with n > 1 choices sends choices 1..n-1's first tokens, ``[[token_id, logprobs], ...]``
+    (logprobs as above); the decode node forks them from the one transferred prompt."""
 
     CMD: ClassVar[str] = "done"
     request_id: str = ""
     pair_id: str = ""
     first_token: int = 0
     first_logprobs: list = field(default_factory=list)
+    choices: list = field(default_factory=list)
 
 
 @dataclass
@@ -150,7 +153,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 
 
 # fields a peer from before they existed does not send
-_OPTIONAL: dict[str, tuple[str, ...]] = {Pull.CMD: ("first_block",), Ping.CMD: ("pair_id",)}
+_OPTIONAL: dict[str, tuple[str, ...]] = {Pull.CMD: ("first_block",), Ping.CMD: ("pair_id",),
+                                          Done.CMD: ("choices",)}
 
 
 _FIELD_NAMES: dict[type[Message], tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls))

@@ -67,6 +67,7 @@ class ProducerRequest:
     first_block: int = 0
     first_token: int = 0
     first_logprobs: list = field(default_factory=list)  # [[token_id, logprob], ...] for DONE
+    choices: list = field(default_factory=list)  # n > 1: DONE's ``choices``
     kv_caches: list[torch.Tensor] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     remote_block_ids: list[int] = field(default_factory=list)  # the consumer's (cuda_ipc writes there)
@@ -146,9 +147,11 @@ class KVProducer:
                                       ready=self._kv_written(kv_layer)))
 
     def finish(self, request_id: str, first_token: int, kv_caches: list[torch.Tensor],
-               block_ids: list[int], num_tokens: int, first_logprobs: dict[int, float] | None = None) -> None:
+               block_ids: list[int], num_tokens: int, first_logprobs: dict[int, float] | None = None,
+               choices: list | None = None) -> None:
         """The prompt is done: start the lease; send whatever the consumer still needs (the
-        first token travels with its logprobs when the request asked for them)."""
+        first token travels with its logprobs when the request asked for them, and with the
+        other choices' first tokens when it asked for n > 1: ``Done.choices``)."""
         with self._lock:
             self._reserved.pop(request_id, None)  # from now on its real blocks count
             if request_id in self._gone:
@@ -158,6 +161,7 @@ class KVProducer:
             self._requests[request_id] = req
             req.state, req.first_token = ProducerState.HELD, first_token  # SENDING below if pulled
             req.first_logprobs = [[t, lp] for t, lp in (first_logprobs or {}).items()]
+            req.choices = list(choices or [])
             req.kv_caches, req.block_ids = kv_caches, list(block_ids)[req.first_block:]
             req.ready = self._kv_written(kv_caches[0]) if kv_caches else None
             req.deadline = time.monotonic() + self.config.lease_s

@@ -342,7 +342,7 @@ class PairReceiver:
         if missing:
             self.owner._fail(t, f"DONE with {missing} layers missing")
         else:
-            self.owner._done(t, msg.first_token, msg.first_logprobs)
+            self.owner._done(t, msg.first_token, msg.first_logprobs, msg.choices)
         ack = Ack(request_id=msg.request_id)  # after _done: the engine sees the request first
         if self.transport == "tcp":
             self.pair.send_message(encode(ack))

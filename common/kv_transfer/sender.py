@@ -277,7 +277,7 @@ class PairSender:
 
     def _done(self, req: ProducerRequest) -> Done:
         return Done(request_id=req.request_id, pair_id=self.pair_id, first_token=req.first_token,
-                    first_logprobs=req.first_logprobs)
+                    first_logprobs=req.first_logprobs, choices=req.choices)
 
     def _send_done(self, job: SendJob) -> None:
         if self.transport == "cuda_ipc":

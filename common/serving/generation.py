@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.engine.outputs import RequestOutput
 from common.serving.context import PreparedRequest, ServingContext
@@ -51,12 +52,14 @@ class GenerationRun:
         self.num_prompt_tokens = sum(len(p) for p in prepared.prompts)
         self.num_output_tokens = 0
         self._timings = [_Timing() for _ in prepared.prompts]
+        self._cached_tokens: dict[int, int] = {}  # per prompt: tokens its node found in the prefix cache
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": self.num_output_tokens,
             "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(self._cached_tokens.values())},
         }
 
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -139,6 +142,8 @@ class GenerationRun:
 
     def _observe(self, index: int, out: RequestOutput) -> None:
         metrics, timing, now = self.ctx.metrics, self._timings[index], time.monotonic()
+        if out.num_cached_tokens:
+            self._cached_tokens[index] = out.num_cached_tokens
         num_new = len(out.new_token_ids)
         if num_new:
             if timing.first_token_at is None:

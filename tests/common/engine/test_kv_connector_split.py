@@ -202,7 +202,7 @@ def test_producer_worker_issues_the_metadata():
                                discards=(DiscardSpec("z", "gone"),))
     conn.worker.start_step(meta)
     conn.worker.save_kv_layer(0, "kv0", meta)
-    assert transfer.calls == [("discard", "z", "gone"), ("finish", "y", 9, caches, [1, 2], 5, {9: -0.25}),
+    assert transfer.calls == [("discard", "z", "gone"), ("finish", "y", 9, caches, [1, 2], 5, {9: -0.25}, []),
                               ("save_layer", "x", 0, "kv0", [4, 5])]
 
 

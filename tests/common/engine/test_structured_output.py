@@ -62,7 +62,8 @@ def test_sampled_rows_respect_the_mask(compiler: GrammarCompiler, tokenizer: Tok
     x = torch.zeros(8, vocab)  # uniform: unmasked draws would land anywhere
     for seeded in (None, 7):
         params = SamplingParams(temperature=1.0, seed=seeded)
-        out = sampler(x, [SampleRow(params, 3 + i, grammar=matcher.fork()) for i in range(8)])
+        shared = [matcher] * 3  # n > 1: the choices' first tokens come from one state
+        out = sampler(x, [SampleRow(params, 3 + i, grammar=m) for i, m in enumerate([matcher.fork()] * 5 + shared)])
         assert set(out.token_ids) <= allowed
 
 

@@ -34,7 +34,8 @@ def test_string_prompt_usage_and_text(client: TestClient, engine: FakeEngine) ->
     data = reply.json()
     assert data["object"] == "text_completion" and data["model"] == "fake-model"
     assert data["choices"] == [{"index": 0, "text": "abc", "logprobs": None, "finish_reason": "length"}]
-    assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert engine.calls[0].prompt_token_ids == [1, ord("h"), ord("i")]
     assert engine.calls[0].params.greedy
 
@@ -60,7 +61,8 @@ def test_prompt_forms_give_one_choice_per_prompt(
     assert sorted(call.prompt_token_ids for call in engine.calls) == sorted(expected_prompts)
     n_prompt = sum(len(p) for p in expected_prompts)
     assert data["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 2 * len(expected_prompts),
-                             "total_tokens": n_prompt + 2 * len(expected_prompts)}
+                             "total_tokens": n_prompt + 2 * len(expected_prompts),
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_sampling_fields_reach_the_engine(client: TestClient, engine: FakeEngine) -> None:

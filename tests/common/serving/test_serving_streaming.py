@@ -66,7 +66,8 @@ def test_multi_prompt_stream_interleaves_choices(client: TestClient) -> None:
         choice = e["choices"][0]
         by_index[choice["index"]] = by_index.get(choice["index"], "") + choice["text"]
     assert by_index == {0: "ab", 1: "ab"}
-    assert events[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    assert events[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_engine_error_in_stream_is_one_error_event_then_done(engine: FakeEngine, client: TestClient) -> None:
