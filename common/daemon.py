@@ -82,7 +82,7 @@ class Daemon:
         self.transfer = KVTransferEngine(
             f"{cfg.host}:{cfg.kv_port}", engine.kv_layout, transfer_config(cfg), stats,
             device=str(engine.engine.device), advertise_host=cfg.kv_host, transport=cfg.kv_transport,
-            key=self.key, on_progress=engine.wake,
+            key=self.key, on_progress=engine.wake, vocab_size=engine.engine.model_config.vocab_size,
         )
         warn_if_open(f"the {cfg.role} daemon (HTTP and KV endpoint)", cfg.host, self.key,
                      "get completions past the proxy's API key, make this node connect to any address, "
@@ -103,7 +103,7 @@ class Daemon:
         return self.transfer is not None and (self.heartbeater is None or self.heartbeater.beats_sent > 0)
 
     def _registration(self, engine: AsyncLLMEngine) -> dict:
-        from common.registry_client import adaptive_figures
+        from common.registry_client import adaptive_figures, transfer_figures
 
         s = engine.stats()
         return {
@@ -119,6 +119,7 @@ class Daemon:
             "num_total_blocks": s.num_total_blocks,
             "engine_stalled_s": round(engine.stalled_for(), 3),
             **adaptive_figures(s),
+            **transfer_figures(engine.kv_layout, self.transfer.stats.recv_bytes_per_s if self.transfer else None),
         }
 
     def _export_transfer_stats(self, metrics: NodeMetrics) -> None:

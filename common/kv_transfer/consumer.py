@@ -35,8 +35,9 @@ class KVConsumer:
     """The consumer half of :class:`~common.kv_transfer.engine.KVTransferEngine`."""
 
     def __init__(self, layout: KVLayout, config: TransferConfig, stats: TransferStats,
-                 transport: str = "auto") -> None:
+                 transport: str = "auto", vocab_size: int | None = None) -> None:
         self.layout, self.config, self.stats = layout, config, stats
+        self.vocab_size = vocab_size  # a DONE's tokens must lie in [0, vocab_size) (peer_checks.py)
         self.transport = transport  # --kv-transport: what this side asks for at each handshake
         self.control: ControlPlane  # set by the engine once bound
         self._lock = threading.Lock()
@@ -170,8 +171,10 @@ class KVConsumer:
 
     def _done(self, t: Transfer, first_token: int, first_logprobs: list | None = None,
               choices: list | None = None) -> None:
-        seconds = time.monotonic() - t.started
-        self.stats.transfer_done(seconds, t.nbytes)
+        now = time.monotonic()
+        self.stats.transfer_done(now - t.started, t.nbytes)
+        if t.first_byte is not None:
+            self.stats.transfer_rate(t.nbytes, now - t.first_byte)
         with self._lock:
             if self._owner_of.pop(t.request_id, None) is None:
                 return

@@ -27,13 +27,14 @@ class KVTransferEngine:
     ``device`` is where this process's KV cache lives; with ``transport`` (``--kv-transport``:
     auto, cuda_ipc, nccl, tcp or gloo) it decides each pair's data plane at its handshake
     (transport.py). ``advertise_host`` is the address peers use to reach this process
-    (default: the bind host); ``key`` (the cluster key) seals every control message.
+    (default: the bind host); ``key`` (the cluster key) seals every control message;
+    ``vocab_size`` bounds the token ids a producer's DONE may carry.
     """
 
     def __init__(self, zmq_address: str, layout: KVLayout, config: TransferConfig | None = None,
                  stats: TransferStats | None = None, device: str = "cpu", advertise_host: str | None = None,
                  transport: str = "auto", key: ClusterKey | None = None,
-                 on_progress: Callable[[], None] | None = None) -> None:
+                 on_progress: Callable[[], None] | None = None, vocab_size: int | None = None) -> None:
         check_mode(transport)
         self.layout = layout
         self.config = config or TransferConfig()
@@ -41,7 +42,7 @@ class KVTransferEngine:
         host, _ = split_address(zmq_address)
         # peers reach the pair's store here: the bind host may be 0.0.0.0, which they cannot dial
         self.producer = KVProducer(layout, self.config, self.stats, advertise_host or host, device, transport)
-        self.consumer = KVConsumer(layout, self.config, self.stats, transport)
+        self.consumer = KVConsumer(layout, self.config, self.stats, transport, vocab_size)
         self.control = ControlPlane(zmq_address, self._on_router, self._on_dealer, key=key,
                                     idle_s=self.config.peer_idle_s, max_peers=self.config.max_peers)
         self.producer.control = self.consumer.control = self.control

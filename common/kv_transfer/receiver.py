@@ -35,6 +35,7 @@ from common.kv_transfer.cuda_ipc import export_cache
 from common.kv_transfer.messages import (UNKNOWN_PAIR, Abort, Ack, Done, Error, Handshake, HandshakeOk,
                                          LayerNotice, Message, MessageError, Ping, Pull, decode, encode)
 from common.kv_transfer.p2p_group import DTYPE_NAMES, dtype_name
+from common.kv_transfer.peer_checks import check_done, check_notice
 from common.kv_transfer.paged import StagingBuffer, block_run, scatter_blocks
 from common.kv_transfer.tcp_pair import KV, Frame, Inbox, kv_nbytes
 from common.kv_transfer.transport import Endpoint, open_pair
@@ -61,6 +62,7 @@ class Transfer:
     kv_caches: list[torch.Tensor]
     first_block: int = 0
     started: float = field(default_factory=time.monotonic)
+    first_byte: float | None = None  # its first layer arrived: the transfer rate runs from here to DONE
     layers: set[int] = field(default_factory=set)
     nbytes: int = 0
     retried: bool = False  # asked again on a new pair after the producer forgot the old one
@@ -84,6 +86,7 @@ class PairReceiver:
         self._fencing = 0  # cuda_ipc transfers failed, waiting for the producer's word before their blocks go
         self._last_ping = 0.0
         self._last_active = time.monotonic()
+        self._cache_blocks = 0  # blocks in the KV cache transfers land in: bounds a notice's shape
         self.thread = threading.Thread(target=self._run, name=f"kv-recv-{address}", daemon=True)
         self.thread.start()
 
@@ -152,6 +155,7 @@ class PairReceiver:
         t = self.transfers.get(frame.request_id)
         fits, reason = False, ""
         if t is not None:
+            t.first_byte = t.first_byte or time.monotonic()
             bad_layer = not all(0 <= x < len(t.kv_caches) for x in frame.layers)
             if frame.num_blocks > len(t.block_ids) or bad_layer:
                 reason = f"layers {list(frame.layers)}: {frame.num_blocks} blocks do not fit the request"
@@ -189,6 +193,7 @@ class PairReceiver:
                                 "this request names another")
             return
         self.transfers[t.request_id] = t
+        self._cache_blocks = t.kv_caches[0].shape[1]
         t.state = TransferState.PULLED
         pull = Pull(request_id=t.request_id, pair_id=self.pair_id, num_tokens=t.num_tokens,
                     num_blocks=self.owner._num_blocks(t.num_tokens), block_ids=t.block_ids,
@@ -300,6 +305,11 @@ class PairReceiver:
         mismatch, and a socket would fall out of step."""
         assert self.pair is not None
         t = self.transfers.get(msg.request_id)
+        if t is not None:
+            t.first_byte = t.first_byte or time.monotonic()
+        bad = check_notice(msg, self.owner.layout, len(t.block_ids) if t is not None else self._cache_blocks)
+        if bad is not None:  # its bytes cannot be received in step: the pair goes
+            raise TransferError(f"bad layer notice from producer {self.address}: {bad}")
         fits = t is not None and len(t.block_ids) >= msg.shape[1] \
             and list(msg.shape[2:]) == list(t.kv_caches[0].shape[2:]) and msg.shape[0] == 2 \
             and dtype_name(t.kv_caches[0].dtype) == msg.dtype
@@ -339,8 +349,12 @@ class PairReceiver:
         if t is None:
             return
         missing = self.owner.layout.num_layers - len(t.layers)
+        bad = check_done(msg, self.owner.vocab_size)
         if missing:
             self.owner._fail(t, f"DONE with {missing} layers missing")
+        elif bad is not None:  # this request fails alone; the pair and the engine go on
+            logger.warning("consumer: bad DONE for %s from %s: %s", msg.request_id, self.address, bad)
+            self.owner._fail(t, f"producer {self.address} sent a bad DONE: {bad}")
         else:
             self.owner._done(t, msg.first_token, msg.first_logprobs, msg.choices)
         ack = Ack(request_id=msg.request_id)  # after _done: the engine sees the request first
