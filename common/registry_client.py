@@ -20,7 +20,7 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, fields
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgpack
 import pydantic
@@ -30,6 +30,9 @@ from pydantic.dataclasses import dataclass
 
 from common.cluster_auth import ClusterKey, registry_sealer
 from common.engine.protocol import EngineStats
+
+if TYPE_CHECKING:  # the proxy reads heartbeats without importing torch
+    from common.kv_layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,16 @@ def adaptive_figures(stats: EngineStats) -> dict:
                "pending_prefill_tokens": stats.pending_prefill_tokens, "num_decoding": stats.num_decoding,
                "max_local_prefill_stall_ms": stats.max_local_prefill_stall_ms}
     return {k: v for k, v in figures.items() if v is not None}
+
+
+def transfer_figures(layout: KVLayout, recv_bytes_per_s: float | None) -> dict:
+    """The heartbeat keys of what a prompt's KV costs to move: its bytes per token (the KV
+    layout's) and, from a decode node that has received some, the measured P->D rate."""
+    figures = {"kv_bytes_per_token": float(layout.bytes_per_block_per_layer() * layout.num_layers
+                                           / layout.block_size)}
+    if recv_bytes_per_s:
+        figures["kv_transfer_bytes_per_s"] = float(round(recv_bytes_per_s, 1))
+    return figures
 
 
 class RegistrationError(ValueError):
@@ -89,6 +102,8 @@ class RegistrationMessage:
     pending_prefill_tokens: _COUNT | None = None  # prompt tokens queued, not yet computed
     num_decoding: _COUNT | None = None  # running sequences past their prompt
     max_local_prefill_stall_ms: _RATE | None = None  # decode: its bound on a decode step's wait for a prefill
+    kv_bytes_per_token: _RATE | None = None  # a prompt token's KV, all layers (the KV layout's)
+    kv_transfer_bytes_per_s: _RATE | None = None  # decode: measured P->D rate, first byte to DONE (EWMA)
     goodbye: Annotated[bool, Field(strict=True)] | None = None  # True: stopping; stop routing here now
 
     @property

@@ -4,26 +4,38 @@ A remote prefill keeps long prompts off the decode node (steady inter-token late
 a prefill leg, a KV transfer and a hand-off; for a short prompt, or one the decode node mostly
 has cached, that costs more than it saves. ``always`` sends every request to both nodes,
 ``never`` lets the decode node prefill every prompt itself, ``auto`` estimates both paths per
-request from what the cluster measures:
+request from what the cluster measures (every figure but the hand-off from the heartbeats):
 
-    remote = (P's pending prompt tokens + uncached_P) / tokens_per_s_P + overhead_remote(P, D)
-    local  = (D's pending prompt tokens + uncached_D) / tokens_per_s_D + overhead_local(D)
+    remote = queue_P + compute_P + transfer + handoff(P, D)
+        queue_P   = P's pending prompt tokens / tokens_per_s_P
+        compute_P = uncached_P / tokens_per_s_P
+        transfer  = max(uncached_D x kv_bytes_per_token / transfer rate - compute_P, 0)
+    local  = queue_D + compute_D + overhead_local(D),   compute_D = uncached_D / tokens_per_s_D
+    stall  = num_decoding x compute_D   (what the decodes running on D wait for it, in all)
 
-``tokens_per_s`` and pending tokens come from each node's heartbeat (an EWMA of its timed
-prefill steps); a decode node that has not prefilled yet borrows the prefill node's rate (same
-model, same KV layout). The overheads are what each path's time to first token measured here
-beyond its predicted compute (EWMA per pair / per decode node): for the remote path the prefill
-leg, the hand-off and the part of the transfer the per-layer push does not hide. The uncached
-parts come from the text of the prompts this proxy sent each node (64-character chunks, the
-tokens estimated at ``CHARS_PER_TOKEN``); the decode node knows its cache exactly and the engine
-bounds the stall, so an estimate that is off costs time, never a wrong answer.
+``tokens_per_s``, pending tokens and ``num_decoding`` come from each node's heartbeat (an EWMA
+of its timed prefill steps); a decode node that has not prefilled yet borrows the prefill node's
+rate (same model, same KV layout). ``kv_bytes_per_token`` is the KV layout's, the transfer rate
+the decode node's EWMA of its received transfers, timed from first byte to DONE (not from the
+PULL, which would count P's queue and prefill as transfer). D asks only for the blocks it lacks,
+so ``uncached_D`` tokens move; layers travel while P computes the next, so only what outlasts
+``compute_P`` adds. The hand-off (the prefill leg, the PULL, DONE, the first decode step) is the
+fixed cost the proxy measures itself: each streamed request's time to first token beyond the
+other terms (EWMA per pair; the local path's likewise per decode node). The uncached parts come
+from the text of the prompts this proxy sent each node (64-character chunks, the tokens
+estimated at ``CHARS_PER_TOKEN``); the decode node knows its cache exactly and overrides a remote
+tag for a prompt it has cached (decode_node.connector), and the engine bounds the stall, so an
+estimate that is off costs time, never a wrong answer.
 
-Local is chosen when it is cheaper and its whole uncached prefill fits the decode node's
-``--max-local-prefill-stall-ms`` (reported in its heartbeat) at its rate: one bounded step, so
-decodes running there, or arriving meanwhile, see at most one bounded hiccup. (A longer local
-prefill would be cheaper for its own first token on an idle decode node, and then hold every
-request that arrives during it to bounded-but-slow steps; the decode node is the 1P1D
-bottleneck, so it is kept for short work.)
+The decision, each with its reason label: no prefill rate measured anywhere -> remote
+(``no_figures``); remote no slower for this request's first token -> remote (``cheaper_remote``);
+its uncached prefill does not fit one step of D's ``--max-local-prefill-stall-ms`` (reported in
+its heartbeat) -> remote (``stall_bound``): decodes there, or arriving meanwhile, see at most one
+bounded hiccup (a longer local prefill would be cheaper for its own first token on an idle decode
+node, and then hold every request arriving during it to bounded-but-slow steps; the decode node
+is the 1P1D bottleneck, so it is kept for short work); ``local + stall`` not below ``remote`` ->
+remote (``busy_decode``): the time the running batch would lose outweighs what the request gains;
+else local (``cheaper_local``).
 """
 
 from __future__ import annotations
@@ -48,10 +60,11 @@ class Decision:
     """Where one request is prefilled and why; the estimates (seconds) when ``auto`` made them."""
 
     path: Path
-    reason: str  # policy | no_figures | cheaper_local | cheaper_remote | stall_bound
-    est_local_s: float | None = None
+    reason: str  # policy | no_figures | cheaper_local | cheaper_remote | stall_bound | busy_decode
+    est_local_s: float | None = None  # this request's first token, local (the stall on others apart)
     est_remote_s: float | None = None
-    compute_s: float | None = None  # the chosen path's predicted compute (its overhead is measured against it)
+    compute_s: float | None = None  # the chosen path's predicted time bar its fixed cost (measured against it)
+    stall_s: float | None = None  # what the decodes running on D would wait for a local prefill, in all
 
     @property
     def local(self) -> bool:
@@ -79,17 +92,28 @@ class DisaggPolicy:
         rate_d = decode.prefill_tokens_per_s or rate_p
         if rate_p is None or rate_d is None:
             return Decision("remote", "no_figures")
-        compute_remote = ((prefill.pending_prefill_tokens or 0) + max(tokens - cached_p, 1)) / rate_p
-        compute_local = ((decode.pending_prefill_tokens or 0) + max(tokens - cached_d, 1)) / rate_d
-        est_remote = compute_remote + self._remote_overhead.get(
+        uncached_d = max(tokens - cached_d, 1)
+        compute_p = max(tokens - cached_p, 1) / rate_p
+        bytes_per_token = decode.kv_bytes_per_token or prefill.kv_bytes_per_token
+        transfer = 0.0  # not measured yet: the hand-off's measured cost holds it
+        if bytes_per_token and decode.kv_transfer_bytes_per_s:
+            transfer = max(uncached_d * bytes_per_token / decode.kv_transfer_bytes_per_s - compute_p, 0.0)
+        before_handoff = (prefill.pending_prefill_tokens or 0) / rate_p + compute_p + transfer
+        est_remote = before_handoff + self._remote_overhead.get(
             (prefill.http_address, decode.http_address), DEFAULT_REMOTE_OVERHEAD_S)
+        compute_d = uncached_d / rate_d
+        compute_local = (decode.pending_prefill_tokens or 0) / rate_d + compute_d
         est_local = compute_local + self._local_overhead.get(decode.http_address, 0.0)
+        stall = (decode.num_decoding or 0) * compute_d
+        figures = dict(est_local_s=est_local, est_remote_s=est_remote, stall_s=stall)
         if est_remote <= est_local:
-            return Decision("remote", "cheaper_remote", est_local, est_remote, compute_remote)
+            return Decision("remote", "cheaper_remote", compute_s=before_handoff, **figures)
         bound_ms = decode.max_local_prefill_stall_ms
-        if bound_ms is not None and max(tokens - cached_d, 1) / rate_d * 1000 > bound_ms:
-            return Decision("remote", "stall_bound", est_local, est_remote, compute_remote)
-        return Decision("local", "cheaper_local", est_local, est_remote, compute_local)
+        if bound_ms is not None and compute_d * 1000 > bound_ms:
+            return Decision("remote", "stall_bound", compute_s=before_handoff, **figures)
+        if est_local + stall >= est_remote:
+            return Decision("remote", "busy_decode", compute_s=before_handoff, **figures)
+        return Decision("local", "cheaper_local", compute_s=compute_local, **figures)
 
     def sent(self, decision: Decision, prefill: RegistrationMessage, decode: RegistrationMessage,
              prompt: str) -> None:

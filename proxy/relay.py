@@ -204,9 +204,9 @@ class Dispatcher:
         self.disagg.sent(decision, pair.prefill, pair.decode, prompt)
         self.metrics.count_decision(decision.path, decision.reason)
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("prefill %s (%s): est_local=%s est_remote=%s P=%s D=%s", decision.path, decision.reason,
-                         _ms(decision.est_local_s), _ms(decision.est_remote_s), pair.prefill.http_address,
-                         pair.decode.http_address)
+            logger.debug("prefill %s (%s): est_local=%s est_remote=%s stall=%s P=%s D=%s", decision.path,
+                         decision.reason, _ms(decision.est_local_s), _ms(decision.est_remote_s),
+                         _ms(decision.stall_s), pair.prefill.http_address, pair.decode.http_address)
         return decision
 
     def _spawn_prefill(self, call: Call, path: str, p_bytes: bytes) -> None:

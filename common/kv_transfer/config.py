@@ -48,6 +48,9 @@ class TransferConfig:
         return self.timeout_s + 3 * self.heartbeat_s
 
 
+RATE_EWMA_WEIGHT = 0.2  # of the newest transfer in TransferStats' rate
+
+
 @dataclass
 class TransferStats:
     """Counters the daemons export as metrics (base units). Thread-safe increments.
@@ -64,6 +67,10 @@ class TransferStats:
     failures: int = 0
     leases_expired: int = 0
     on_transfer: Callable[[float, int], None] | None = None
+    # consumer: bytes and seconds from a transfer's first byte to its DONE (EWMAs; their ratio is
+    # the P->D rate the proxy's adaptive disaggregation weighs, see ``recv_bytes_per_s``)
+    _rate_bytes: float = 0.0
+    _rate_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **deltas: float) -> None:
@@ -75,6 +82,22 @@ class TransferStats:
         self.add(transfers_received=1, transfer_seconds_sum=seconds)
         if self.on_transfer is not None:
             self.on_transfer(seconds, nbytes)
+
+    def transfer_rate(self, nbytes: int, seconds: float) -> None:
+        """A received transfer's bytes over its first-byte-to-DONE time (not from the PULL: that
+        would count the producer's queue and prefill as transfer time)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            first = self._rate_seconds == 0.0
+            self._rate_bytes += nbytes if first else RATE_EWMA_WEIGHT * (nbytes - self._rate_bytes)
+            self._rate_seconds += seconds if first else RATE_EWMA_WEIGHT * (seconds - self._rate_seconds)
+
+    @property
+    def recv_bytes_per_s(self) -> float | None:
+        """The measured P->D rate (bytes/s; larger transfers weigh more); None before the first."""
+        with self._lock:
+            return self._rate_bytes / self._rate_seconds if self._rate_seconds > 0 else None
 
     def transfer_sent(self, seconds: float) -> None:
         """The consumer acknowledged a pushed request. Its bytes were counted as they were

@@ -102,6 +102,9 @@ def test_transfer_stats_callback_reports_each_request(no_thread_leak):
         assert wait_finished(d, {"s"}) == ({"s": 1}, {})
         assert len(seen) == 1 and seen[0][0] > 0
         assert seen[0][1] == LAYOUT.num_layers * 2 * LAYOUT.bytes_per_block_per_layer()
+        # the rate the decode node reports to the proxy: bytes over first byte to DONE, which is
+        # no longer than the histogram's PULL to DONE
+        assert stats.recv_bytes_per_s is not None and stats.recv_bytes_per_s >= seen[0][1] / seen[0][0]
         p.stop()
 
 

@@ -1,0 +1,116 @@
+"""``--disagg-policy auto``'s estimator, decided on fabricated heartbeats (proxy/disagg.py).
+
+Each case names the figures a node would report and the path and reason label expected; the
+reason is what ``pdserve:proxy_prefill_decisions_total`` counts and the debug log names.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from common.kv_transfer.config import TransferStats
+from common.registry_client import RegistrationMessage, transfer_figures
+from proxy.disagg import Decision, DisaggPolicy
+
+RATE = 2000.0  # prompt tokens/s
+BYTES_PER_TOKEN = 4096.0  # the embedded model: 4 layers x (K, V) x 2 KV heads x 64 x fp32
+FAST_LINK = 4e9  # bytes/s
+SHORT = "What does the with statement do? " * 3  # ~28 tokens: 14 ms at RATE
+LONG = "The for statement iterates over the items of a sequence, in order. " * 130  # ~2,500 tokens
+
+
+def _node(kind: str, **figures) -> RegistrationMessage:
+    port = 8100 if kind == "P" else 8200
+    return RegistrationMessage(type=kind, http_address=f"127.0.0.1:{port}", zmq_address=f"127.0.0.1:{port + 6000}",
+                               kv_bytes_per_token=BYTES_PER_TOKEN, **figures)
+
+
+def _prefill(**figures) -> RegistrationMessage:
+    return _node("P", **{"prefill_tokens_per_s": RATE, "pending_prefill_tokens": 0, **figures})
+
+
+def _decode(**figures) -> RegistrationMessage:
+    defaults = {"prefill_tokens_per_s": RATE, "pending_prefill_tokens": 0, "num_decoding": 0,
+                "max_local_prefill_stall_ms": 50.0, "kv_transfer_bytes_per_s": FAST_LINK}
+    return _node("D", **{**defaults, **figures})
+
+
+CASES = {
+    "short prompt, idle decode": (_prefill(), _decode(), SHORT, "local", "cheaper_local"),
+    "long prompt": (_prefill(), _decode(), LONG, "remote", "stall_bound"),
+    # 8 decodes would each wait ~14 ms: 112 ms of their time for ~20 ms of this request's
+    "short prompt, busy decode batch": (_prefill(), _decode(num_decoding=8), SHORT, "remote", "busy_decode"),
+    "nothing measured yet": (_prefill(prefill_tokens_per_s=None), _decode(prefill_tokens_per_s=None), SHORT,
+                             "remote", "no_figures"),
+    # a prefill node twice as fast is worth its 20 ms hand-off on a fast link...
+    "medium prompt, faster prefill node": (_prefill(prefill_tokens_per_s=2 * RATE), _decode(), SHORT * 3,
+                                           "remote", "cheaper_remote"),
+    # ...not when moving its ~85 tokens of KV (340 KB) takes 340 ms
+    "medium prompt, faster prefill node, slow link": (_prefill(prefill_tokens_per_s=2 * RATE),
+                                                      _decode(kv_transfer_bytes_per_s=1e6), SHORT * 3,
+                                                      "local", "cheaper_local"),
+    # the prefill node's queue counts: 10,000 tokens ahead of this prompt there
+    "medium prompt, queued prefill node": (_prefill(prefill_tokens_per_s=2 * RATE, pending_prefill_tokens=10_000),
+                                           _decode(), SHORT * 3, "local", "cheaper_local"),
+    "decode node measured nothing: borrows the prefill rate": (_prefill(), _decode(prefill_tokens_per_s=None),
+                                                               SHORT, "local", "cheaper_local"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_auto_decides_by_the_reported_figures(case: str) -> None:
+    prefill, decode, prompt, path, reason = CASES[case]
+    decision = DisaggPolicy("auto").decide(prefill, decode, prompt)
+    assert (decision.path, decision.reason) == (path, reason), decision
+
+
+def test_a_long_prompt_the_decode_node_has_cached_is_prefilled_there() -> None:
+    policy, p, d = DisaggPolicy("auto"), _prefill(), _decode()
+    first = policy.decide(p, d, LONG)
+    assert (first.path, first.reason) == ("remote", "stall_bound")
+    policy.sent(first, p, d, LONG)  # the decode node now holds its KV (received), and so does P
+    again = policy.decide(p, d, LONG + " And then?")
+    assert (again.path, again.reason) == ("local", "cheaper_local")
+    assert again.est_local_s is not None and again.est_local_s < 0.05
+
+
+def test_the_hand_off_cost_is_learned_from_measured_first_tokens() -> None:
+    policy, p, d = DisaggPolicy("auto"), _prefill(prefill_tokens_per_s=2 * RATE), _decode()
+    prompt = SHORT * 3
+    decision = policy.decide(p, d, prompt)
+    assert decision.reason == "cheaper_remote"
+    for _ in range(20):  # each remote first token came 300 ms after the request: the hand-off is slow
+        policy.observe_ttft(decision, p, d, 0.3)
+    later = policy.decide(p, d, prompt)
+    assert (later.path, later.reason) == ("local", "cheaper_local")
+    assert later.est_remote_s == pytest.approx(0.3, rel=0.05)
+
+
+@pytest.mark.parametrize(("mode", "path"), [("always", "remote"), ("never", "local")])
+def test_fixed_policies_ignore_the_figures(mode: str, path: str) -> None:
+    assert DisaggPolicy(mode).decide(_prefill(), _decode(), LONG) == Decision(path, "policy")
+
+
+def test_heartbeats_carry_the_transfer_figures() -> None:
+    from common.kv_layout import KVLayout
+
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    figures = transfer_figures(layout, None)
+    assert figures == {"kv_bytes_per_token": BYTES_PER_TOKEN}  # no rate before a transfer landed
+    wire = {"type": "D", "http_address": "h:1", "zmq_address": "h:2", "unknown_key": 1,
+            **transfer_figures(layout, 3e9)}
+    msg = RegistrationMessage.from_dict(wire)
+    assert (msg.kv_bytes_per_token, msg.kv_transfer_bytes_per_s) == (BYTES_PER_TOKEN, 3e9)
+
+
+def test_the_transfer_rate_weighs_bytes_over_first_byte_to_done() -> None:
+    stats = TransferStats()
+    assert stats.recv_bytes_per_s is None
+    stats.transfer_rate(8_000_000, 0.004)  # 2 GB/s
+    assert stats.recv_bytes_per_s == pytest.approx(2e9)
+    stats.transfer_rate(0, 0.5)  # nothing moved (a fully cached prompt): not a rate
+    assert stats.recv_bytes_per_s == pytest.approx(2e9)
+    for _ in range(50):
+        stats.transfer_rate(4_000_000, 0.004)  # 1 GB/s from now on
+    assert stats.recv_bytes_per_s == pytest.approx(1e9, rel=0.01)
+
