@@ -110,3 +110,21 @@ def test_schemas_it_refuses(compiler: GrammarCompiler, schema, words: str) -> No
     with pytest.raises(GrammarError, match=words) as caught:
         compiler.json_schema(schema)
     assert caught.value.param == SCHEMA_PARAM
+
+
+def test_every_choice_of_n_follows_the_grammar(compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:
+    """n > 1 forks choices from one prompt pass: each gets its own matcher, each parses."""
+    from common.engine.config import EngineConfig
+    from common.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(max_num_seqs=8))
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=48, n=3, grammar=compiler.json_schema(SCHEMA))
+    engine.add_request("r", tokenizer.encode("Hello"), params)
+    texts: dict[int, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            texts.setdefault(out.index, []).extend(out.new_token_ids)
+    assert sorted(texts) == [0, 1, 2]
+    for tokens in texts.values():
+        value = json.loads(tokenizer.decode(tokens))
+        assert set(value) == {"n", "ok"}
