@@ -3,7 +3,8 @@
 Start-up: logging -> the model (the embedded one is generated on first use) -> the
 engine thread -> the HTTP app -> uvicorn. SIGTERM / SIGINT make uvicorn stop taking
 connections and finish in-flight responses; the engine is shut down after it, which
-ends any stream still open with "abort".
+ends any stream still open with "abort". An engine thread that dies (a step raised) takes
+/ready and /health to 503 and stops uvicorn; the process exits with code 3.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+ENGINE_DEAD_EXIT_CODE = 3  # the engine thread died: a supervisor should restart the node
 COMMANDS = {"both": "serve", "prefill": "prefill", "decode": "decode"}
 DESCRIPTIONS = {
     "both": "Serve a model colocated (prefill and decode in one process): the baseline.",
@@ -89,7 +91,11 @@ def run_node(
             server_config(app, config.host, config.port, limits, log_config=None,
                           timeout_graceful_shutdown=30, timeout_keep_alive=config.keep_alive_timeout_s)
         )
+        engine.on_dead = lambda reason: setattr(server, "should_exit", True)  # /ready already says 503
         _serve_until_signal(server)
+        if engine.dead_reason is not None:
+            logger.critical("exiting: the engine thread stopped (%s); restart this node", engine.dead_reason)
+            raise SystemExit(ENGINE_DEAD_EXIT_CODE)
     finally:
         engine.shutdown()
         logger.info("stopped")
@@ -125,6 +131,8 @@ def _build(
     engine: AsyncLLMEngine, config: NodeConfig, ready: Callable[[], bool] | None, prepare: PrepareHook | None
 ) -> FastAPI:
     def is_ready() -> bool:
+        if engine.dead_reason is not None:
+            return False
         return ready() if ready is not None else True
 
     return build_app(engine, engine.tokenizer, config, NodeMetrics(config.role), ready=is_ready,

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from common.engine.config import EngineConfig
 from common.engine.kv_connector import KVConnector
@@ -55,6 +55,9 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: str | None = None
+        # called once, from the engine thread, if it stops after an unexpected error: the node
+        # stops serving and exits non-zero so a supervisor restarts it (common/node.py)
+        self.on_dead: Callable[[str], None] = lambda reason: None
         self._busy_since: float | None = None  # when the thread's current iteration with work began
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -114,6 +117,11 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self._stats  # a snapshot the engine thread refreshes every step
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine thread stopped after an unexpected error; None while it runs."""
+        return self._dead
+
     def stalled_for(self) -> float:
         """Seconds the engine thread has spent in its current iteration (0 while it sleeps idle):
         a stuck step (a hung kernel, a deadlock) grows it while the HTTP server and heartbeats
@@ -151,6 +159,7 @@ class AsyncLLMEngine:
                     logger.exception("engine step failed")
                     self._dead = f"engine step failed: {e!r}"
                     self._fail_all_streams("error", self._dead)
+                    self.on_dead(self._dead)
                     return
                 self._stats = engine.stats()
                 self._dispatch(outputs)
