@@ -29,8 +29,9 @@ class ProxyConfig(BaseModel):
     )
     disagg_policy: Literal["always", "never", "auto"] = Field(
         "auto", description="Where each prompt is prefilled: always on a prefill node, never (the decode node "
-        "prefills it itself), or auto: the cheaper path by the nodes' measured prefill rates, queues and the "
-        "hand-off's measured cost, local only within the decode node's --max-local-prefill-stall-ms."
+        "prefills it itself), or auto: the cheaper path by the nodes' measured prefill rates, queues, the decode "
+        "batch a local prefill stalls, the P->D transfer rate and the hand-off's measured cost, local only within "
+        "the decode node's --max-local-prefill-stall-ms."
     )
     dispatch: Literal["concurrent", "prefill_first"] = Field(
         "concurrent",

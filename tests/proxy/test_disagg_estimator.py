@@ -113,4 +113,3 @@ def test_the_transfer_rate_weighs_bytes_over_first_byte_to_done() -> None:
     for _ in range(50):
         stats.transfer_rate(4_000_000, 0.004)  # 1 GB/s from now on
     assert stats.recv_bytes_per_s == pytest.approx(1e9, rel=0.01)
-
