@@ -2,10 +2,12 @@
 
 One key file (``--cluster-key-file``) is shared by the proxy and every daemon. From it:
 
-- **signed request ids**: the proxy signs each tagged id it builds (HMAC-SHA256 over the
-  id -- tags and uuid -- and an expiry) and sends ``X-PDServe-Signature: v1.<expiry>.<hex>``;
-  a daemon checks it before it parses an address, allocates a block or opens a socket,
-  and accepts each id once (a replayed header is refused).
+- **signed request ids**: the proxy signs each leg it sends (HMAC-SHA256 over the tagged id
+  -- tags and uuid --, an expiry, the leg's role and the SHA-256 of the leg's exact body) and
+  sends ``X-PDServe-Signature: v2.<expiry>.<body sha256 hex>.<mac hex>``; a daemon checks the
+  MAC against its own role before it reads the body, parses an address, allocates a block or
+  opens a socket, then checks the body it read has that digest (``signed_body_digest``), and accepts each signature
+  once. So a signature made for one leg is good for no other role and no other body.
 - **sealed messages**: registry heartbeats and P<->D control messages travel as
   ``[payload, seal]`` where the seal is ``v1 | unix ms | nonce | HMAC(purpose, ms, nonce,
   payload)``; a receiver accepts a seal only within ``window_s`` of its clock and only once.
@@ -86,26 +88,35 @@ class ClusterKey:
         return h.digest()
 
     # ---- request ids -------------------------------------------------------------------
-    def sign_id(self, request_id: str, ttl_s: float = ID_TTL_S) -> str:
-        expiry = int(time.time() + ttl_s)
-        mac = self.mac(_REQUEST_ID, request_id.encode(), str(expiry).encode())
-        return f"v1.{expiry}.{mac.hex()}"
+    def sign_id(self, request_id: str, role: str, body: bytes, ttl_s: float = ID_TTL_S) -> str:
+        """The signature of one leg: ``request_id`` sent to a ``role`` daemon with exactly ``body``."""
+        expiry, digest = str(int(time.time() + ttl_s)), hashlib.sha256(body).hexdigest()
+        mac = self.mac(_REQUEST_ID, request_id.encode(), expiry.encode(), role.encode(), digest.encode())
+        return f"v2.{expiry}.{digest}.{mac.hex()}"
 
-    def check_id(self, request_id: str, signature: str | None) -> str | None:
-        """None when ``signature`` is this key's for ``request_id`` and unexpired, else why not."""
+    def check_id(self, request_id: str, signature: str | None, role: str) -> str | None:
+        """None when ``signature`` is this key's for ``request_id`` sent to a ``role`` daemon and
+        unexpired, else why not. The body is not read yet: check it with :meth:`signed_body_digest`."""
         if not signature:
             return f"missing {SIGNATURE_HEADER} header"
         version, _, rest = signature.partition(".")
-        expiry, _, mac_hex = rest.partition(".")
-        if version != "v1" or not expiry.isdigit() or len(expiry) > 12:
+        expiry, _, rest = rest.partition(".")
+        digest, _, mac_hex = rest.partition(".")
+        if version != "v2" or not expiry.isdigit() or len(expiry) > 12 or len(digest) != 64:
             return f"malformed {SIGNATURE_HEADER} header"
-        want = self.mac(_REQUEST_ID, request_id.encode(), expiry.encode()).hex().encode()
+        parts = (request_id.encode(), expiry.encode(), role.encode(), digest.encode("utf-8", "surrogateescape"))
+        want = self.mac(_REQUEST_ID, *parts).hex().encode()
         # as bytes: compare_digest raises TypeError on a str with non-ASCII characters (a header's bytes)
         if not hmac.compare_digest(want, mac_hex.encode("utf-8", "surrogateescape")):
-            return "request id signature does not match (not signed by this cluster's proxy)"
+            return f"request id signature does not match (not signed by this cluster's proxy for a {role} node)"
         if int(expiry) < time.time():
             return "request id signature expired"
         return None
+
+    @staticmethod
+    def signed_body_digest(signature: str) -> str:
+        """The body digest a (checked) ``v2`` signature names: the body read must hash to it."""
+        return signature.split(".")[2]
 
     # ---- sealed messages ---------------------------------------------------------------
     def seal(self, purpose: bytes, payload: bytes) -> bytes:

@@ -160,7 +160,8 @@ def run_daemon(config: NodeConfig, connector: TransferConnector, prepare_request
         if on_app is not None:
             on_app(app, daemon)
         if daemon.key is not None:  # added last = outermost: nothing runs for an unsigned id
-            app.add_middleware(SignedIdsOnly, key=daemon.key)
+            app.add_middleware(SignedIdsOnly, key=daemon.key, role=config.role, kv_addr=config.kv_addr,
+                               max_bytes=config.max_request_bytes)
 
     try:
         run_node(config, connector=connector, ready=daemon.ready, on_app=attach, prepare_request=prepare_request)

@@ -41,15 +41,15 @@ class Legs:
         self.metrics = metrics
         self.key = ClusterKey.optional(config.cluster_key_file)  # signs each tagged id it sends
 
-    def _headers(self, request_id: str) -> list[tuple[str, str]]:
+    def _headers(self, request_id: str, role: str, body: bytes) -> list[tuple[str, str]]:
         headers = [("x-request-id", request_id)]
-        if self.key is not None:
-            headers.append((SIGNATURE_HEADER.lower(), self.key.sign_id(request_id)))
+        if self.key is not None:  # good for this leg only: its role and its exact body
+            headers.append((SIGNATURE_HEADER.lower(), self.key.sign_id(request_id, role, body)))
         return headers
 
-    async def _send(self, node: RegistrationMessage, path: str, body: bytes, request_id: str,
+    async def _send(self, role: str, node: RegistrationMessage, path: str, body: bytes, request_id: str,
                     stream: bool = False) -> Response:
-        resp = await self.transport.post(node.http_address, path, body, self._headers(request_id))
+        resp = await self.transport.post(node.http_address, path, body, self._headers(request_id, role, body))
         if not stream:
             await resp.aread()
         return resp
@@ -58,7 +58,7 @@ class Legs:
         """Run the prefill leg to its end; raises a ProxyError when it did not succeed."""
         self.metrics.count_leg("prefill", node.http_address)
         async with _guard("prefill", node.http_address, "prefill", self.config.prefill_timeout_s):
-            resp = await self._send(node, path, body, request_id)
+            resp = await self._send("prefill", node, path, body, request_id)
         if resp.status_code >= 400:
             raise UpstreamError("prefill", node.http_address, resp.status_code, resp.content)
 
@@ -67,7 +67,7 @@ class Legs:
         self.metrics.count_leg("decode", node.http_address)
         # The first-token deadline is the dispatcher's (it spans these headers and the first bytes).
         async with _guard("decode", node.http_address, "total", self.config.total_timeout_s):
-            resp = await self._send(node, path, body, request_id, stream=True)
+            resp = await self._send("decode", node, path, body, request_id, stream=True)
             if resp.status_code >= 400:
                 try:
                     content = await resp.aread()
@@ -80,7 +80,7 @@ class Legs:
         """Run a non-stream decode leg; a 200 with an empty body counts as a failure."""
         self.metrics.count_leg("decode", node.http_address)
         async with _guard("decode", node.http_address, "total", self.config.total_timeout_s):
-            resp = await self._send(node, path, body, request_id)
+            resp = await self._send("decode", node, path, body, request_id)
         if resp.status_code >= 400:
             raise UpstreamError("decode", node.http_address, resp.status_code, resp.content)
         if not resp.content:

@@ -92,10 +92,10 @@ class BodyLimits:
             await refuse(400, f"the request body nests JSON deeper than {self.max_depth} levels", "body",
                          "nesting_too_deep")
             return
-        await self.app(scope, _replay(bytes(body), receive), send)
+        await self.app(scope, replay_body(bytes(body), receive), send)
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay_body(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that returns the body read already, then the real messages (disconnect)."""
     sent = False
 

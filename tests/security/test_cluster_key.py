@@ -4,6 +4,7 @@ cannot register, and the KV control plane answers members only."""
 
 from __future__ import annotations
 
+import json
 import select
 import socket
 
@@ -66,7 +67,8 @@ def _post(url: str, request_id: str | None, signature: str | bytes | None = None
         headers["X-Request-Id"] = request_id
     if signature:
         headers[SIGNATURE_HEADER] = signature
-    return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
+    headers["Content-Type"] = "application/json"
+    return httpx.post(f"{url}/v1/completions", content=_encoded(body), headers=headers, timeout=60)
 
 
 def test_requests_through_the_proxy_are_served(cluster):
@@ -83,10 +85,12 @@ def test_daemons_refuse_unsigned_forged_and_untagged_ids_and_connect_nowhere(clu
     other = ClusterKey(b"not-this-cluster-key-0123456789")
     try:
         forged = make_request_id(trap.address, trap.address)
-        cases = [(None, None), (forged, None), (forged, "v1.99999999999.00"), (forged, other.sign_id(forged)),
-                 (forged, key.sign_id(forged, ttl_s=-5)),  # untagged, unsigned, bad, foreign key, expired
-                 (forged, b"v1.99999999999.\xe9\xff")]  # header bytes past ASCII: once a 500
         for node in (prefill, decode):
+            body = json.dumps(BODY).encode()
+            cases = [(None, None), (forged, None), (forged, "v2.99999999999.00"),
+                     (forged, other.sign_id(forged, node.name, body)),
+                     (forged, key.sign_id(forged, node.name, body, ttl_s=-5)),  # untagged, unsigned, bad,
+                     (forged, b"v2.99999999999.\xe9\xff")]  # foreign key, expired, bytes past ASCII (once a 500)
             for request_id, signature in cases:
                 r = _post(node.url, request_id, signature)
                 assert r.status_code == 403, (node.name, request_id, signature, r.text)
@@ -99,12 +103,33 @@ def test_daemons_refuse_unsigned_forged_and_untagged_ids_and_connect_nowhere(clu
 
 def test_a_signed_id_is_accepted_once(cluster):
     key, _, prefill, decode = cluster
-    request_id = make_request_id(decode.kv_addr, decode.kv_addr)  # P pushes to nobody; its lease ends
-    signature = key.sign_id(request_id)
-    first = _post(prefill.url, request_id, signature, {**BODY, "max_tokens": 1})
+    request_id = make_request_id(prefill.kv_addr, decode.kv_addr)  # D never asks: P's lease ends
+    body = {**BODY, "max_tokens": 1}
+    signature = key.sign_id(request_id, "prefill", _encoded(body))
+    first = _post(prefill.url, request_id, signature, body)
     assert first.status_code == 200, first.text
-    replay = _post(prefill.url, request_id, signature, {**BODY, "max_tokens": 1})
+    replay = _post(prefill.url, request_id, signature, body)
     assert replay.status_code == 403 and "already used" in replay.json()["error"]["message"]
+
+
+def test_a_signature_is_good_for_one_role_one_node_and_one_body_only(cluster):
+    """Issue 22, 2a: a signature made for the decode leg was accepted at prefill with another body."""
+    key, _, prefill, decode = cluster
+    request_id = make_request_id(prefill.kv_addr, decode.kv_addr)
+    decode_signature = key.sign_id(request_id, "decode", _encoded(BODY))
+    other_body = {**BODY, "prompt": "something else entirely", "max_tokens": 1}
+    for body in (BODY, other_body):
+        r = _post(prefill.url, request_id, decode_signature, body)  # the decode leg's signature at prefill
+        assert r.status_code == 403 and "does not match" in r.json()["error"]["message"], r.text
+    swapped = _post(prefill.url, request_id, key.sign_id(request_id, "prefill", _encoded(BODY)), other_body)
+    assert swapped.status_code == 403 and "not the one" in swapped.json()["error"]["message"], swapped.text
+    elsewhere = make_request_id("127.0.0.1:9", decode.kv_addr)  # signed for a prefill node that is not this one
+    r = _post(prefill.url, elsewhere, key.sign_id(elsewhere, "prefill", _encoded(BODY)), BODY)
+    assert r.status_code == 403 and "another prefill node" in r.json()["error"]["message"], r.text
+
+
+def _encoded(body: dict) -> bytes:
+    return json.dumps(body).encode()  # the exact bytes _post sends
 
 
 def _registry_metric(proxy_url: str, reason: str) -> float:

@@ -3,6 +3,8 @@ binding a non-loopback address gives at start (issue 11, "what it must do" 1).""
 
 from __future__ import annotations
 
+import hashlib
+
 import logging
 
 import pytest
@@ -35,11 +37,16 @@ def test_generated_key_is_private_and_signs_ids(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o600
     key = ClusterKey.load(path)
     rid = "___prefill_addr_h:1___decode_addr_h:2_abc"
-    assert key.check_id(rid, key.sign_id(rid)) is None
-    assert "does not match" in key.check_id(rid + "x", key.sign_id(rid))
-    assert "expired" in key.check_id(rid, key.sign_id(rid, ttl_s=-1))
+    signature = key.sign_id(rid, "prefill", b"{}")
+    assert key.check_id(rid, signature, "prefill") is None
+    assert key.signed_body_digest(signature) == hashlib.sha256(b"{}").hexdigest()
+    assert "does not match" in key.check_id(rid + "x", signature, "prefill")
+    assert "does not match" in key.check_id(rid, signature, "decode")  # signed for the other role
+    forged = signature.replace(key.signed_body_digest(signature), hashlib.sha256(b"[]").hexdigest())
+    assert "does not match" in key.check_id(rid, forged, "prefill")  # the digest is under the MAC
+    assert "expired" in key.check_id(rid, key.sign_id(rid, "prefill", b"{}", ttl_s=-1), "prefill")
     other = ClusterKey.load(ClusterKey.generate(tmp_path / "other.key"))
-    assert "does not match" in key.check_id(rid, other.sign_id(rid))
+    assert "does not match" in key.check_id(rid, other.sign_id(rid, "prefill", b"{}"), "prefill")
 
 
 def test_a_short_or_missing_key_file_is_a_one_line_config_error(tmp_path):
