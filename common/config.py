@@ -89,6 +89,7 @@ class NodeConfig(BaseModel):
         description="KV cache budget when num_kv_blocks is unset; unset = 0.5 on CPU, from --gpu-memory-utilization on GPU",
     )
     max_num_seqs: int = Field(64, ge=1, le=65536, description="Most sequences in one engine step")
+    max_n: int = Field(16, ge=1, le=1024, description="Most choices (the request's n) one request may ask for")
     max_num_batched_tokens: int = Field(512, ge=1, description="Most tokens in one engine step")
     max_model_len: int | None = Field(None, ge=1, description="Prompt + output limit; unset = model's")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps")

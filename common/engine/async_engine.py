@@ -90,20 +90,27 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        text = TextStream(self.tokenizer, prompt_token_ids, params.stop) if self.tokenizer else None
+        texts = [TextStream(self.tokenizer, prompt_token_ids, params.stop) if self.tokenizer else None
+                 for _ in range(params.n)]  # one per choice
+        running = set(range(params.n))
         finished = False
         try:
             self._post(("add", request_id, list(prompt_token_ids), params, kv_transfer_params))
             while not finished:
                 out = await queue.get()
-                finished = out.finished
+                if out.index not in running:
+                    continue  # a choice a stop string ended: what it made since is dropped
+                text = texts[out.index]
                 if text is not None:
                     out.new_text, hit_stop = text.add(out.new_token_ids, out.finished)
                     if hit_stop:
                         out.finish_reason = "stop"
-                        if not finished:
-                            out.finished = finished = True
-                            self._post(("abort", request_id))
+                        if not out.finished:
+                            out.finished = True
+                            self._post(("abort", request_id, out.index))
+                if out.finished:
+                    running.discard(out.index)
+                finished = not running or out.finish_reason == "error"  # an error ends every choice
                 yield out
         finally:
             with self._lock:
@@ -175,7 +182,7 @@ class AsyncLLMEngine:
         while self._commands:
             command = self._commands.popleft()
             if command[0] == "abort":
-                self.engine.abort_request(command[1])
+                self.engine.abort_request(*command[1:])
                 continue
             _, request_id, prompt, params, kv_transfer_params = command
             try:

@@ -31,6 +31,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return; None = none
+    # a migrated request's prompt ends with this many tokens of its own earlier output: its text
+    # (detokenization, stop strings) continues across them instead of treating them as prompt
+    resumed_tokens: int = 0
     grammar: Grammar | None = None  # structured output: what the tokens must spell (shared, read-only)
     n: int = 1  # choices: one prompt pass, then the sequence forks (``choice``)
     # not sampling, but it travels with every copy of the request: only requests with the same

@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions: messages -> chat template -> token ids -> one choice."""
+"""POST /v1/chat/completions: messages -> chat template -> token ids -> ``n`` choices."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from common.serving.context import (DECODES_PER_TOKEN, ServingContext, get_conte
                                     response_headers, response_id)
 from common.serving.disconnect import ClientGone, unless_disconnected
 from common.serving.errors import OpenAIError, engine_error, openai_errors
-from common.serving.generation import GenerationRun
+from common.serving.generation import ChoiceResult, GenerationRun
 from common.serving.logprobs import chat_logprobs
 from common.serving.protocol import ChatCompletionRequest
 from common.serving.streaming import ClosingStreamingResponse, sse_stream
@@ -54,44 +54,49 @@ async def create_chat_completion(
         prompt = await ctx.off_loop(num_chars, chat_prompt_token_ids, ctx.tokenizer, body)
         prepared = await ctx.prepare(body, [prompt], request)
         run = GenerationRun(ctx, prepared)
-        formatter = _ChatChunks(ctx, public_id, body.logprobs)
+        formatter = _ChatChunks(ctx, public_id, body.logprobs, body.n)
         if body.stream:
             stream = sse_stream(run, formatter, body.include_usage, request_id, body.continuous_usage)
             return ClosingStreamingResponse(stream, headers)
         try:
-            (result,) = await unless_disconnected(run.collect(), request)
+            results = await unless_disconnected(run.collect(), request)
         except ClientGone:
             return Response(status_code=499)  # never sent: the client is gone
-        if result.finish_reason == "error":
-            raise engine_error(result.error)
-        logprobs = None
-        if body.logprobs:  # one decode per candidate token: a long reply's worth goes off the loop
-            size = len(result.token_ids) * DECODES_PER_TOKEN * (1 + (body.top_logprobs or 0))
-            logprobs = await ctx.off_loop(size, chat_logprobs, ctx.tokenizer, result.token_ids,
-                                          result.logprobs)
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": result.text},
-        "logprobs": logprobs,
-        "finish_reason": result.finish_reason,
-    }
+        failed = next((r for r in results if r.finish_reason == "error"), None)
+        if failed is not None:
+            raise engine_error(failed.error)
+        choices = [await _choice(ctx, body, result) for result in results]
     reply = {
         "id": public_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": ctx.model_name,
-        "choices": [choice],
+        "choices": choices,
         "usage": run.usage(),
     }
     return JSONResponse(reply, headers=headers)
 
 
+async def _choice(ctx: ServingContext, body: ChatCompletionRequest, result: ChoiceResult) -> dict[str, Any]:
+    logprobs = None
+    if body.logprobs:  # one decode per candidate token: a long reply's worth goes off the loop
+        size = len(result.token_ids) * DECODES_PER_TOKEN * (1 + (body.top_logprobs or 0))
+        logprobs = await ctx.off_loop(size, chat_logprobs, ctx.tokenizer, result.token_ids, result.logprobs)
+    return {
+        "index": result.index,
+        "message": {"role": "assistant", "content": result.text},
+        "logprobs": logprobs,
+        "finish_reason": result.finish_reason,
+    }
+
+
 class _ChatChunks:
     """``chat.completion.chunk`` stream chunks: a role delta first, then content deltas."""
 
-    def __init__(self, ctx: ServingContext, request_id: str, with_logprobs: bool) -> None:
+    def __init__(self, ctx: ServingContext, request_id: str, with_logprobs: bool, n: int = 1) -> None:
         self.ctx = ctx
         self.with_logprobs = with_logprobs
+        self.n = n
         self.base = {
             "id": request_id,
             "object": "chat.completion.chunk",
@@ -100,12 +105,12 @@ class _ChatChunks:
         }
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None,
-               logprobs: Any = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+               logprobs: Any = None, index: int = 0) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self.base, "choices": [choice]}
 
     def opening(self) -> list[dict[str, Any]]:
-        return [self._chunk({"role": "assistant", "content": ""}, None)]
+        return [self._chunk({"role": "assistant", "content": ""}, None, index=i) for i in range(self.n)]
 
     def delta(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
         if not out.new_text and not (self.with_logprobs and out.new_token_ids):
@@ -113,10 +118,10 @@ class _ChatChunks:
         logprobs = None
         if self.with_logprobs:
             logprobs = chat_logprobs(self.ctx.tokenizer, out.new_token_ids, out.new_logprobs or [])
-        return self._chunk({"content": out.new_text}, None, logprobs)
+        return self._chunk({"content": out.new_text}, None, logprobs, index)
 
     def finish(self, index: int, finish_reason: str) -> dict[str, Any]:
-        return self._chunk({}, finish_reason)
+        return self._chunk({}, finish_reason, index=index)
 
     def usage(self, usage: dict[str, int]) -> dict[str, Any]:
         return {**self.base, "choices": [], "usage": usage}

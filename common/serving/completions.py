@@ -1,4 +1,4 @@
-"""POST /v1/completions: text or token-id prompts, one choice per prompt."""
+"""POST /v1/completions: text or token-id prompts, ``n`` choices per prompt (choice ``p * n + i``)."""
 
 from __future__ import annotations
 

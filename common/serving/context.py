@@ -146,8 +146,13 @@ class ServingContext:
                 param="model",
                 code="model_not_found",
             )
-        if body.n != 1:
-            raise OpenAIError(f"n={body.n} is not supported; only n=1", param="n")
+        if not 1 <= body.n <= self.config.max_n:
+            raise OpenAIError(f"n must be in [1, {self.config.max_n}] (this server's --max-n); got {body.n}",
+                              param="n", code="invalid_value")
+        best_of = getattr(body, "best_of", None)
+        if best_of not in (None, body.n):  # no ranking of extra candidates: best_of == n is just n
+            raise OpenAIError(f"best_of must equal n ({body.n}) if given; got {best_of}", param="best_of",
+                              code="unsupported_value")
 
     def _check_prompts(self, prompts: list[list[int]], max_tokens: int) -> None:
         vocab = self.vocab_size

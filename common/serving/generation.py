@@ -1,6 +1,8 @@
-"""Running a prepared request on the engine: one engine request per choice, metrics on
-every output, and an abort for every choice that is left unfinished when the consumer
-stops listening (client gone, error, server shutdown).
+"""Running a prepared request on the engine: one engine request per prompt, which yields
+its ``n`` choices (the engine forks them after one prompt pass), metrics on every output,
+and an abort for every choice that is left unfinished when the consumer stops listening
+(client gone, error, server shutdown). Choice ``i`` of prompt ``p`` is ``p * n + i``, as
+OpenAI numbers them.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class GenerationRun:
         self.prepared = prepared
         self.num_prompt_tokens = sum(len(p) for p in prepared.prompts)
         self.num_output_tokens = 0
-        self._timings = [_Timing() for _ in prepared.prompts]
+        self.n = prepared.params.n  # choices per prompt: choice index = prompt index * n + the engine's index
+        self._timings = [_Timing() for _ in range(len(prepared.prompts) * self.n)]
         self._cached_tokens: dict[int, int] = {}  # per prompt: tokens its node found in the prefix cache
 
     def usage(self) -> dict[str, Any]:
@@ -65,38 +68,42 @@ class GenerationRun:
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """``(choice index, output)`` pairs in arrival order until every choice finished."""
         if len(self.prepared.prompts) == 1:
-            async with aclosing(self._choice(0)) as outputs:
-                async for out in outputs:
-                    yield 0, out
+            async with aclosing(self._choices(0)) as outputs:
+                async for item in outputs:
+                    yield item
             return
         async for item in self._merged():
             yield item
 
     async def collect(self) -> list[ChoiceResult]:
-        results = [ChoiceResult(i) for i in range(len(self.prepared.prompts))]
+        results = [ChoiceResult(i) for i in range(len(self._timings))]
         async with aclosing(self.events()) as events:
             async for index, out in events:
                 result = results[index]
                 result.token_ids.extend(out.new_token_ids)
                 result.text_parts.append(out.new_text)
                 result.logprobs.extend(out.new_logprobs or [])
-                result.num_prompt_tokens = out.num_prompt_tokens or len(self.prepared.prompts[index])
+                result.num_prompt_tokens = out.num_prompt_tokens or len(self.prepared.prompts[index // self.n])
                 if out.finished:
                     result.finish_reason = out.finish_reason
                     result.error = out.error
         return results
 
-    async def _choice(self, index: int) -> AsyncIterator[RequestOutput]:
+    async def _choices(self, prompt: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """One engine request for prompt ``prompt``: its n choices, as (choice index, output)."""
         engine, prepared = self.ctx.engine, self.prepared
-        engine_id = prepared.engine_request_id(index)
-        stream = engine.generate(engine_id, prepared.prompts[index], prepared.params, prepared.kv_transfer_params)
+        engine_id = prepared.engine_request_id(prompt)
+        stream = engine.generate(engine_id, prepared.prompts[prompt], prepared.params, prepared.kv_transfer_params)
         outputs = _refusals_as_400(stream)
         finished = refused = False
+        num_finished = 0
         try:
             async for out in outputs:
-                finished = out.finished
+                index = prompt * self.n + out.index
+                num_finished += out.finished
+                finished = num_finished == self.n or out.finish_reason == "error"
                 self._observe(index, out)
-                yield out
+                yield index, out
                 if finished:
                     return
         except OpenAIError:
@@ -115,12 +122,12 @@ class GenerationRun:
         """Several choices run concurrently; their outputs interleave as they come."""
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-        async def pump(index: int) -> None:
+        async def pump(prompt: int) -> None:
             try:
-                async with aclosing(self._choice(index)) as outputs:
-                    async for out in outputs:
+                async with aclosing(self._choices(prompt)) as outputs:
+                    async for index, out in outputs:
                         queue.put_nowait((index, out))
-                queue.put_nowait((index, None))
+                queue.put_nowait((prompt, None))
             except Exception as exc:  # re-raised in the consumer, which owns error handling
                 queue.put_nowait((index, exc))
 
@@ -143,7 +150,7 @@ class GenerationRun:
     def _observe(self, index: int, out: RequestOutput) -> None:
         metrics, timing, now = self.ctx.metrics, self._timings[index], time.monotonic()
         if out.num_cached_tokens:
-            self._cached_tokens[index] = out.num_cached_tokens
+            self._cached_tokens[index // self.n] = out.num_cached_tokens
         num_new = len(out.new_token_ids)
         if num_new:
             if timing.first_token_at is None:
@@ -160,7 +167,7 @@ class GenerationRun:
             self.num_output_tokens += num_new
         if out.finished:
             elapsed = now - self.prepared.arrival_time
-            num_prompt = out.num_prompt_tokens or len(self.prepared.prompts[index])
+            num_prompt = out.num_prompt_tokens or len(self.prepared.prompts[index // self.n])
             if out.finish_reason == "error":
                 metrics.observe_error("engine")
                 logger.warning("request %s failed after %.1f ms: %s", out.request_id, elapsed * 1e3, out.error)

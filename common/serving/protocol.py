@@ -111,6 +111,7 @@ class SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
             cache_salt=self.cache_salt,
+            n=self.n,
         )
 
 
@@ -120,6 +121,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Prompt
     logprobs: Count | None = None
     echo: bool = False
+    best_of: Count | None = None  # only None or n (ServingContext.check_model)
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs

@@ -83,16 +83,18 @@ class FakeEngine:
                     yield RequestOutput(request_id, [], finished=True, finish_reason="error", error=self.error)
                     return
                 last = i == params.max_tokens - 1
-                yield RequestOutput(
-                    request_id,
-                    [token],
-                    new_text=chr(token),
-                    finished=last,
-                    finish_reason="length" if last else None,
-                    num_prompt_tokens=len(prompt_token_ids),
-                    num_output_tokens=i + 1,
-                    new_logprobs=[{token: -0.5, token + 1: -1.5}] if params.logprobs is not None else None,
-                )
+                for index in range(params.n):  # choices interleave, as the engine's do
+                    yield RequestOutput(
+                        request_id,
+                        [token],
+                        new_text=chr(token),
+                        finished=last,
+                        finish_reason="length" if last else None,
+                        num_prompt_tokens=len(prompt_token_ids),
+                        num_output_tokens=i + 1,
+                        new_logprobs=[{token: -0.5, token + 1: -1.5}] if params.logprobs is not None else None,
+                        index=index,
+                    )
         finally:
             self.running.discard(request_id)
 

@@ -102,7 +102,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "temperature": 3.0}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "top_k": -5}, "top_k"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),  # past --max-n (16)
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
