@@ -111,8 +111,9 @@ class ConsumerScheduler(KVConnectorScheduler):
             logger.warning("request %s: KV transfer failed: %s", rid, err)
         logprobs = {rid: lp for rid, lp in finished.first_logprobs.items() if rid in done}
         choices = {rid: c for rid, c in finished.choice_firsts.items() if rid in done}
+        cached = {rid: n for rid, n in finished.cached_tokens.items() if rid in done}
         return FinishedTransfers(done_sending=stopped, done_recving=done, failed_recving=failed,
-                                 first_logprobs=logprobs, choice_firsts=choices)
+                                 first_logprobs=logprobs, choice_firsts=choices, cached_tokens=cached)
 
 
 class ConsumerWorker(TransferWorker):
@@ -146,8 +147,10 @@ class ConsumerWorker(TransferWorker):
             failed, self._refused = {**failed, **self._refused}, {}
         first_logprobs = consumer.take_first_logprobs(done) if done else {}
         choices = consumer.take_choices(done) if done else {}
+        cached = consumer.take_cached_tokens(done) if done else {}
         return FinishedTransfers(done_sending=consumer.poll_aborted(), done_recving=done,
-                                 failed_recving=failed, first_logprobs=first_logprobs, choice_firsts=choices)
+                                 failed_recving=failed, first_logprobs=first_logprobs, choice_firsts=choices,
+                                 cached_tokens=cached)
 
 
 class ConsumerConnector(KVConnector):

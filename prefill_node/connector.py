@@ -68,7 +68,8 @@ class ProducerScheduler(KVConnectorScheduler):
             logprobs = tuple(seq.logprobs[0].items()) if seq.logprobs else None
             choices = tuple((t, tuple((lp or {}).items())) for t, lp in seq.choice_firsts)  # n > 1
             self._handovers.append(HandoverSpec(rid, addr, seq.output_token_ids[0], logprobs,
-                                                tuple(seq.block_table), seq.num_prompt_tokens, choices))
+                                                tuple(seq.block_table), seq.num_prompt_tokens, choices,
+                                                seq.num_cached_tokens))
             logger.info("request %s: prefill done, KV held for %s (%d blocks)", rid, addr,
                         len(seq.block_table))
             return True
@@ -99,7 +100,8 @@ class ProducerWorker(TransferWorker):
             logprobs = dict(h.first_logprobs) if h.first_logprobs is not None else None
             producer.finish(h.request_id, h.first_token, self.kv_caches, list(h.block_ids),
                             h.num_prompt_tokens, first_logprobs=logprobs,
-                            choices=[[t, [list(p) for p in lp]] for t, lp in h.choices])
+                            choices=[[t, [list(p) for p in lp]] for t, lp in h.choices],
+                            cached_tokens=h.num_cached_tokens)
 
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, meta: KVConnectorMetadata) -> None:
         if self.transfer is None:

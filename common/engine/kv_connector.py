@@ -83,6 +83,7 @@ class HandoverSpec:
     num_prompt_tokens: int
     # n > 1: choices 1..'s first tokens, each with its logprobs ([[token_id, logprob], ...] or [])
     choices: tuple[tuple[int, tuple[tuple[int, float], ...]], ...] = ()
+    num_cached_tokens: int = 0  # of the prompt, found in this node's prefix cache (usage's cached_tokens)
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,8 @@ class FinishedTransfers:
     first_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     # consumer, n > 1: the first tokens (and logprobs) of choices 1.. that came with choice 0's
     choice_firsts: dict[str, list[tuple[int, dict[int, float] | None]]] = field(default_factory=dict)
+    # consumer: prompt tokens the producer served from its prefix cache, for landed requests
+    cached_tokens: dict[str, int] = field(default_factory=dict)
     # consumer: requests whose transfer failed: request_id -> error message (request fails, blocks freed)
     failed_recving: dict[str, str] = field(default_factory=dict)
 

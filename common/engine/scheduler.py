@@ -256,6 +256,8 @@ class Scheduler:
             if seq is None:
                 continue
             seq.num_computed_tokens = seq.num_prompt_tokens
+            # the prompt was computed on the producer: its prefix-cache count is the one to report
+            seq.num_cached_tokens = min(max(finished.cached_tokens.get(rid, 0), 0), seq.num_prompt_tokens)
             self._cache_full_blocks(seq)
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)  # next decode step feeds first_token at position len(prompt)

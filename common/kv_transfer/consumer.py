@@ -46,6 +46,7 @@ class KVConsumer:
         self._finished: dict[str, int] = {}
         self._first_logprobs: dict[str, dict[int, float]] = {}  # until the connector takes them
         self._choices: dict[str, list[tuple[int, dict[int, float] | None]]] = {}  # n > 1: likewise
+        self._cached_tokens: dict[str, int] = {}  # DONE's prefix-cache count: likewise
         self._failed: dict[str, str] = {}
         self._aborted: set[str] = set()
         self._closed = False
@@ -99,6 +100,11 @@ class KVConsumer:
         with self._lock:
             return {rid: c for rid in request_ids if (c := self._choices.pop(rid, None)) is not None}
 
+    def take_cached_tokens(self, request_ids: set[str] | dict) -> dict[str, int]:
+        """The producer's prefix-cache count of the prompt that came with DONE (taken once)."""
+        with self._lock:
+            return {rid: n for rid in request_ids if (n := self._cached_tokens.pop(rid, None)) is not None}
+
     def abort(self, request_id: str) -> None:
         """Stop waiting for ``request_id`` and tell its producer to drop it. Its blocks may be
         reused once :meth:`poll_aborted` names it (a receive into them may still be running)."""
@@ -107,6 +113,7 @@ class KVConsumer:
             self._finished.pop(request_id, None)
             self._first_logprobs.pop(request_id, None)
             self._choices.pop(request_id, None)
+            self._cached_tokens.pop(request_id, None)
             self._failed.pop(request_id, None)
             if link is None:
                 self._aborted.add(request_id)
@@ -170,7 +177,7 @@ class KVConsumer:
         return -(-num_tokens // self.layout.block_size)
 
     def _done(self, t: Transfer, first_token: int, first_logprobs: list | None = None,
-              choices: list | None = None) -> None:
+              choices: list | None = None, cached_tokens: int = 0) -> None:
         now = time.monotonic()
         self.stats.transfer_done(now - t.started, t.nbytes)
         if t.first_byte is not None:
@@ -181,6 +188,8 @@ class KVConsumer:
             self._finished[t.request_id] = first_token
             if first_logprobs:
                 self._first_logprobs[t.request_id] = {int(tok): float(lp) for tok, lp in first_logprobs}
+            if cached_tokens > 0:
+                self._cached_tokens[t.request_id] = cached_tokens
             if choices:
                 self._choices[t.request_id] = [(int(tok), {int(a): float(b) for a, b in lps} or None)
                                                for tok, lps in choices]

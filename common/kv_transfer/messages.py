@@ -119,6 +119,7 @@ class Done(Message):
     first_token: int = 0
     first_logprobs: list = field(default_factory=list)
     choices: list = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens the producer found in its prefix cache (usage's cached_tokens)
 
 
 @dataclass
@@ -154,7 +155,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 
 # fields a peer from before they existed does not send
 _OPTIONAL: dict[str, tuple[str, ...]] = {Pull.CMD: ("first_block",), Ping.CMD: ("pair_id",),
-                                          Done.CMD: ("choices",)}
+                                          Done.CMD: ("choices", "cached_tokens")}
 
 
 _FIELD_NAMES: dict[type[Message], tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls))

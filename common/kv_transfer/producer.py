@@ -68,6 +68,7 @@ class ProducerRequest:
     first_token: int = 0
     first_logprobs: list = field(default_factory=list)  # [[token_id, logprob], ...] for DONE
     choices: list = field(default_factory=list)  # n > 1: DONE's ``choices``
+    cached_tokens: int = 0  # DONE's ``cached_tokens``
     kv_caches: list[torch.Tensor] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     remote_block_ids: list[int] = field(default_factory=list)  # the consumer's (cuda_ipc writes there)
@@ -148,7 +149,7 @@ class KVProducer:
 
     def finish(self, request_id: str, first_token: int, kv_caches: list[torch.Tensor],
                block_ids: list[int], num_tokens: int, first_logprobs: dict[int, float] | None = None,
-               choices: list | None = None) -> None:
+               choices: list | None = None, cached_tokens: int = 0) -> None:
         """The prompt is done: start the lease; send whatever the consumer still needs (the
         first token travels with its logprobs when the request asked for them, and with the
         other choices' first tokens when it asked for n > 1: ``Done.choices``)."""
@@ -162,6 +163,7 @@ class KVProducer:
             req.state, req.first_token = ProducerState.HELD, first_token  # SENDING below if pulled
             req.first_logprobs = [[t, lp] for t, lp in (first_logprobs or {}).items()]
             req.choices = list(choices or [])
+            req.cached_tokens = cached_tokens
             req.kv_caches, req.block_ids = kv_caches, list(block_ids)[req.first_block:]
             req.ready = self._kv_written(kv_caches[0]) if kv_caches else None
             req.deadline = time.monotonic() + self.config.lease_s
@@ -234,6 +236,13 @@ class KVProducer:
             reason = "KV layout mismatch (producer vs consumer): " + "; ".join(diff)
             self._reply(identity, Error(id=msg.id, reason=reason))
             return
+        with self._lock:
+            full = False  # TMPX
+        if full:  # each pair is a thread and sockets: keyless, anyone reaching the port could ask
+            reason = f"{self.config.max_pairs} KV pairs already open (--kv-max-pairs); try again later"
+            logger.warning("producer: refused a pair: %s", reason)
+            self._reply(identity, Error(id=msg.id, reason=reason))
+            return
         try:
             mine, theirs = Endpoint.local(self.device), Endpoint.from_dict(msg.endpoint)
             transport = choose_transport(self.transport, mine, msg.backend, theirs)
@@ -261,7 +270,8 @@ class KVProducer:
         assert self.control is not None
         link = PairSender(msg.pair_id, identity, config=self.config, stats=self.stats, budget=self._budget,
                           control=self.control, device=self.device, on_done_sent=self._on_done_sent,
-                          on_failed=self._link_failed, on_message=self.handle, streams=self.streams)
+                          on_failed=self._link_failed, on_message=self.handle, streams=self.streams,
+                          in_use=self._link_in_use)
         with self._lock:
             if self._closed:
                 if hasattr(rendezvous, "close"):
@@ -279,6 +289,7 @@ class KVProducer:
             link = self._links.get(msg.pair_id)
             if link is not None:
                 link.heard()
+                link.last_used = time.monotonic()
             why = self._gone.get(msg.request_id)
             req = self._requests.get(msg.request_id)
             if why is None and (link is None or link.broken):
@@ -392,6 +403,10 @@ class KVProducer:
             for req in [r for r in self._requests.values() if r.link is link]:
                 self._fail_request(req, f"transfer failed: {reason}")
             link.drain()  # under the lock: nothing can be queued to this pair any more
+
+    def _link_in_use(self, link: PairSender) -> bool:
+        with self._lock:
+            return any(r.link is link for r in self._requests.values())
 
     def pair_transports(self) -> list[str]:
         with self._lock:

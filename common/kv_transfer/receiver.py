@@ -356,7 +356,7 @@ class PairReceiver:
             logger.warning("consumer: bad DONE for %s from %s: %s", msg.request_id, self.address, bad)
             self.owner._fail(t, f"producer {self.address} sent a bad DONE: {bad}")
         else:
-            self.owner._done(t, msg.first_token, msg.first_logprobs, msg.choices)
+            self.owner._done(t, msg.first_token, msg.first_logprobs, msg.choices, msg.cached_tokens)
         ack = Ack(request_id=msg.request_id)  # after _done: the engine sees the request first
         if self.transport == "tcp":
             self.pair.send_message(encode(ack))

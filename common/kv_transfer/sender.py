@@ -8,7 +8,9 @@ gloo/nccl send contiguous block runs in place and gather anything else into one 
 reusable staging buffers, each after the engine's event for that KV (the sender's stream
 waits on it, so the gather and NCCL's send come after the write); ``cuda_ipc`` copies into
 the consumer's blocks on the pair's streams and sends DONE once they have finished.
-A cuda_ipc pair whose consumer stopped pinging it is closed (its mapping with it).
+A cuda_ipc pair whose consumer stopped pinging it is closed (its mapping with it), and any
+pair that carried no transfer for ``pair_idle_s`` is closed too (its thread and sockets go;
+the consumer builds a new one for its next request), so strangers' pairs do not pile up.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ if TYPE_CHECKING:
     from common.kv_transfer.producer import ProducerRequest
 
 logger = logging.getLogger(__name__)
+
+
+class PairIdleError(PairBrokenError):
+    """The pair carried no transfer for ``pair_idle_s``: closed like a broken one, logged as normal."""
 
 
 @dataclass
@@ -77,7 +83,8 @@ class PairSender:
                  on_done_sent: Callable[[ProducerRequest], None],
                  on_failed: Callable[[PairSender, str], None],
                  on_message: Callable[[bytes, Message], None] | None = None,
-                 streams: StreamOps | None = None) -> None:
+                 streams: StreamOps | None = None,
+                 in_use: Callable[[PairSender], bool] = lambda link: True) -> None:
         self.pair_id, self.identity = pair_id, identity
         self.config, self.stats, self._budget, self._control = config, stats, budget, control
         self.device = device
@@ -91,6 +98,8 @@ class PairSender:
         self.thread: threading.Thread | None = None
         self._peer_cache: list | None = None  # cuda_ipc: handed to the pair, then held by it alone
         self._last_heard = time.monotonic()
+        self._in_use = in_use  # does a live request still use this pair (the producer's table)
+        self.last_used = time.monotonic()  # handshake or last PULL on this pair
 
     def start(self, rendezvous, transport: str, peer_cache: list | None = None) -> None:
         """Build the pair (rank 0, blocks until the consumer joins) and serve jobs, off-thread."""
@@ -156,8 +165,9 @@ class PairSender:
                     inflight.append(sent)
                     staging.reverse()
         except Exception as e:  # PairBrokenError, or a bug: either way this pair is done
-            logger.warning("producer: pair %s failed: %s", self.pair_id, e,
-                           exc_info=not isinstance(e, PairBrokenError))
+            log = logger.info if isinstance(e, PairIdleError) else logger.warning
+            log("producer: pair %s %s: %s", self.pair_id[:8], "idle" if isinstance(e, PairIdleError) else "failed",
+                e, exc_info=not isinstance(e, PairBrokenError))
             for _, nbytes in inflight:
                 self._budget.release(nbytes)
             if ahead is not None:
@@ -193,6 +203,9 @@ class PairSender:
         if self.transport == "cuda_ipc" and silent > self.config.peer_silent_s:
             raise PairBrokenError(f"consumer silent for {silent:.1f} s; dropping its pair and the mapping "
                                   "of its KV cache")
+        idle = time.monotonic() - self.last_used
+        if idle > self.config.pair_idle_s and not self._in_use(self):
+            raise PairIdleError(f"no transfer for {idle:.0f} s; closed (the consumer builds a new pair)")
 
     def _read_message(self) -> None:
         """tcp: a consumer's in-band message (PULL, ACK), or its close (the pair fails)."""
@@ -277,7 +290,7 @@ class PairSender:
 
     def _done(self, req: ProducerRequest) -> Done:
         return Done(request_id=req.request_id, pair_id=self.pair_id, first_token=req.first_token,
-                    first_logprobs=req.first_logprobs, choices=req.choices)
+                    first_logprobs=req.first_logprobs, choices=req.choices, cached_tokens=req.cached_tokens)
 
     def _send_done(self, job: SendJob) -> None:
         if self.transport == "cuda_ipc":

@@ -198,11 +198,11 @@ def test_producer_worker_issues_the_metadata():
     conn = ProducerConnector()
     conn.bind(transfer, caches)
     meta = KVConnectorMetadata(saves=(SaveSpec("x", 1, "h:2", (4, 5), 6),),
-                               handovers=(HandoverSpec("y", "h:2", 9, ((9, -0.25),), (1, 2), 5),),
+                               handovers=(HandoverSpec("y", "h:2", 9, ((9, -0.25),), (1, 2), 5, num_cached_tokens=3),),
                                discards=(DiscardSpec("z", "gone"),))
     conn.worker.start_step(meta)
     conn.worker.save_kv_layer(0, "kv0", meta)
-    assert transfer.calls == [("discard", "z", "gone"), ("finish", "y", 9, caches, [1, 2], 5, {9: -0.25}, []),
+    assert transfer.calls == [("discard", "z", "gone"), ("finish", "y", 9, caches, [1, 2], 5, {9: -0.25}, [], 3),
                               ("save_layer", "x", 0, "kv0", [4, 5])]
 
 
