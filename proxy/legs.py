@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 
 from common.cluster_auth import SIGNATURE_HEADER, ClusterKey
 from common.registry_client import RegistrationMessage
+from common.serving.resume import TOKEN_IDS_HEADER
 from proxy.config import ProxyConfig
 from proxy.errors import UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from proxy.http_client import ConnectTimeout, TransportError
@@ -49,7 +50,10 @@ class Legs:
 
     async def _send(self, role: str, node: RegistrationMessage, path: str, body: bytes, request_id: str,
                     stream: bool = False) -> Response:
-        resp = await self.transport.post(node.http_address, path, body, self._headers(request_id, role, body))
+        headers = self._headers(request_id, role, body)
+        if stream:  # a decode stream: the ids behind each event, so the stream can be resumed (migration.py)
+            headers.append((TOKEN_IDS_HEADER, "1"))
+        resp = await self.transport.post(node.http_address, path, body, headers)
         if not stream:
             await resp.aread()
         return resp

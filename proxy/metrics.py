@@ -46,6 +46,9 @@ class ProxyMetrics:
             ["role", "path", "reason"], registry=r,
         )
         self.retries = Counter("pdserve:proxy_prefill_retries", "Prefill legs retried.", ["role"], registry=r)
+        self.migrations = Counter(
+            "pdserve:proxy_migrations", "Streams resumed on another node, by cause.", ["role", "cause"], registry=r
+        )
         self.registry_rejected = Counter(
             "pdserve:proxy_registry_rejected", "Registry messages dropped, by reason.", ["role", "reason"],
             registry=r,
@@ -67,6 +70,9 @@ class ProxyMetrics:
 
     def count_decision(self, path: str, reason: str) -> None:
         self.decisions.labels("proxy", path, reason).inc()
+
+    def count_migration(self, cause: str) -> None:
+        self.migrations.labels("proxy", cause).inc()
 
     def count_retry(self) -> None:
         self.retries.labels("proxy").inc()

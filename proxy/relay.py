@@ -39,14 +39,16 @@ from common.registry_client import RegistrationMessage
 from common.request_id import LOCAL_PREFILL, make_request_id
 from common.serving.errors import body_error, invalid_json
 from common.serving.limits import MAX_REQUEST_ID_CHARS
+from common.serving.resume import RESUME_FIELD
 from proxy.cache_salt import TenantSalt
 from proxy.config import ProxyConfig
 from proxy.disagg import Decision, DisaggPolicy
-from proxy.errors import (BadRequest, ClientDisconnected, ProxyError, RequestTimeout, StreamIdle,
-                          UpstreamUnreachable, is_retryable)
+from proxy.errors import (BadRequest, ClientDisconnected, NoNodeAvailable, ProxyError, RequestTimeout,
+                          StreamIdle, UpstreamUnreachable, is_retryable)
 from proxy.legs import Legs, prefill_body, read_chunks
 from proxy.liveness import CHECK_INTERVAL_S, LostCheck, node_lost, watched
 from proxy.metrics import ProxyMetrics, StreamWatch
+from proxy.migration import Migration, StreamLedger
 from proxy.prefix_policy import prompt_text
 from proxy.routing import Pair, Router
 from proxy.transport import Response as NodeResponse
@@ -163,6 +165,10 @@ class Dispatcher:
         self, body: dict, body_bytes: bytes, incoming: Incoming, watcher: asyncio.Task, attempts: list[Call]
     ) -> Response:
         path = incoming.path
+        if RESUME_FIELD in body:  # internal (proxy/migration.py): only this proxy may send it
+            body = {k: v for k, v in body.items() if k != RESUME_FIELD}
+            body_bytes = await _off_loop(len(body_bytes), _encode_body, body)
+        migration = Migration(path, body, self.config.migration_limit)
         model = body.get("model") if _is_text(body.get("model")) else None  # else the nodes refuse it
         p_bytes = await _off_loop(len(body_bytes), prefill_body, body, path)
         stream = body.get("stream") is True
@@ -170,7 +176,7 @@ class Dispatcher:
         wants_text = self.config.policy == "prefix_aware" or self.config.disagg_policy == "auto"
         prompt = prompt_text(body) if wants_text else ""
         while True:
-            pair = self.router.pick(model, frozenset(failed_prefills), prompt)
+            pair = self.router.pick(model, frozenset(failed_prefills), prompt, frozenset(migration.failed_decodes))
             decision = self._decide(pair, prompt)
             uid = uuid.uuid4().hex if attempts else incoming.uid
             p_addr = LOCAL_PREFILL if decision.local else pair.prefill.zmq_address
@@ -185,10 +191,12 @@ class Dispatcher:
                 if self.config.dispatch == "prefill_first" and call.prefill is not None:
                     await _until(call.prefill, call, watcher)  # the leg watches its node itself
                 if stream:
-                    return await self._open_stream(call, path, body_bytes, watcher)
+                    return await self._open_stream(call, path, body_bytes, watcher, migration)
                 return await self._run_full(call, path, body_bytes, watcher)
             except ProxyError as exc:
                 await self._close(call)
+                if not stream and self._rerun(call, exc, migration):
+                    continue
                 if failed_prefills or not is_retryable(exc):
                     raise
                 failed_prefills.add(pair.prefill.http_address)
@@ -198,6 +206,20 @@ class Dispatcher:
             except BaseException:
                 await self._close(call)
                 raise
+
+    def _rerun(self, call: Call, exc: ProxyError, migration: Migration) -> bool:
+        """A non-stream answer whose decode node died or stalled runs again on another decode node
+        (nothing reached the client; greedy and seeded requests give the same answer)."""
+        if getattr(exc, "role", None) != "decode" or migration.count >= migration.limit:
+            return False
+        cause = migration.cause(exc, _prefill_of(call))
+        if cause is None:
+            return False
+        migration.count += 1
+        self.metrics.count_migration(cause)
+        logger.warning("request %s: %s; running it on another decode node (%s, migration %d of %d)",
+                       call.public_id, exc, cause, migration.count, migration.limit)
+        return True
 
     def _decide(self, pair: Pair, prompt: str) -> Decision:
         decision = self.disagg.decide(pair.prefill, pair.decode, prompt)
@@ -223,7 +245,16 @@ class Dispatcher:
                    "x-request-id": call.echo_id}
         return Response(resp.content, status_code=resp.status_code, headers=headers)
 
-    async def _open_stream(self, call: Call, path: str, body_bytes: bytes, watcher: asyncio.Task) -> Response:
+    async def _open_stream(self, call: Call, path: str, body_bytes: bytes, watcher: asyncio.Task,
+                           migration: Migration) -> Response:
+        first, chunks = await self._start_stream(call, path, body_bytes, watcher)
+        headers = {"content-type": call.response.headers.get("content-type", "text/event-stream"),
+                   "x-request-id": call.echo_id}
+        return StreamingResponse(self._relay(call, first, chunks, migration), headers=headers)
+
+    async def _start_stream(self, call: Call, path: str, body_bytes: bytes,
+                            watcher: asyncio.Task | None) -> tuple[bytes, AsyncIterator[bytes]]:
+        """Open the decode leg's stream and read its first bytes."""
         decode = call.pair.decode
         call.decode = call.spawn(self.legs.decode_open(decode, path, body_bytes, call.request_id))
         try:
@@ -241,50 +272,118 @@ class Dispatcher:
                                  f"timeout ({self.config.first_token_timeout_s:g} s)") from exc
         if first is None:
             raise UpstreamUnreachable("decode", decode.http_address, "stream ended before any data")
-        headers = {"content-type": call.response.headers.get("content-type", "text/event-stream"),
-                   "x-request-id": call.echo_id}
-        return StreamingResponse(self._relay(call, first, chunks), headers=headers)
+        return first, chunks
 
-    async def _relay(self, call: Call, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def _relay(self, call: Call, first: bytes, chunks: AsyncIterator[bytes],
+                     migration: Migration) -> AsyncIterator[bytes]:
         status = _CLIENT_CLOSED  # stays so if the client's disconnect cancels us (unless [DONE] went out)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.total_timeout_s - (time.perf_counter() - call.start)
         idle_s = self.config.stream_idle_timeout_s
         watch = StreamWatch()
         detail = ""
+        ledger = StreamLedger(call.pair.decode.http_address)  # what the client has: a migration resumes from it
         try:
             chunk: bytes | None = first
-            try:
-                while chunk is not None:
-                    first_content = watch.feed(chunk)
-                    yield chunk
-                    if first_content:  # what a client's TTFT measures: content, not the role chunk
-                        ttft = time.perf_counter() - call.start
-                        self.metrics.observe_ttft(ttft)
-                        self.disagg.observe_ttft(call.decision, call.pair.prefill, call.pair.decode, ttft)
-                    # The deadlines wrap each read, never a yield: a timeout armed across a yield
-                    # would fire inside Starlette's send, outside this generator.
-                    idle_at = loop.time() + idle_s
-                    try:
-                        async with asyncio.timeout_at(min(deadline, idle_at)):
-                            chunk = await self._next_relayed(call, chunks)
-                    except TimeoutError:
-                        if idle_at < deadline:
-                            raise StreamIdle(call.pair.decode.http_address, idle_s) from None
-                        raise
-                status = 200
-            except TimeoutError:
-                exc: ProxyError = RequestTimeout(f"request exceeded {self.config.total_timeout_s:g} s")
-                status, detail = self._count_error(exc), str(exc)
-                yield exc.sse_event()
-            except ProxyError as exc:
-                status, detail = self._count_error(exc), str(exc)
-                yield exc.sse_event()
+            while True:
+                try:
+                    while chunk is not None:
+                        out = ledger.feed(chunk)
+                        first_content = watch.feed(out)
+                        if out:
+                            yield out
+                        if first_content:  # what a client's TTFT measures: content, not the role chunk
+                            ttft = time.perf_counter() - call.start
+                            self.metrics.observe_ttft(ttft)
+                            self.disagg.observe_ttft(call.decision, call.pair.prefill, call.pair.decode, ttft)
+                        # The deadlines wrap each read, never a yield: a timeout armed across a yield
+                        # would fire inside Starlette's send, outside this generator.
+                        idle_at = loop.time() + idle_s
+                        try:
+                            async with asyncio.timeout_at(min(deadline, idle_at)):
+                                chunk = await self._next_relayed(call, chunks)
+                        except TimeoutError:
+                            if idle_at < deadline:
+                                raise StreamIdle(call.pair.decode.http_address, idle_s) from None
+                            raise
+                    status = 200
+                    break
+                except ProxyError as exc:
+                    try:  # the decode node died or stalled: go on from another one
+                        call, chunk, chunks = await self._migrate(call, exc, ledger, migration)
+                    except ProxyError as final:
+                        if ledger.finished:  # only [DONE] was missing: the answer is whole
+                            status = 200
+                            yield b"data: [DONE]\n\n"
+                            break
+                        raise final from None
+        except TimeoutError:
+            exc = RequestTimeout(f"request exceeded {self.config.total_timeout_s:g} s")
+            status, detail = self._count_error(exc), str(exc)
+            yield exc.sse_event()
+        except ProxyError as exc:
+            status, detail = self._count_error(exc), str(exc)
+            yield exc.sse_event()
         finally:
             if status == _CLIENT_CLOSED and watch.done:
                 status = 200  # the client left after [DONE]: the request completed
             await self._close(call)
             self._finish(call, status, call.start, detail)
+
+    async def _migrate(self, call: Call, exc: ProxyError, ledger: StreamLedger,
+                       migration: Migration) -> tuple[Call, bytes | None, AsyncIterator[bytes]]:
+        """The stream resumed on another pair (proxy/migration.py); raises the error to report
+        when it may not be, or no attempt within ``--migration-limit`` opened."""
+        await self._close(call)
+        while ledger.resumable and migration.count < migration.limit:
+            cause = migration.cause(exc, _prefill_of(call))
+            if cause is None:
+                break
+            body = migration.resume_body(ledger)
+            if body is None:
+                break
+            migration.count += 1
+            self.metrics.count_migration(cause)
+            logger.warning("request %s: %s; resuming after %d tokens on another node (%s, migration %d of %d)",
+                           call.public_id, exc, len(ledger.token_ids), cause, migration.count, migration.limit)
+            try:
+                resumed = self._resumed_call(call, migration, body)
+            except ProxyError:
+                break  # no other node: the client gets the first error
+            try:
+                if not resumed.decision.local:
+                    self._spawn_prefill(resumed, migration.path, prefill_body(body, migration.path))
+                first, chunks = await self._start_stream(resumed, migration.path, _encode_body(body), None)
+            except ProxyError as next_exc:
+                await self._close(resumed)
+                exc, call = next_exc, resumed
+                continue
+            except BaseException:
+                await self._close(resumed)
+                raise
+            ledger.resume(resumed.pair.decode.http_address)
+            return resumed, first, chunks
+        raise exc
+
+    def _resumed_call(self, call: Call, migration: Migration, body: dict) -> Call:
+        """A new attempt for a migrated stream: a pair without the nodes that failed it, a new tag."""
+        model = body.get("model") if _is_text(body.get("model")) else None
+        wants_text = self.config.policy == "prefix_aware" or self.config.disagg_policy == "auto"
+        prompt = prompt_text(migration.body) if wants_text else ""
+        skip_d = frozenset(migration.failed_decodes)
+        try:
+            pair = self.router.pick(model, frozenset(migration.failed_prefills), prompt, skip_d)
+            decision = self._decide(pair, prompt)
+        except NoNodeAvailable:
+            if not migration.failed_prefills:
+                raise
+            pair = self.router.pick(model, frozenset(), prompt, skip_d)
+            decision = Decision("local", "migration")  # no other prefill node: decode computes the prompt
+        p_addr = LOCAL_PREFILL if decision.local else pair.prefill.zmq_address
+        tagged = make_request_id(p_addr, pair.decode.zmq_address, uuid.uuid4().hex)
+        resumed = Call(pair, tagged, call.public_id, call.start, client_id=call.client_id, decision=decision)
+        self.router.begin(pair, decision.local)
+        return resumed
 
     def _lost(self, role: str, node: RegistrationMessage) -> LostCheck:
         return node_lost(self.router.registry, role, node, self.config.node_stall_timeout_s)
@@ -397,6 +496,10 @@ def _is_text(value: object) -> bool:
 
 def _encode_body(body: dict) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _prefill_of(call: Call) -> str | None:
+    return None if call.decision.local else call.pair.prefill.http_address
 
 
 def _parse_body(raw: bytes) -> dict:

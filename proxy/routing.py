@@ -92,7 +92,7 @@ class Router:
         self._cache: tuple[tuple[Group, ...], dict[str | None, _Candidates]] = ((), {})
 
     def pick(self, model: str | None, exclude_prefill: frozenset[str] = frozenset(),
-             prompt: str = "") -> Pair:
+             prompt: str = "", exclude_decode: frozenset[str] = frozenset()) -> Pair:
         """A compatible pair for ``model`` (``prompt``: its text, for prefix_aware); raises
         NoNodeAvailable or ModelNotFound."""
         c = self._candidates(model)
@@ -104,7 +104,12 @@ class Router:
                 raise type(c.error)(c.error.message)  # a fresh one each time: no traceback pile-up
             raise NoNodeAvailable("no prefill node is registered (besides ones that just failed)")
         p = self._choose(self._prefill_policy, prefills, prompt, "prefill")
-        d = self._choose(self._decode_policy, c.decodes_of[p.group], prompt, "decode")
+        decodes = c.decodes_of[p.group]
+        if exclude_decode:
+            decodes = [n for n in decodes if n.info.http_address not in exclude_decode]
+            if not decodes:
+                raise NoNodeAvailable("no decode node is registered (besides ones that just failed)")
+        d = self._choose(self._decode_policy, decodes, prompt, "decode")
         return Pair(p.info, d.info)
 
     def _choose(self, policy: Policy, nodes: list[Node], prompt: str, role: str) -> Node:

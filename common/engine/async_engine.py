@@ -90,8 +90,7 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        texts = [TextStream(self.tokenizer, prompt_token_ids, params.stop) if self.tokenizer else None
-                 for _ in range(params.n)]  # one per choice
+        texts = [self._text_stream(prompt_token_ids, params) for _ in range(params.n)]  # one per choice
         running = set(range(params.n))
         finished = False
         try:
@@ -117,6 +116,15 @@ class AsyncLLMEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self._post(("abort", request_id))
+
+    def _text_stream(self, prompt_token_ids: list[int], params: SamplingParams) -> TextStream | None:
+        if self.tokenizer is None:
+            return None
+        prompt_len = len(prompt_token_ids) - params.resumed_tokens
+        text = TextStream(self.tokenizer, prompt_token_ids[:prompt_len], params.stop)
+        if params.resumed_tokens:  # replayed, not shown: the client already has this text
+            text.add(prompt_token_ids[prompt_len:], False)
+        return text
 
     async def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))

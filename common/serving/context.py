@@ -28,6 +28,7 @@ from common.request_id import Tags, parse_tags
 from common.serving.errors import REQUEST_ID_HEADER, OpenAIError, client_visible_id, model_not_served
 from common.serving.limits import MAX_REQUEST_ID_CHARS
 from common.serving.protocol import SamplingRequest
+from common.serving.resume import resumed_prompts, wants_token_ids
 from common.serving.response_format import ResponseFormats
 
 TAG_FORMAT = "___prefill_addr_HOST:PORT___decode_addr_HOST:PORT_<uuid hex>"
@@ -50,6 +51,7 @@ class PreparedRequest:
     # set by a role's hook: runs once the request passed every check (e.g. the prefill node's
     # KV admission, which must not count a request that is about to be refused)
     admit: Callable[[], None] | None = None
+    stream_token_ids: bool = False  # a pdserve proxy asked for the ids behind each event (resume.py)
 
     def engine_request_id(self, index: int) -> str:
         # One prompt keeps the id exactly (P and D key transfers by it); only a batch of
@@ -117,11 +119,13 @@ class ServingContext:
         request_id = request_id_of(request)
         tags = parse_tags(request_id)
         self._check_role(tags, len(prompts))
+        prompts = resumed_prompts(body.pdserve_resume_token_ids, prompts, params, tags)
         kv_params = None
         if tags is not None:  # a local prefill asks no peer: the engine prefills it like any prompt
             prefill = "" if tags.local_prefill else tags.prefill_addr
             kv_params = {"prefill_addr": prefill, "decode_addr": tags.decode_addr}
         prepared = PreparedRequest(request_id, prompts, params, tags, kv_params)
+        prepared.stream_token_ids = wants_token_ids(request.headers)
         if self.prepare_request is not None:  # before the range checks: a prefill leg bounds min_tokens
             result = self.prepare_request(prepared, request)
             if result is not None:

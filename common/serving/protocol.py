@@ -80,6 +80,8 @@ class SamplingRequest(BaseModel):
     response_format: ResponseFormat | None = None  # compiled by common.serving.response_format
     # vLLM's: only requests with the same salt share prefix-cache blocks (tenant isolation)
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
+    # internal: a pdserve proxy resuming a request elsewhere sends the ids already streamed (resume.py)
+    pdserve_resume_token_ids: list[TokenId] | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from common.engine.outputs import RequestOutput
 from common.serving.errors import OpenAIError, engine_error, internal_error
 from common.serving.generation import GenerationRun
+from common.serving.resume import token_ids_note
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +86,15 @@ async def sse_stream(
                     yield sse_event(error.body())
                     failed = True
                     break
+                # the ids go in the same write as their text (and a last token's finish): a proxy
+                # that resumes the request elsewhere knows exactly what the client has
+                note = token_ids_note(run.prepared.stream_token_ids, index, out.new_token_ids)
                 chunk = formatter.delta(index, out)
-                if chunk is not None:
-                    yield event(chunk)
+                events = [event(chunk)] if chunk is not None else []
                 if out.finished:
-                    yield event(formatter.finish(index, out.finish_reason or "stop"))
+                    events.append(event(formatter.finish(index, out.finish_reason or "stop")))
+                if events or note:
+                    yield note + ("".join(events) or "\n")
         if include_usage and not failed:
             yield sse_event(formatter.usage(run.usage()))
     except OpenAIError as exc:
