@@ -133,6 +133,10 @@ class NodeConfig(BaseModel):
                     "communicator set-up takes seconds)",
     )
     kv_lease_s: float = Field(30.0, gt=0, le=86400, description="How long prefill holds KV nobody asked for")
+    kv_max_pairs: int = Field(
+        64, ge=1, le=4096, description="KV data-plane pairs (a thread and sockets each) a prefill node holds "
+        "at most; handshakes past it are refused, and a pair with no transfer for 60 s is closed"
+    )
     kv_transport: Literal["auto", "cuda_ipc", "nccl", "tcp", "gloo"] = Field(
         "auto", description="KV data plane, chosen per pair at its handshake; auto = cuda_ipc (CUDA, one "
         "host), nccl (CUDA, two hosts), tcp (CPU)"

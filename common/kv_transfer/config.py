@@ -32,12 +32,16 @@ class TransferConfig:
     coalesce_bytes: int = 16 << 20  # layers gathered after prefill travel in messages up to this size
     peer_idle_s: float = 60.0  # a peer connection (and its receiver thread) unused this long is closed
     max_peers: int = 256  # control-plane connections to distinct peers, at most
+    max_pairs: int = 64  # data-plane pairs a producer holds (a thread and sockets each), at most
+    pair_idle_s: float = 60.0  # a producer closes a pair that carried no transfer this long
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "lease_s", "handshake_timeout_s", "connect_timeout_s", "heartbeat_s",
-                     "peer_idle_s"):
+                     "peer_idle_s", "pair_idle_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransferConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_pairs < 1:
+            raise ValueError("TransferConfig.max_pairs must be >= 1")
         if self.max_bytes_in_flight <= 0:
             raise ValueError("TransferConfig.max_bytes_in_flight must be > 0")
 

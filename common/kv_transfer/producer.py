@@ -237,7 +237,7 @@ class KVProducer:
             self._reply(identity, Error(id=msg.id, reason=reason))
             return
         with self._lock:
-            full = False  # TMPX
+            full = len(self._links) >= self.config.max_pairs
         if full:  # each pair is a thread and sockets: keyless, anyone reaching the port could ask
             reason = f"{self.config.max_pairs} KV pairs already open (--kv-max-pairs); try again later"
             logger.warning("producer: refused a pair: %s", reason)
