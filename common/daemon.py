@@ -46,7 +46,7 @@ def transfer_config(cfg: NodeConfig) -> TransferConfig:
     # the control handshake shares the operation deadline: an unreachable prefill node fails
     # fast; building the data-plane pair after it has its own, longer bound (NCCL's set-up)
     return TransferConfig(timeout_s=cfg.kv_timeout_s, lease_s=cfg.kv_lease_s, handshake_timeout_s=cfg.kv_timeout_s,
-                          connect_timeout_s=cfg.kv_connect_timeout_s)
+                          connect_timeout_s=cfg.kv_connect_timeout_s, max_pairs=cfg.kv_max_pairs)
 
 
 class TransferConnector(Protocol):
