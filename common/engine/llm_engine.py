@@ -183,24 +183,12 @@ class LLMEngine:
                     seq.logprobs.append(logprobs)
                 if seq in result.choice_firsts:  # before choice 0's token: if that ends it, its blocks are shared
                     self.scheduler.fork(seq, result.choice_firsts[seq])
-                if seq in result.choice_firsts:  # before choice 0's token: if that ends it, its blocks are shared
-                    self.scheduler.fork(seq, result.choice_firsts[seq])
                 self.scheduler.append_token(seq, token_id)
             touched += result.sampled_seqs + self._adopt_forked()
         tail = self.scheduler.take_kv_metadata()  # e.g. a first token to hand over: it goes now
         if tail:
             self.kv_worker.start_step(tail)
         return landed + self._outputs(touched)
-
-    def _adopt_forked(self) -> list[Sequence]:
-        """Track the choices the scheduler just forked and copy their prompt's tail block now,
-        before any later allocation or write can touch the block copied from."""
-        forked, copies = self.scheduler.take_forked()
-        for seq in forked:
-            self._requests[seq.request_id] = seq
-        if copies:
-            self.runner.copy_blocks(copies)
-        return forked
 
     def _adopt_forked(self) -> list[Sequence]:
         """Track the choices the scheduler just forked and copy their prompt's tail block now,
