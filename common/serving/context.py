@@ -30,6 +30,7 @@ from common.serving.limits import MAX_REQUEST_ID_CHARS
 from common.serving.protocol import SamplingRequest
 from common.serving.resume import resumed_prompts, wants_token_ids
 from common.serving.response_format import ResponseFormats
+from common.serving.unhonoured import check_unhonoured
 
 TAG_FORMAT = "___prefill_addr_HOST:PORT___decode_addr_HOST:PORT_<uuid hex>"
 OFF_LOOP_CHARS = 16_384  # prompts longer than this are tokenized in a worker thread
@@ -143,6 +144,7 @@ class ServingContext:
         return prepared
 
     def check_model(self, body: SamplingRequest) -> None:
+        check_unhonoured(body.model_extra, chat=hasattr(body, "messages"))
         if body.model is not None and body.model != self.model_name:
             raise OpenAIError(
                 model_not_served(body.model, [self.model_name]),

@@ -1,8 +1,10 @@
 """OpenAI request bodies (the subset pdserve serves), validated strictly.
 
 Strict mode makes ``"max_tokens": "5"`` or ``"prompt": [true]`` a 400 instead of a silent
-coercion. Unknown fields (``user``, ``frequency_penalty``...) are accepted and ignored,
-as clients send them routinely. Integers are bounded here (a 2^70 seed would overflow
+coercion. Undeclared fields are kept (``model_extra``) and checked by ``unhonoured.py``:
+the OpenAI / vLLM ones this server does not implement (``logit_bias``, ``tools``...) are a
+400 unless sent at a value that asks for nothing; ``user`` and a few others are ignored on
+purpose; names nobody defines are ignored. Integers are bounded here (a 2^70 seed would overflow
 the sampler's int64) and every text must be encodable (a lone surrogate ``"\ud800"``
 is valid JSON but no tokenizer can read it), so both are 400s naming the field.
 """
@@ -61,7 +63,7 @@ class ResponseFormat(BaseModel):
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")  # extras: unhonoured.check_unhonoured
 
     model: Text | None = None
     max_tokens: Count | None = None
