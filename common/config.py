@@ -133,6 +133,11 @@ class NodeConfig(BaseModel):
                     "communicator set-up takes seconds)",
     )
     kv_lease_s: float = Field(30.0, gt=0, le=86400, description="How long prefill holds KV nobody asked for")
+    kv_peers: str | None = Field(
+        None, description="Decode: comma-separated prefill KV addresses (HOST:PORT) this node may pull KV from, "
+        "besides the prefill nodes the proxy's registry names; unset and no registry answer (no proxy, or "
+        "vLLM's) = any address (keyless: trusted networks only)"
+    )
     kv_max_pairs: int = Field(
         64, ge=1, le=4096, description="KV data-plane pairs (a thread and sockets each) a prefill node holds "
         "at most; handshakes past it are refused, and a pair with no transfer for 60 s is closed"
@@ -221,6 +226,11 @@ class NodeConfig(BaseModel):
     def kv_host_chosen(self) -> bool:
         """True when ``kv_host`` was not given and the host's routable address was chosen."""
         return self._kv_host_chosen
+
+    @property
+    def kv_peer_list(self) -> frozenset[str]:
+        """``--kv-peers`` as a set of ``host:port``."""
+        return frozenset(a.strip() for a in (self.kv_peers or "").split(",") if a.strip())
 
     @property
     def kv_addr(self) -> str:

@@ -98,6 +98,18 @@ class Daemon:
                                            cfg.heartbeat_interval_s, key=self.key)
             self.heartbeater.start()
             logger.info("registering with the proxy at %s as %s", cfg.proxy, self.node_id)
+        self.transfer.consumer.known_peer = self.known_prefill
+
+    def known_prefill(self, kv_addr: str) -> bool:
+        """May this node pull KV from ``kv_addr``? With a cluster key the id naming it was signed by
+        the proxy; else it must be in --kv-peers or in the registry's last member list; with neither
+        (keyless behind vLLM's proxy or none), any address, as vLLM does (trusted networks only)."""
+        if self.key is not None or kv_addr in self.config.kv_peer_list:
+            return True
+        members = self.heartbeater.members if self.heartbeater is not None else None
+        if members is not None:
+            return kv_addr in members
+        return not self.config.kv_peer_list
 
     def ready(self) -> bool:
         return self.transfer is not None and (self.heartbeater is None or self.heartbeater.beats_sent > 0)

@@ -7,7 +7,9 @@ with our proxy (and our node with a vLLM proxy)::
     {"type": "P"|"D", "http_address": "host:port", "zmq_address": "host:port"}
 
 Our daemons add what a router needs: model, KV layout fingerprint, load, version,
-and ``goodbye: true`` on a graceful stop. Every field is bounded: the registry is
+and ``goodbye: true`` on a graceful stop. Our registry answers a decode node's heartbeat
+with ``{"members": [prefill KV addresses]}`` (:attr:`Heartbeater.members`): the prefill
+nodes it may pull KV from. Every field is bounded: the registry is
 reachable by anyone who can reach its port, so a message is checked by one model
 (:class:`RegistrationMessage`) before anything reads it. With a cluster key the map
 travels with a seal (see common.cluster_auth); without one the wire is vLLM's.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, fields
 from typing import TYPE_CHECKING, Annotated, Literal
@@ -148,6 +151,26 @@ def decode(frame: bytes) -> RegistrationMessage:
     return RegistrationMessage.from_dict(data)
 
 
+MAX_MEMBERS = 4096
+
+
+def encode_members(kv_addresses: list[str]) -> bytes:
+    """The registry's answer to a decode node's heartbeat: the prefill nodes it may pull from."""
+    return msgpack.packb({"members": kv_addresses}, use_bin_type=True)
+
+
+def decode_members(frame: bytes) -> frozenset[str]:
+    """Parse :func:`encode_members`'s bytes; raises RegistrationError on anything else."""
+    try:
+        data = msgpack.unpackb(frame, raw=False)
+        members = data["members"]
+        if not isinstance(members, list) or len(members) > MAX_MEMBERS:
+            raise TypeError("members is not a bounded list")
+        return frozenset(check_host_port(a) for a in members if isinstance(a, str) and len(a) <= 262)
+    except Exception as exc:  # noqa: BLE001 - msgpack and the checks raise several types
+        raise RegistrationError(f"not a member list: {type(exc).__name__}") from None
+
+
 def zmq_endpoint(address: str) -> str:
     """``host:port`` -> ``tcp://host:port`` (full endpoints pass through)."""
     return address if "://" in address else f"tcp://{address}"
@@ -180,6 +203,9 @@ class Heartbeater:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.beats_sent = 0
+        # the prefill KV addresses the registry last named (decode nodes); None: no answer yet,
+        # or a registry that does not answer (vLLM's)
+        self.members: frozenset[str] | None = None
 
     def start(self) -> None:
         if self._thread is not None:
@@ -217,12 +243,28 @@ class Heartbeater:
         try:
             while not self._stop.is_set():
                 self._beat(sock)
-                self._stop.wait(self.interval_s)
+                deadline = time.monotonic() + self.interval_s
+                while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+                    if sock.poll(max(1, int(min(left, 0.2) * 1000))):  # the registry's answer
+                        self._read_members(sock)
             # a graceful stop says goodbye, so the proxy stops routing here now, not at eviction
             linger = 500 if self._beat(sock, goodbye=True) else 0
         finally:
             sock.close(linger=linger)
             ctx.term()
+
+    def _read_members(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            payload, _ = self._sealer.open(frames)
+            try:
+                if payload is not None and len(payload) <= 64 * MAX_MESSAGE_BYTES:
+                    self.members = decode_members(payload)
+            except RegistrationError as exc:
+                logger.warning("registry answer ignored: %s", exc)
 
     def _beat(self, sock: zmq.Socket, goodbye: bool = False) -> bool:
         try:

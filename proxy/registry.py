@@ -31,7 +31,7 @@ import zmq
 
 from common.cluster_auth import ClusterKey, registry_sealer
 from common.registry_client import (MAX_MESSAGE_BYTES, RegistrationError, RegistrationMessage, decode,
-                                    zmq_endpoint)
+                                    encode_members, zmq_endpoint)
 
 logger = logging.getLogger(__name__)
 GroupKey = tuple[str | None, str | None]  # (model, kv_fingerprint)
@@ -285,13 +285,26 @@ class ServiceRegistry:
                 payload, reason = self._sealer.open(body) if body else (None, "frame_count")
                 if payload is not None:
                     try:
-                        reason = self.register(decode(payload))
+                        msg = decode(payload)
+                        reason = self.register(msg)
+                        if reason is None and msg.type == "D" and not msg.goodbye:
+                            self._send_members(sock, sender, msg)
                     except RegistrationError as exc:
                         reason = "invalid"
                         self._log(sender, f"ignored a bad registration message: {exc}")
             if reason is not None:
                 self._reject(reason)
                 self._log(sender, f"registration rejected ({reason})")
+
+    def _send_members(self, sock: zmq.Socket, sender: bytes, msg: RegistrationMessage) -> None:
+        """Answer a decode node's heartbeat with the KV addresses of the prefill nodes it may pull
+        from (its model and layout): it pulls from no one else (issue 22). vLLM's nodes ignore it."""
+        members = sorted({n.info.zmq_address for n in self.nodes("P")
+                          if (n.info.model, n.info.kv_fingerprint) == (msg.model, msg.kv_fingerprint)})
+        try:
+            sock.send_multipart([sender, *self._sealer.frames(encode_members(members))], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the node went, or is not reading: its next heartbeat gets the next answer
 
     def _admit(self, sender: bytes) -> str | None:
         """Token bucket per sender (its ZMQ connection); the table keeps the 4,096 latest senders."""

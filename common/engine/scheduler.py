@@ -91,6 +91,9 @@ class Scheduler:
         # the hash chain's root names what changes a block's KV besides its tokens (the engine
         # passes the model identity); block size goes in here so no caller can forget it
         self.cache_root = root_hash(cache_root, block_manager.block_size)
+        # received from a peer, not yet in the prefix cache: they join it only once the request
+        # finishes normally (stop or length), so a failed or refused transfer leaves nothing named
+        self._received: set[str] = set()
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache (vLLM's meaning)
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self.forked: list[Sequence] = []  # choices forked since ``take_forked``
@@ -258,7 +261,7 @@ class Scheduler:
             seq.num_computed_tokens = seq.num_prompt_tokens
             # the prompt was computed on the producer: its prefix-cache count is the one to report
             seq.num_cached_tokens = min(max(finished.cached_tokens.get(rid, 0), 0), seq.num_prompt_tokens)
-            self._cache_full_blocks(seq)
+            self._received.add(rid)  # cached when it finishes normally (finish)
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)  # next decode step feeds first_token at position len(prompt)
             if seq.params.logprobs is not None and rid in finished.first_logprobs:
@@ -321,7 +324,12 @@ class Scheduler:
         """Take ``seq`` out of every queue; free its blocks unless the connector still sends them."""
         if seq.is_finished:
             return
-        self._cache_full_blocks(seq)
+        if seq.request_id in self._received:
+            self._received.discard(seq.request_id)
+            if reason in ("stop", "length"):
+                self._cache_full_blocks(seq)
+        else:
+            self._cache_full_blocks(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -362,7 +370,7 @@ class Scheduler:
         """Register the blocks whose every token's KV is now in the cache."""
         bm = self.block_manager
         num_full = seq.num_computed_tokens // bm.block_size
-        if not bm.enable_prefix_caching or num_full <= seq.num_cached_blocks:
+        if not bm.enable_prefix_caching or num_full <= seq.num_cached_blocks or seq.request_id in self._received:
             return
         extend_hashes(seq.block_hashes, self._root(seq), seq.token_ids, bm.block_size, num_full)
         for i in range(seq.num_cached_blocks, num_full):

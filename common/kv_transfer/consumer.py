@@ -38,6 +38,9 @@ class KVConsumer:
                  transport: str = "auto", vocab_size: int | None = None) -> None:
         self.layout, self.config, self.stats = layout, config, stats
         self.vocab_size = vocab_size  # a DONE's tokens must lie in [0, vocab_size) (peer_checks.py)
+        # whether KV may be pulled from this producer address; the decode daemon sets it from
+        # --kv-peers and the registry's member list (common/daemon.py). Asked before anything opens.
+        self.known_peer: Callable[[str], bool] = lambda address: True
         self.transport = transport  # --kv-transport: what this side asks for at each handshake
         self.control: ControlPlane  # set by the engine once bound
         self._lock = threading.Lock()
@@ -67,6 +70,13 @@ class KVConsumer:
             raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens "
                              f"from block {first_block}")
         t = Transfer(request_id, list(block_ids), num_tokens, kv_caches, first_block)
+        if not self.known_peer(prefill_addr):  # nothing is opened, nothing lands in the blocks
+            self.stats.add(failures=1)
+            with self._lock:
+                self._failed[request_id] = (f"{prefill_addr} is not a known prefill node (not in --kv-peers "
+                                            "nor registered with the proxy); not asking it for KV")
+            self.on_progress()
+            return
         with self._lock:
             if self._closed:
                 raise TransferError("transfer engine closed")
