@@ -49,7 +49,7 @@ def registry_from_config(config: ProxyConfig) -> ServiceRegistry:
 def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> FastAPI:
     """The proxy app; the registry starts and stops with it."""
     registry = registry or registry_from_config(config)
-    router = Router(registry, config.policy, config.node_stall_timeout_s)
+    router = Router(registry, config.policy, config.node_stall_timeout_s, config.unreachable_cooldown_s)
     metrics = ProxyMetrics()
 
     @asynccontextmanager
@@ -57,7 +57,8 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
         registry.start()
         async with PooledTransport(max_idle_per_origin=config.max_idle_connections,
                                    connect_timeout_s=config.connect_timeout_s) as transport:
-            app.state.dispatcher = Dispatcher(Legs(transport, config, metrics), router, config, metrics)
+            legs = Legs(transport, config, metrics, unreachable=router.unreachable)
+            app.state.dispatcher = Dispatcher(legs, router, config, metrics)
             app.state.model_cards = ModelCards(registry)
             try:
                 yield

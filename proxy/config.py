@@ -68,6 +68,11 @@ class ProxyConfig(BaseModel):
         60.0, gt=0, description="A node whose heartbeats say its engine has been stuck in one step this long "
         "(a hung kernel, a deadlock) fails the legs it holds with a 504 and gets no new requests."
     )
+    unreachable_cooldown_s: float = Field(
+        10.0, ge=0, le=3600, description="A node a leg could not reach (connection refused or reset, connect "
+        "timeout) gets no new request another node can take for this long, before its heartbeats time out; "
+        "0 turns it off."
+    )
     first_token_timeout_s: float = Field(
         300.0, gt=0, description="From dispatch to the decode node's first bytes."
     )

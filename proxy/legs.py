@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from common.cluster_auth import SIGNATURE_HEADER, ClusterKey
@@ -36,10 +36,12 @@ def prefill_body(body: dict, path: str) -> bytes:
 class Legs:
     """Sends legs to nodes through the app's one pooled transport."""
 
-    def __init__(self, transport: PooledTransport, config: ProxyConfig, metrics: ProxyMetrics):
+    def __init__(self, transport: PooledTransport, config: ProxyConfig, metrics: ProxyMetrics,
+                 unreachable: Callable[[str, str], None] = lambda role, node: None):
         self.transport = transport
         self.config = config
         self.metrics = metrics
+        self.unreachable = unreachable  # told (role, node) when a leg cannot reach its node
         self.key = ClusterKey.optional(config.cluster_key_file)  # signs each tagged id it sends
 
     def _headers(self, request_id: str, role: str, body: bytes) -> list[tuple[str, str]]:
@@ -61,7 +63,8 @@ class Legs:
     async def prefill(self, node: RegistrationMessage, path: str, body: bytes, request_id: str) -> None:
         """Run the prefill leg to its end; raises a ProxyError when it did not succeed."""
         self.metrics.count_leg("prefill", node.http_address)
-        async with _guard("prefill", node.http_address, "prefill", self.config.prefill_timeout_s):
+        async with _guard("prefill", node.http_address, "prefill", self.config.prefill_timeout_s,
+                          self.unreachable):
             resp = await self._send("prefill", node, path, body, request_id)
         if resp.status_code >= 400:
             raise UpstreamError("prefill", node.http_address, resp.status_code, resp.content)
@@ -70,7 +73,7 @@ class Legs:
         """Open the decode leg as a stream; its status is checked, its body not yet read."""
         self.metrics.count_leg("decode", node.http_address)
         # The first-token deadline is the dispatcher's (it spans these headers and the first bytes).
-        async with _guard("decode", node.http_address, "total", self.config.total_timeout_s):
+        async with _guard("decode", node.http_address, "total", self.config.total_timeout_s, self.unreachable):
             resp = await self._send("decode", node, path, body, request_id, stream=True)
             if resp.status_code >= 400:
                 try:
@@ -83,7 +86,7 @@ class Legs:
     async def decode_full(self, node: RegistrationMessage, path: str, body: bytes, request_id: str) -> Response:
         """Run a non-stream decode leg; a 200 with an empty body counts as a failure."""
         self.metrics.count_leg("decode", node.http_address)
-        async with _guard("decode", node.http_address, "total", self.config.total_timeout_s):
+        async with _guard("decode", node.http_address, "total", self.config.total_timeout_s, self.unreachable):
             resp = await self._send("decode", node, path, body, request_id)
         if resp.status_code >= 400:
             raise UpstreamError("decode", node.http_address, resp.status_code, resp.content)
@@ -103,13 +106,16 @@ async def read_chunks(resp: Response, node: str) -> AsyncIterator[bytes]:
 
 
 @asynccontextmanager
-async def _guard(role: str, node: str, phase: str, seconds: float) -> AsyncIterator[None]:
+async def _guard(role: str, node: str, phase: str, seconds: float,
+                 unreachable: Callable[[str, str], None]) -> AsyncIterator[None]:
     try:
         async with asyncio.timeout(seconds):
             yield
     except ConnectTimeout as exc:  # a node that cannot be reached: retryable, unlike a slow one
+        unreachable(role, node)
         raise UpstreamUnreachable(role, node, f"connect timeout: {exc}") from exc
     except TimeoutError as exc:
         raise UpstreamTimeout(role, node, phase, seconds) from exc
-    except TransportError as exc:
+    except TransportError as exc:  # refused, reset: the node is down or going
+        unreachable(role, node)
         raise UpstreamUnreachable(role, node, f"{type(exc).__name__}: {exc}") from exc

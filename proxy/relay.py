@@ -195,7 +195,7 @@ class Dispatcher:
                 return await self._run_full(call, path, body_bytes, watcher)
             except ProxyError as exc:
                 await self._close(call)
-                if not stream and self._rerun(call, exc, migration):
+                if self._rerun(call, exc, migration):  # a stream too: its first byte had not gone out
                     continue
                 if failed_prefills or not is_retryable(exc):
                     raise
@@ -208,8 +208,9 @@ class Dispatcher:
                 raise
 
     def _rerun(self, call: Call, exc: ProxyError, migration: Migration) -> bool:
-        """A non-stream answer whose decode node died or stalled runs again on another decode node
-        (nothing reached the client; greedy and seeded requests give the same answer)."""
+        """An answer whose decode node died or stalled before its first byte reached the client (a
+        non-stream one, or a stream not yet begun) runs again on another decode node (greedy and
+        seeded requests give the same answer)."""
         if getattr(exc, "role", None) != "decode" or migration.count >= migration.limit:
             return False
         cause = migration.cause(exc, _prefill_of(call))

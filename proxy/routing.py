@@ -10,7 +10,9 @@ cannot say what they serve, so they are candidates for any model.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -83,9 +85,13 @@ class Router:
     """
 
     def __init__(self, registry: ServiceRegistry, policy: str = "round_robin",
-                 stall_limit_s: float = float("inf")):
+                 stall_limit_s: float = float("inf"), cooldown_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.registry = registry
         self.stall_limit_s = stall_limit_s  # a node stuck in one engine step this long gets no new work
+        self.cooldown_s = cooldown_s  # a node a leg could not reach gets no new work this long
+        self._clock = clock
+        self._cooling: dict[tuple[str, str], float] = {}  # (type, http_address) -> end of its cool-down
         self._prefill_policy = make_policy(policy)
         self._decode_policy = make_policy(policy)
         self._inflight: Counter = Counter()
@@ -114,15 +120,40 @@ class Router:
 
     def _choose(self, policy: Policy, nodes: list[Node], prompt: str, role: str) -> Node:
         """The policy's pick among ``nodes``, skipping any whose engine is stuck past the stall
-        limit (checked on the pick first, so the common case costs no pass over the list)."""
+        limit, and any a leg just failed to reach while another can take the request (checked on
+        the pick first, so the common case costs no pass over the list)."""
         node = policy.choose(nodes, self._inflight, prompt)
-        if self.registry.stalled_for(node) < self.stall_limit_s:
+        stalled = self.registry.stalled_for(node) >= self.stall_limit_s
+        if not stalled and not self._cooling_down(node):
             return node
         live = [n for n in nodes if self.registry.stalled_for(n) < self.stall_limit_s]
         if not live:
             raise NoNodeAvailable(f"every compatible {role} node is stalled (its engine has made no "
                                   f"progress for {self.stall_limit_s:g} s, --node-stall-timeout-s)")
-        return policy.choose(live, self._inflight, prompt)
+        reachable = [n for n in live if not self._cooling_down(n)]
+        if reachable:
+            return policy.choose(reachable, self._inflight, prompt)
+        return node if not stalled else policy.choose(live, self._inflight, prompt)  # all cooling: try anyway
+
+    def unreachable(self, role: str, http_address: str) -> None:
+        """A ``role`` ("prefill" / "decode") leg could not reach this node (refused, reset, connect
+        timeout): until ``cooldown_s`` passes it gets no new request another node can take, so a
+        node killed outright stops failing requests before its heartbeats time out."""
+        if self.cooldown_s <= 0:
+            return
+        now = self._clock()
+        if len(self._cooling) > 4096:  # addresses come from the registry, but keep it bounded
+            self._cooling = {k: t for k, t in self._cooling.items() if t > now}
+        self._cooling[("P" if role == "prefill" else "D", http_address)] = now + self.cooldown_s
+
+    def _cooling_down(self, node: Node) -> bool:
+        until = self._cooling.get(node.key)
+        if until is None:
+            return False
+        if self._clock() < until:
+            return True
+        del self._cooling[node.key]
+        return False
 
     def has_pair(self) -> bool:
         """True when at least one compatible (P, D) pair is registered (readiness)."""

@@ -92,3 +92,17 @@ def test_a_node_reported_stalled_gets_no_new_work_until_it_recovers():
     registry.register(node("D", 12, engine_stalled_s=120.0))
     with pytest.raises(NoNodeAvailable, match="every compatible decode node is stalled"):
         r.pick("m")
+
+
+def test_a_node_a_leg_could_not_reach_cools_down_while_others_serve():
+    registry = ServiceRegistry(port=0)
+    for n in (node("P", 1), node("D", 11), node("D", 12)):
+        registry.register(n)
+    now = [0.0]
+    r = Router(registry, "round_robin", cooldown_s=10.0, clock=lambda: now[0])
+    r.unreachable("decode", "127.0.0.1:11")
+    assert {r.pick("m").decode.http_address for _ in range(6)} == {"127.0.0.1:12"}
+    r.unreachable("decode", "127.0.0.1:12")  # every decode node cooling: still routed, never refused
+    assert {r.pick("m").decode.http_address for _ in range(6)} == {"127.0.0.1:11", "127.0.0.1:12"}
+    now[0] = 10.5  # the cool-down is over: both take requests again
+    assert {r.pick("m").decode.http_address for _ in range(6)} == {"127.0.0.1:11", "127.0.0.1:12"}
