@@ -111,6 +111,11 @@ REQUESTS = {
                                          "temperature": 0.7, "seed": 1, "logprobs": 0}),
     "chat-greedy-logprobs": chat(temperature=0, logprobs=True, top_logprobs=2, ignore_eos=True),
     "chat-seeded": chat(temperature=1.0, seed=99, logprobs=True),
+    # n > 1: one prompt pass and transfer, the choices forked on the decode node
+    "n4-greedy": completion(temperature=0, n=4, ignore_eos=True),
+    "n4-seeded-logprobs-stop": completion(temperature=1.0, seed=21, n=4, logprobs=2, max_tokens=16, stop=["e"]),
+    "n4-first-token-only": completion(temperature=1.0, seed=6, n=4, max_tokens=1),
+    "chat-n3-seeded": chat(temperature=1.0, seed=13, n=3, logprobs=True, top_logprobs=1),
 }
 
 
@@ -169,7 +174,7 @@ BAD_REQUESTS = {
     "prompt-empty": completion(prompt=""),
     "context-too-long": completion(prompt=[5] * 4100, max_tokens=4),
     "token-outside-vocab": completion(prompt=[5, 10**7]),
-    "n-two": completion(n=2),
+    "n-past-max": completion(n=17),
     "wrong-model": completion(model="no-such-model"),
     "chat-messages-missing": ("/v1/chat/completions", {"model": MODEL}),
     "not-json": ("/v1/completions", b"{not json"),
