@@ -74,4 +74,6 @@ def new_choice(parent: Sequence, index: int, first: FirstToken) -> Sequence:
                      grammar=parent.grammar.fork() if parent.grammar is not None else None)
     if params.logprobs is not None and logprobs:
         child.logprobs.append(logprobs)
+    if parent.grammar is not None:  # forked before the parent's first token advanced it
+        child.grammar = parent.grammar.fork()
     return child
