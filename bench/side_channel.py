@@ -49,7 +49,12 @@ def ttft(url: str, key: str, prompt: list[int]) -> float:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
         for line in r.iter_lines():
-            if line.startswith("data: {") and any(c.get("text") for c in json.loads(line[6:]).get("choices", [])):
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"stream failed: {event['error']}")
+            if event.get("choices"):  # the first token's event (its text may be empty: a partial character)
                 return time.perf_counter() - t0
     raise RuntimeError("no token")
 
