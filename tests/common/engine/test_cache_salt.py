@@ -65,14 +65,18 @@ def test_only_the_same_salt_shares_blocks(checkpoint_dir):
 
 def test_decode_side_asks_for_every_block_another_salt_cached(checkpoint_dir):
     """The consumer's lookup is salted too: a prompt its cache holds under another salt is
-    asked for whole (first_block 0), the same salt only for the block it lacks."""
+    asked for whole (first_block 0), the same salt only for the blocks it lacks."""
     path = checkpoint_dir("qwen3")
-    prompt = tokens(70, 12)
-    [want] = engine(path, False, num_kv_blocks=32).generate([prompt], greedy(None))
+    first = tokens(70, 12)  # 4 full blocks of 16, then 6 tokens
+    # shares those 4 blocks; 36 more tokens, so the decode engine still asks (a remainder within
+    # one block it would compute itself: tests/decode_node/test_decode_override.py)
+    longer = first[:64] + tokens(36, 13)
+    want = dict(zip((70, 100), engine(path, False, num_kv_blocks=32).generate([first, longer], greedy(None))))
     p = LLMEngine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32), producer())
     dw = RecordingWorker()
     d = LLMEngine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=32), consumer(dw))
-    for rid, salt, want_first in (("a", "s1", 0), ("b", "s2", 0), ("c", "s1", 4), ("d", None, 0)):
+    cases = (("a", first, "s1", 0), ("b", first, "s2", 0), ("c", longer, "s1", 4), ("d", longer, None, 0))
+    for rid, prompt, salt, want_first in cases:
         p.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1, cache_salt=salt),
                       kv_transfer_params={"decode_addr": "127.0.0.1:1"})
         [first_token] = [t for o in p.step() for t in o.new_token_ids]
@@ -88,4 +92,4 @@ def test_decode_side_asks_for_every_block_another_salt_cached(checkpoint_dir):
         while d.has_unfinished_requests():
             got += [t for o in d.step() for t in o.new_token_ids]
             check_blocks(d)
-        assert got == want
+        assert got == want[len(prompt)]
