@@ -29,6 +29,7 @@ import torch
 MAX_SCHEMA_BYTES = 64 * 1024  # serialized
 MAX_SCHEMA_DEPTH = 32  # nested objects/arrays of the schema document itself
 SCHEMA_PARAM = "response_format.json_schema.schema"
+PARALLEL_MASKS = 4  # from this many constrained rows on, llguidance's thread pool computes the masks
 # OpenAI's strict mode and every small model do best with compact JSON; flexible whitespace
 # also lets a model pad forever with newlines before it closes the object
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -124,10 +125,15 @@ class GrammarMasks:
         order = {key: i for i, key in enumerate(slots)}
         words = (vocab_size + 31) // 32
         bitmask = torch.empty((len(slots), words), dtype=torch.int32, pin_memory=device.type == "cuda")
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        pairs = [(m._matcher, order[key]) for key, m in slots.items()]
-        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(slots))
+        if len(slots) < PARALLEL_MASKS:  # a thread hand-off costs more than a cached mask (~1 µs)
+            for key, m in slots.items():
+                row = bitmask[order[key]]
+                m._matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
+        else:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            pairs = [(m._matcher, order[key]) for key, m in slots.items()]
+            self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(slots))
         if len(slots) < len(matchers):
             bitmask = bitmask[[order[id(m)] for m in matchers]]
         bitmask = bitmask.to(device, non_blocking=True)
