@@ -310,6 +310,9 @@ class Dispatcher:
                     status = 200
                     break
                 except ProxyError as exc:
+                    if exc.role == "prefill" and ledger.token_ids:  # its KV has landed: nothing is lost
+                        call.prefill, chunk = None, b""
+                        continue
                     try:  # the decode node died or stalled: go on from another one
                         call, chunk, chunks = await self._migrate(call, exc, ledger, migration)
                     except ProxyError as final:
