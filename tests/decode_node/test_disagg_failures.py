@@ -27,7 +27,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory):
     procs = []
     try:
         procs.append(start("prefill", tmp, *ARGS))
-        procs.append(start("decode", tmp, *ARGS))
+        # no prefix cache: a prompt served before would be computed there (the override of a
+        # remote tag for a cached prompt), and these tests need every request to ask its prefill node
+        procs.append(start("decode", tmp, *ARGS, "--no-enable-prefix-caching"))
         yield tmp, procs[0], procs[1]
     finally:
         for p in procs:
