@@ -175,8 +175,14 @@ class Dispatcher:
         failed_prefills: set[str] = set()
         wants_text = self.config.policy == "prefix_aware" or self.config.disagg_policy == "auto"
         prompt = prompt_text(body) if wants_text else ""
+        rerun_of: ProxyError | None = None  # the decode failure being run again elsewhere
         while True:
-            pair = self.router.pick(model, frozenset(failed_prefills), prompt, frozenset(migration.failed_decodes))
+            try:
+                pair = self.router.pick(model, frozenset(failed_prefills), prompt, frozenset(migration.failed_decodes))
+            except NoNodeAvailable:
+                if rerun_of is not None:  # no other decode node: the client gets the failure itself
+                    raise rerun_of from None
+                raise
             decision = self._decide(pair, prompt)
             uid = uuid.uuid4().hex if attempts else incoming.uid
             p_addr = LOCAL_PREFILL if decision.local else pair.prefill.zmq_address
@@ -196,6 +202,7 @@ class Dispatcher:
             except ProxyError as exc:
                 await self._close(call)
                 if self._rerun(call, exc, migration):  # a stream too: its first byte had not gone out
+                    rerun_of = exc
                     continue
                 if failed_prefills or not is_retryable(exc):
                     raise
