@@ -69,9 +69,7 @@ def new_choice(parent: Sequence, index: int, first: FirstToken) -> Sequence:
     child = Sequence(choice_request_id(parent.request_id, index), parent.prompt_token_ids, params,
                      num_computed_tokens=parent.num_prompt_tokens, status=SequenceStatus.WAITING,
                      external_kv_checked=True, index=index, group_id=parent.request_id,
-                     num_cached_tokens=parent.num_cached_tokens,
-                     # the parent's matcher has not taken its own first token yet: a copy starts here too
-                     grammar=parent.grammar.fork() if parent.grammar is not None else None)
+                     num_cached_tokens=parent.num_cached_tokens)
     if params.logprobs is not None and logprobs:
         child.logprobs.append(logprobs)
     if parent.grammar is not None:  # forked before the parent's first token advanced it
