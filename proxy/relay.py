@@ -92,6 +92,7 @@ class Call:
     closed: bool = False
     client_id: str | None = None
     decision: Decision = Decision("remote", "policy")
+    reading: asyncio.Task | None = None  # a read of the decode stream still in flight, to await next
 
     @property
     def echo_id(self) -> str:
@@ -319,6 +320,7 @@ class Dispatcher:
                 except ProxyError as exc:
                     if exc.role == "prefill" and ledger.token_ids:  # its KV has landed: nothing is lost
                         call.prefill, chunk = None, b""
+                        call.reading = call.tasks[-1]  # the read of the decode stream it interrupted
                         continue
                     try:  # the decode node died or stalled: go on from another one
                         call, chunk, chunks = await self._migrate(call, exc, ledger, migration)
@@ -400,6 +402,9 @@ class Dispatcher:
         return node_lost(self.router.registry, role, node, self.config.node_stall_timeout_s)
 
     async def _next_relayed(self, call: Call, chunks: AsyncIterator[bytes]) -> bytes | None:
+        if call.reading is not None:
+            reading, call.reading = call.reading, None
+            return await reading
         # While the prefill leg runs, its failure must interrupt the stream; after, read plainly.
         if call.prefill is not None and not call.prefill.done():
             return await _until(call.spawn(_next(chunks)), call, None)
