@@ -18,9 +18,9 @@ table (:class:`~common.engine.kv_connector.ConnectorState`):
    dropped and the blocks are freed at once.
 
 **Override** (adaptive disaggregation): the proxy tags a request remote from an estimate of
-what this node caches; the scheduler knows it exactly. When the prompt's uncached part fits
-one stall-bounded step (``--max-local-prefill-stall-ms`` at the measured rate, at least one
-block) it is computed here, like a local prefill: no entry in the table, no load; the worker
+what this node caches; the scheduler knows it exactly. When the prompt is mostly cached here
+(no fewer tokens cached than left) and its uncached part fits one stall-bounded step
+(``--max-local-prefill-stall-ms`` at the measured rate, at least one block) it is computed here, like a local prefill: no entry in the table, no load; the worker
 tells the prefill node to drop the request's KV (an ABORT, as for a refused request; the
 prefill node frees it once its prefill ends, and its leg still answers the proxy). Counted by
 reason in ``overrides`` (``pdserve:decode_prefill_overrides_total``). The other way round
@@ -61,7 +61,8 @@ class ConsumerScheduler(KVConnectorScheduler):
 
     def prefill_here(self, seq: Sequence, num_uncached: int, max_tokens: int) -> bool:
         addr = prefill_addr(seq)
-        if addr is None or num_uncached > max_tokens:
+        # mostly cached, not merely short: a short uncached prompt is the proxy's call (`always` stays always)
+        if addr is None or num_uncached > max_tokens or seq.num_computed_tokens < num_uncached:
             return False
         self.overrides["cached"] += 1
         self._releases.append((seq.request_id, addr))
