@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
+from common.engine.grammar_masks import GrammarMasks
 from common.engine.sampling_params import SamplingParams
-from common.engine.structured_output import GrammarMasks, GrammarMatcher
+from common.engine.structured_output import GrammarMatcher
 
 # splitmix64's constants as signed int64 (torch has no uint64 arithmetic; int64 wraps the same)
 _GAMMA = 0x9E3779B97F4A7C15 - 2**64

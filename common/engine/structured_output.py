@@ -9,7 +9,7 @@ schema into a grammar and keeps one matcher per sequence. A request's life throu
 2. the compiled :class:`Grammar` rides in ``SamplingParams.grammar`` (shared, never
    advanced); the engine gives each sequence its own :class:`GrammarMatcher`;
 3. each step the sampler asks only the constrained rows for their allowed-token bitmask
-   (:class:`GrammarMasks`, host memory, no device sync) and sets the other tokens' logits
+   (:class:`~common.engine.grammar_masks.GrammarMasks`, host memory, no device sync) and sets the other tokens' logits
    to -inf; EOS is allowed only where the grammar accepts;
 4. the scheduler advances the matcher with every token appended to the sequence, a peer's
    first token included: a decode node rebuilds the state from the tokens (nothing is
@@ -24,12 +24,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import llguidance
-import torch
 
 MAX_SCHEMA_BYTES = 64 * 1024  # serialized
 MAX_SCHEMA_DEPTH = 32  # nested objects/arrays of the schema document itself
 SCHEMA_PARAM = "response_format.json_schema.schema"
-PARALLEL_MASKS = 4  # from this many constrained rows on, llguidance's thread pool computes the masks
 # OpenAI's strict mode and every small model do best with compact JSON; flexible whitespace
 # also lets a model pad forever with newlines before it closes the object
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -61,6 +59,11 @@ class GrammarMatcher:
     @property
     def error(self) -> str:
         return self._matcher.get_error()
+
+    @property
+    def ll_matcher(self) -> llguidance.LLMatcher:
+        """The llguidance matcher itself, for computing masks in place (grammar_masks)."""
+        return self._matcher
 
     def fork(self) -> GrammarMatcher:
         """An independent copy at the same position (a sequence forked from another)."""
@@ -110,36 +113,6 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(f"the schema cannot be compiled: {matcher.get_error()}")
         return Grammar(kind, matcher)
-
-
-class GrammarMasks:
-    """Allowed-token masks of a step's constrained rows, computed on the host."""
-
-    def __init__(self) -> None:
-        self._executor: llguidance.LLExecutor | None = None  # its thread pool starts on first use
-
-    def allowed(self, matchers: list[GrammarMatcher], vocab_size: int, device: torch.device) -> torch.Tensor:
-        """``[len(matchers), vocab_size]`` bool on ``device``: True where the token may follow.
-        A matcher may fill several rows (the first tokens of n > 1 choices share one state)."""
-        slots = {id(m): m for m in matchers}  # one mask per distinct matcher
-        order = {key: i for i, key in enumerate(slots)}
-        words = (vocab_size + 31) // 32
-        bitmask = torch.empty((len(slots), words), dtype=torch.int32, pin_memory=device.type == "cuda")
-        if len(slots) < PARALLEL_MASKS:  # a thread hand-off costs more than a cached mask (~1 µs)
-            for key, m in slots.items():
-                row = bitmask[order[key]]
-                m._matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
-        else:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            pairs = [(m._matcher, order[key]) for key, m in slots.items()]
-            self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(slots))
-        if len(slots) < len(matchers):
-            bitmask = bitmask[[order[id(m)] for m in matchers]]
-        bitmask = bitmask.to(device, non_blocking=True)
-        shifts = torch.arange(32, device=device, dtype=torch.int32)
-        bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # bit j of word w is token 32 w + j
-        return bits.reshape(len(matchers), words * 32)[:, :vocab_size].bool()
 
 
 def _depth(value: Any, limit: int = MAX_SCHEMA_DEPTH + 1) -> int:

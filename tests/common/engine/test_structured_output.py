@@ -10,8 +10,8 @@ import torch
 
 from common.engine.sampler import Sampler, SampleRow
 from common.engine.sampling_params import SamplingParams
-from common.engine.structured_output import (MAX_SCHEMA_BYTES, SCHEMA_PARAM, GrammarCompiler, GrammarError,
-                                             GrammarMasks)
+from common.engine.grammar_masks import GrammarMasks
+from common.engine.structured_output import MAX_SCHEMA_BYTES, SCHEMA_PARAM, GrammarCompiler, GrammarError
 from common.model.embedded import ensure_embedded_model
 from common.model.tokenizer import Tokenizer
 
