@@ -26,7 +26,9 @@ KV_LEASE_S = 8.0
 CONNECT_TIMEOUT_S = 2.0
 DAEMON_ARGS = ("--heartbeat-interval-s", str(HEARTBEAT_S), "--kv-timeout-s", str(KV_TIMEOUT_S),
                "--kv-lease-s", str(KV_LEASE_S))
-PROXY_ARGS = ("--connect-timeout-s", str(CONNECT_TIMEOUT_S), "--first-token-timeout-s", "60")
+# every request takes the P -> D path these tests cut (auto may prefill a short prompt on D)
+PROXY_ARGS = ("--connect-timeout-s", str(CONNECT_TIMEOUT_S), "--first-token-timeout-s", "60",
+              "--disagg-policy", "always")
 
 
 @dataclass
