@@ -66,7 +66,25 @@ def routable_host() -> str | None:
 DEFAULT_LOCAL_PREFILL_STALL_MS = 50.0  # a decode node's bound on a decode step's wait for a local prefill
 
 
-class NodeConfig(BaseModel):
+class HttpServerOptions(BaseModel):
+    """How long an HTTP client may take to send a request, and how many may be connected: the
+    same bounds on the proxy and on every node (common/serving/http_server.py enforces them)."""
+
+    http_header_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="A client that has not sent a request's headers this long after it "
+        "connected (or began the request) gets a 408 and is disconnected"
+    )
+    http_body_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="A client that has not sent a request's whole body this long after its "
+        "headers gets a 408 and is disconnected (a node aborts the request)"
+    )
+    http_max_connections: int = Field(
+        1024, ge=1, le=1_000_000, description="Most open HTTP connections; more are answered 503 and closed "
+        "(on a node, keep it above the proxy's --max-idle-connections)"
+    )
+
+
+class NodeConfig(HttpServerOptions):
     """Everything one serving node (colocated, prefill or decode daemon) is started with."""
 
     model_config = {"extra": "forbid"}
@@ -167,18 +185,6 @@ class NodeConfig(BaseModel):
         30.0, gt=0, le=3600,
         description="A streamed reply whose client accepted no bytes this long is aborted (blocks freed, "
         "connection reset)"
-    )
-    http_header_timeout_s: float = Field(
-        10.0, gt=0, le=3600, description="A client that has not sent a request's headers this long after it "
-        "connected (or began the request) gets a 408 and is disconnected"
-    )
-    http_body_timeout_s: float = Field(
-        30.0, gt=0, le=3600, description="A client that has not sent a request's whole body this long after its "
-        "headers gets a 408 and is disconnected (the request is aborted)"
-    )
-    http_max_connections: int = Field(
-        1024, ge=1, le=1_000_000, description="Most open HTTP connections; more are answered 503 and closed "
-        "(keep it above the proxy's --max-idle-connections)"
     )
 
     @field_validator("cluster_key_file")

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import Field, field_validator
 
 from common.cluster_auth import check_key_file
 from common.registry_client import RegistrationMessage
-from common.config import PROXY_HTTP_PORT, PROXY_REGISTRY_PORT
+from common.config import PROXY_HTTP_PORT, PROXY_REGISTRY_PORT, HttpServerOptions
 
 
-class ProxyConfig(BaseModel):
+class ProxyConfig(HttpServerOptions):
     """Everything the proxy process reads at start."""
 
     model_config = {"extra": "forbid"}
@@ -93,17 +93,6 @@ class ProxyConfig(BaseModel):
     stream_write_timeout_s: float = Field(
         30.0, gt=0, le=3600, description="A client that accepted no bytes of a stream this long is cut off "
         "(connection reset) and both legs are cancelled."
-    )
-    http_header_timeout_s: float = Field(
-        10.0, gt=0, le=3600, description="A client that has not sent a request's headers this long after it "
-        "connected (or began the request) gets a 408 and is disconnected."
-    )
-    http_body_timeout_s: float = Field(
-        30.0, gt=0, le=3600, description="A client that has not sent a request's whole body this long after its "
-        "headers gets a 408 and is disconnected."
-    )
-    http_max_connections: int = Field(
-        1024, ge=1, le=1_000_000, description="Most open client connections; more are answered 503 and closed."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_file: str | None = Field(None, description="Also write logs to this file.")
