@@ -38,6 +38,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from common.model.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model  # noqa: E402
 from common.model.tokenizer import Tokenizer  # noqa: E402
 from helpers.cluster import MODULES, Proc, free_port, metric, start  # noqa: E402
+from helpers.stats import pct  # noqa: E402
 
 HTTP = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=128, max_keepalive_connections=128))
 
@@ -138,11 +139,6 @@ def start_threads(role: str, tmp: Path, threads: int, *args: str) -> Proc:
     proc = Proc(role, popen, port, log)
     proc.wait_ready()
     return proc
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from common.model.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model  # noqa: E402
 from common.model.tokenizer import Tokenizer  # noqa: E402
 from helpers.cluster import Proc, metric, start  # noqa: E402
+from helpers.stats import pct  # noqa: E402
 
 QUESTIONS = ["How do I open a file?", "What does a for loop do?", "Explain the with statement.",
              "How are exceptions raised?", "What is a generator?", "How do imports work?",
@@ -149,11 +150,6 @@ def run(caching: bool, args: argparse.Namespace, system: str) -> RunResult:
     finally:
         for proc in reversed(procs):
             proc.stop()
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def report(on: RunResult, off: RunResult, args: argparse.Namespace) -> None:

@@ -36,6 +36,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from common.model.embedded import EMBEDDED_MODEL_NAME  # noqa: E402
 from helpers.cluster import start  # noqa: E402
+from helpers.stats import pct  # noqa: E402
 
 HTTP = httpx.Client(timeout=600)  # one client, kept-alive connections: no per-request set-up in TTFT
 
@@ -91,11 +92,6 @@ def run(salted: bool, args: argparse.Namespace) -> tuple[list[float], list[float
     finally:
         for proc in reversed(procs):
             proc.stop()
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def report(results: dict[str, tuple[list[float], list[float], int]], args: argparse.Namespace) -> None:
