@@ -34,12 +34,15 @@ class TransferConfig:
     max_peers: int = 256  # control-plane connections to distinct peers, at most
     max_pairs: int = 64  # data-plane pairs a producer holds (a thread and sockets each), at most
     pair_idle_s: float = 60.0  # a producer closes a pair that carried no transfer this long
+    checksum: str = "auto"  # per-layer CRC-32 of the KV: auto (tcp pairs only), on, off (verify.py)
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "lease_s", "handshake_timeout_s", "connect_timeout_s", "heartbeat_s",
                      "peer_idle_s", "pair_idle_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransferConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.checksum not in ("auto", "on", "off"):
+            raise ValueError(f"TransferConfig.checksum must be auto, on or off, got {self.checksum!r}")
         if self.max_pairs < 1:
             raise ValueError("TransferConfig.max_pairs must be >= 1")
         if self.max_bytes_in_flight <= 0:
@@ -75,12 +78,21 @@ class TransferStats:
     # the P->D rate the proxy's adaptive disaggregation weighs, see ``recv_bytes_per_s``)
     _rate_bytes: float = 0.0
     _rate_seconds: float = 0.0
+    rejected: dict[str, int] = field(default_factory=dict)  # landed KV refused, by reason (verify.py)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **deltas: float) -> None:
         with self._lock:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
+
+    def reject(self, reason: str) -> None:
+        with self._lock:
+            self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    def rejected_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.rejected)
 
     def transfer_done(self, seconds: float, nbytes: int) -> None:
         self.add(transfers_received=1, transfer_seconds_sum=seconds)

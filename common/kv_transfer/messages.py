@@ -15,7 +15,9 @@ import msgpack
 # 2: Handshake.backend/endpoint/ipc, HandshakeOk.backend, Pull.first_block/block_ids,
 # Done.first_logprobs, sealed frames under a cluster key. A peer on another version is
 # logged ("protocol version 1 != 2") and dropped: upgrade P and D together.
-PROTOCOL_VERSION = 2
+# 3: verified KV (verify.py): Pull.nonce; Done.nonce/num_layers/nbytes/checksums; Handshake.checksum,
+# HandshakeOk.checksum.
+PROTOCOL_VERSION = 3
 UNKNOWN_PAIR = "unknown or broken pair; handshake again"  # Error.reason a consumer acts on
 
 
@@ -43,6 +45,7 @@ class Handshake(Message):
     backend: str = "auto"
     endpoint: dict = field(default_factory=dict)
     ipc: list = field(default_factory=list)
+    checksum: str = "auto"  # the consumer's --kv-checksum (verify.py)
 
 
 @dataclass
@@ -55,6 +58,7 @@ class HandshakeOk(Message):
     store_host: str = ""
     store_port: int = 0
     backend: str = ""
+    checksum: bool = False  # DONE carries per-layer checksums on this pair (verify.use_checksum)
 
 
 @dataclass
@@ -72,6 +76,7 @@ class Pull(Message):
     num_tokens: int = 0
     block_ids: list = field(default_factory=list)
     first_block: int = 0
+    nonce: int = 0  # the consumer's id of this transfer; DONE echoes it (verify.py)
 
 
 @dataclass
@@ -120,6 +125,12 @@ class Done(Message):
     first_logprobs: list = field(default_factory=list)
     choices: list = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens the producer found in its prefix cache (usage's cached_tokens)
+    # what the consumer checks before it uses the KV (verify.py): PULL's nonce, the layers and
+    # bytes the producer sent, and (when the pair checksums) each layer's CRC-32, by layer
+    nonce: int = 0
+    num_layers: int = 0
+    nbytes: int = 0
+    checksums: list = field(default_factory=list)
 
 
 @dataclass
@@ -154,8 +165,11 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 
 
 # fields a peer from before they existed does not send
-_OPTIONAL: dict[str, tuple[str, ...]] = {Pull.CMD: ("first_block",), Ping.CMD: ("pair_id",),
-                                          Done.CMD: ("choices", "cached_tokens")}
+# (verify.py's fields: a DONE without them decodes, then fails the consumer's checks)
+_OPTIONAL: dict[str, tuple[str, ...]] = {Pull.CMD: ("first_block", "nonce"), Ping.CMD: ("pair_id",),
+                                          Done.CMD: ("choices", "cached_tokens", "nonce", "num_layers", "nbytes",
+                                                     "checksums"),
+                                          Handshake.CMD: ("checksum",), HandshakeOk.CMD: ("checksum",)}
 
 
 _FIELD_NAMES: dict[type[Message], tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls))

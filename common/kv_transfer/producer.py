@@ -33,6 +33,7 @@ from common.kv_transfer.messages import (UNKNOWN_PAIR, Abort, Ack, Error, Handsh
 from common.kv_transfer.paged import ByteBudget, block_run, gather_blocks
 from common.kv_transfer.sender import PairSender, SendJob
 from common.kv_transfer.streams import StreamOps, stream_ops
+from common.kv_transfer.verify import use_checksum
 from common.kv_transfer.transport import (Endpoint, TransportMismatchError, choose_transport, ipc_fallback,
                                           listen)
 
@@ -74,6 +75,8 @@ class ProducerRequest:
     remote_block_ids: list[int] = field(default_factory=list)  # the consumer's (cuda_ipc writes there)
     ready: object | None = None  # event after the prompt's last KV write (sends from the blocks order on it)
     queued_layers: set[int] = field(default_factory=set)
+    nonce: int = 0  # the consumer's PULL's, echoed in DONE (verify.py)
+    checksums: dict[int, int] = field(default_factory=dict)  # layer -> CRC-32 sent (checksummed pairs)
 
     @property
     def finished(self) -> bool:
@@ -272,6 +275,7 @@ class KVProducer:
                           control=self.control, device=self.device, on_done_sent=self._on_done_sent,
                           on_failed=self._link_failed, on_message=self.handle, streams=self.streams,
                           in_use=self._link_in_use)
+        link.checksum = use_checksum(msg.checksum, self.config.checksum, transport)
         with self._lock:
             if self._closed:
                 if hasattr(rendezvous, "close"):
@@ -282,7 +286,7 @@ class KVProducer:
         logger.info("producer: pair %s uses %s", msg.pair_id[:8], transport)
         port = rendezvous.port if rendezvous is not None else 0
         self._reply(identity, HandshakeOk(id=msg.id, pair_id=msg.pair_id, store_host=self._host,
-                                          store_port=port, backend=transport))
+                                          store_port=port, backend=transport, checksum=link.checksum))
 
     def _on_pull(self, identity: bytes, msg: Pull) -> None:
         with self._lock:
@@ -306,6 +310,7 @@ class KVProducer:
                 req = ProducerRequest(msg.request_id, lease_end, ProducerState.PULLED)
                 self._requests[msg.request_id] = req
             req.link, req.remote_block_ids, req.first_block = link, list(msg.block_ids), msg.first_block
+            req.nonce = msg.nonce
             req.num_blocks = msg.num_blocks - msg.first_block
             if req.finished:
                 req.block_ids = req.block_ids[req.first_block:]

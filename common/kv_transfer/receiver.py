@@ -36,9 +36,10 @@ from common.kv_transfer.messages import (UNKNOWN_PAIR, Abort, Ack, Done, Error, 
                                          LayerNotice, Message, MessageError, Ping, Pull, decode, encode)
 from common.kv_transfer.p2p_group import DTYPE_NAMES, dtype_name
 from common.kv_transfer.peer_checks import check_done, check_notice
-from common.kv_transfer.paged import StagingBuffer, block_run, scatter_blocks
-from common.kv_transfer.tcp_pair import KV, Frame, Inbox, kv_nbytes
+from common.kv_transfer.paged import StagingBuffer, block_run, block_runs, scatter_blocks
+from common.kv_transfer.tcp_pair import KV, Frame, Inbox, kv_nbytes, layer_buffers
 from common.kv_transfer.transport import Endpoint, open_pair
+from common.kv_transfer.verify import NOT_REQUESTED, STALE, KVRejected, check_done_identity, layer_checksum, new_nonce
 
 if TYPE_CHECKING:
     from common.kv_transfer.consumer import KVConsumer
@@ -67,6 +68,8 @@ class Transfer:
     nbytes: int = 0
     retried: bool = False  # asked again on a new pair after the producer forgot the old one
     state: TransferState = TransferState.QUEUED
+    nonce: int = field(default_factory=new_nonce)  # in PULL; DONE must echo it (verify.py)
+    checksums: dict[int, int] = field(default_factory=dict)  # layer -> CRC-32 of what landed (checksummed pairs)
 
 
 class PairReceiver:
@@ -79,6 +82,7 @@ class PairReceiver:
         self.pair = None  # PairGroup | TcpPair | IpcPair
         self.pair_id = ""
         self.transport = ""
+        self.checksum = False  # the pair's DONEs carry per-layer checksums (agreed at the handshake)
         self._exported: list[int] = []  # data pointers of the KV cache a cuda_ipc handshake exported
         self.staging: list[StagingBuffer] = []
         self._pushback: collections.deque = collections.deque()  # events read ahead, not yet handled
@@ -165,7 +169,12 @@ class PairReceiver:
                 fits = True
         timeout = self.owner.config.timeout_s
         if fits:
-            self.pair.recv_kv(t.kv_caches, frame.layers, t.block_ids[: frame.num_blocks], timeout)
+            ids = t.block_ids[: frame.num_blocks]
+            self.pair.recv_kv(t.kv_caches, frame.layers, ids, timeout)
+            if self.checksum:  # over the blocks as they now hold the bytes, in the sender's order
+                runs = block_runs(ids)
+                for layer in frame.layers:
+                    t.checksums[layer] = layer_checksum(layer_buffers(t.kv_caches[layer], runs))
         else:
             self.pair.discard(frame.nbytes, timeout)
         self.owner.stats.add(bytes_received=frame.nbytes)
@@ -197,7 +206,7 @@ class PairReceiver:
         t.state = TransferState.PULLED
         pull = Pull(request_id=t.request_id, pair_id=self.pair_id, num_tokens=t.num_tokens,
                     num_blocks=self.owner._num_blocks(t.num_tokens), block_ids=t.block_ids,
-                    first_block=t.first_block)
+                    first_block=t.first_block, nonce=t.nonce)
         if self.transport == "tcp":
             # straight to the producer's sender thread, which reads the socket between sends: no
             # control-plane hops. No answer: a refusal comes back as an Error notice, as a late one would.
@@ -346,18 +355,32 @@ class PairReceiver:
 
     def _finish(self, msg: Done) -> None:
         t = self.transfers.pop(msg.request_id, None)
-        if t is None:
+        if t is None:  # aborted meanwhile, or never asked for: nothing of it is used
+            logger.warning("consumer: DONE for %s from %s, which no transfer waits for", msg.request_id, self.address)
+            self.owner.stats.reject(NOT_REQUESTED)
             return
-        missing = self.owner.layout.num_layers - len(t.layers)
         bad = check_done(msg, self.owner.vocab_size)
-        if missing:
-            self.owner._fail(t, f"DONE with {missing} layers missing")
-        elif bad is not None:  # this request fails alone; the pair and the engine go on
+        if bad is not None:  # this request fails alone; the pair and the engine go on
             logger.warning("consumer: bad DONE for %s from %s: %s", msg.request_id, self.address, bad)
             self.owner._fail(t, f"producer {self.address} sent a bad DONE: {bad}")
+            self._ack(msg.request_id)
+            return
+        try:
+            check_done_identity(msg, nonce=t.nonce, layout=self.owner.layout,
+                                num_blocks=self.owner._num_blocks(t.num_tokens) - t.first_block,
+                                layers=t.layers, nbytes=t.nbytes, checksums=t.checksums if self.checksum else None)
+        except KVRejected as e:  # partial, stale or damaged: decode must not run on it
+            logger.warning("consumer: KV of %s from %s rejected (%s): %s", msg.request_id, self.address, e.reason, e)
+            self.owner.stats.reject(e.reason)
+            self.owner._fail(t, f"KV from producer {self.address} rejected ({e.reason}): {e}")
+            if e.reason == STALE:
+                return  # not this transfer's DONE: no ACK on its behalf
         else:
             self.owner._done(t, msg.first_token, msg.first_logprobs, msg.choices, msg.cached_tokens)
-        ack = Ack(request_id=msg.request_id)  # after _done: the engine sees the request first
+        self._ack(msg.request_id)  # after _done: the engine sees the request first
+
+    def _ack(self, request_id: str) -> None:
+        ack = Ack(request_id=request_id)
         if self.transport == "tcp":
             self.pair.send_message(encode(ack))
         else:
@@ -371,7 +394,7 @@ class PairReceiver:
         ipc = export_cache(kv_caches) if could_ipc else []
         self._exported = [x.data_ptr() for x in kv_caches]
         hello = Handshake(pair_id=pair_id, layout=owner.layout.to_dict(), backend=owner.transport,
-                          endpoint=Endpoint.local(device).to_dict(), ipc=ipc)
+                          endpoint=Endpoint.local(device).to_dict(), ipc=ipc, checksum=cfg.checksum)
         fut = owner.control.request(self.address, hello, cfg.handshake_timeout_s)
         try:
             reply = fut.result(timeout=cfg.handshake_timeout_s + 1)
@@ -383,10 +406,11 @@ class PairReceiver:
             raise TransferError(f"unexpected handshake reply {reply.CMD}")
         try:
             self.pair = open_pair(reply.backend, 1, cfg.timeout_s, pair_id, connect_timeout_s=cfg.connect_timeout_s,
-                                  host=reply.store_host, port=reply.store_port, device=str(device))
+                                  host=reply.store_host, port=reply.store_port, device=str(device),
+                                  key=self.owner.control.key)
         except TransferError as e:  # the client's error must say which peer went away
             raise TransferError(f"data plane to producer {self.address} failed: {e}") from e
-        self.pair_id, self.transport = pair_id, reply.backend
+        self.pair_id, self.transport, self.checksum = pair_id, reply.backend, reply.checksum
         self.staging = [StagingBuffer(device), StagingBuffer(device)]
         logger.info("consumer: pair %s to %s uses %s", pair_id[:8], self.address, reply.backend)
 

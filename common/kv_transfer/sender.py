@@ -31,10 +31,11 @@ from common.kv_transfer.config import PairBrokenError, TransferConfig, TransferS
 from common.kv_transfer.messages import (Ack, Done, LayerNotice, Message, MessageError, Ok, Pull, decode,
                                          encode)
 from common.kv_transfer.p2p_group import dtype_name
-from common.kv_transfer.paged import ByteBudget, StagingBuffer, block_run, gather_blocks
+from common.kv_transfer.paged import ByteBudget, StagingBuffer, block_run, block_runs, gather_blocks
 from common.kv_transfer.streams import StreamOps, stream_ops
-from common.kv_transfer.tcp_pair import MESSAGE, READABLE, Inbox
+from common.kv_transfer.tcp_pair import MESSAGE, READABLE, Inbox, layer_buffers
 from common.kv_transfer.transport import open_pair
+from common.kv_transfer.verify import layer_checksum
 
 if TYPE_CHECKING:
     from common.kv_transfer.control import ControlPlane
@@ -94,6 +95,7 @@ class PairSender:
         self.jobs = Inbox()  # of SendJob, or None to stop
         self.pair = None  # PairGroup | TcpPair | IpcPair, built on the thread
         self.transport = ""
+        self.checksum = False  # DONE carries per-layer checksums (agreed at the handshake, verify.py)
         self.broken = False
         self.thread: threading.Thread | None = None
         self._peer_cache: list | None = None  # cuda_ipc: handed to the pair, then held by it alone
@@ -139,7 +141,8 @@ class PairSender:
             peer_cache, self._peer_cache = self._peer_cache, None
             self.pair = open_pair(self.transport, 0, self.config.timeout_s, self.pair_id,
                                   connect_timeout_s=self.config.connect_timeout_s, rendezvous=rendezvous,
-                                  device=self.device, peer_cache=peer_cache, streams=self.streams)
+                                  device=self.device, peer_cache=peer_cache, streams=self.streams,
+                                  key=self._control.key)
             del peer_cache
             while True:
                 if ahead is not None:
@@ -278,10 +281,14 @@ class PairSender:
         """tcp: the layers straight from the blocks behind their header; when the request's
         DONE is next in the queue, it rides in the same send right behind the last byte."""
         kv_caches, ids = self._source(job)
+        assert job.staged is None, "save_layer stages nothing for a tcp pair"
+        if self.checksum:  # before the trailer is built: a DONE riding with the last layer carries its CRC
+            runs = block_runs(ids)
+            for layer in job.layers:
+                job.req.checksums[layer] = layer_checksum(layer_buffers(kv_caches[layer], runs))
         done = ahead if ahead is not None and ahead.kind == "done" and ahead.req is job.req \
             and not ahead.announced and not ahead.req.dropped else None
         trailer = self.pair.message_frame(encode(self._done(done.req))) if done is not None else b""
-        assert job.staged is None, "save_layer stages nothing for a tcp pair"
         nbytes = self.pair.send_kv(job.req.request_id, kv_caches, job.layers, ids, trailer)
         self.stats.add(bytes_sent=nbytes)
         if done is not None:
@@ -289,8 +296,13 @@ class PairSender:
             self._on_done_sent(done.req)
 
     def _done(self, req: ProducerRequest) -> Done:
+        kv = req.kv_caches[0] if req.kv_caches else None
+        block_bytes = kv.stride(1) * kv.element_size() * 2 if kv is not None else 0
+        checksums = [req.checksums.get(x, 0) for x in range(len(req.kv_caches))] if self.checksum else []
         return Done(request_id=req.request_id, pair_id=self.pair_id, first_token=req.first_token,
-                    first_logprobs=req.first_logprobs, choices=req.choices, cached_tokens=req.cached_tokens)
+                    first_logprobs=req.first_logprobs, choices=req.choices, cached_tokens=req.cached_tokens,
+                    nonce=req.nonce, num_layers=len(req.kv_caches),
+                    nbytes=block_bytes * req.num_blocks * len(req.kv_caches), checksums=checksums)
 
     def _send_done(self, job: SendJob) -> None:
         if self.transport == "cuda_ipc":
