@@ -63,6 +63,10 @@ def serve_engine(conn, layout: dict, config: dict, address: str = "127.0.0.1:0",
             eager[rid] = engine.producer.queued_layers(rid)  # pushed while "prefill" ran
             engine.producer.finish(rid, first_token, kv, block_ids, num_tokens)
             conn.send("ok")
+        elif cmd == "fault":  # kvt_faults.py: what this producer's tcp pair puts on the wire goes wrong
+            from kvt_faults import install
+            install(args[0])
+            conn.send("ok")
         elif cmd == "eager":
             conn.send(eager.get(args[0], 0))
         elif cmd == "freeable":

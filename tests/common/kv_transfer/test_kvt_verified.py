@@ -1,0 +1,110 @@
+"""Verified KV (verify.py) across real processes: a producer child puts a fault on the wire
+(kvt_faults.py) and the consumer here must refuse the KV before anything uses it, say why
+and count it; a clean transfer after the fault still lands."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from common.kv_transfer.config import TransferConfig
+from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.verify import BYTES, CHECKSUM, NOT_REQUESTED, STALE
+from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
+from kvt_peers import Peer, peer
+from test_kvt_engine import P_BLOCKS, assert_landed, d_cache, wait_finished
+
+
+def _request(p, d, kv, rid: str, seed: int, d_ids: list[int], p_ids: list[int], tokens: int = 12) -> None:
+    d.consumer.request(rid, p.address, d_ids, tokens, kv)
+    assert p.call("wait_state", rid, "pulled", 10) == "pulled"
+    p.call("prefill", rid, seed, P_BLOCKS, p_ids, tokens, 7, False, 0.0)
+
+
+@pytest.mark.parametrize("fault,reason", [("truncate", BYTES), ("flip", CHECKSUM), ("stale", STALE)])
+def test_damaged_or_stale_kv_fails_the_request_and_is_counted(fault, reason, no_thread_leak):
+    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+        p.call("fault", fault)
+        kv = d_cache()
+        _request(p, d, kv, "r1", 1, [0, 1, 2], [3, 4, 5])
+        done, failed = wait_finished(d, {"r1"})
+        assert done == {} and f"rejected ({reason})" in failed["r1"], failed
+        assert d.stats.rejected_counts() == {reason: 1}
+        if fault != "stale":  # the pair stays in step: the next request lands whole
+            _request(p, d, kv, "r2", 2, [6, 7, 8], [9, 10, 11])
+            assert wait_finished(d, {"r2"}) == ({"r2": 7}, {})
+            assert_landed(kv, [6, 7, 8], 2, [9, 10, 11], 12)
+        p.call("stop")
+
+
+def test_done_for_a_request_never_asked_for_is_dropped_and_counted(no_thread_leak):
+    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+        p.call("fault", "ghost")
+        kv = d_cache()
+        _request(p, d, kv, "r1", 1, [0, 1, 2], [3, 4, 5])
+        assert wait_finished(d, {"r1"}) == ({"r1": 7}, {})
+        assert_landed(kv, [0, 1, 2], 1, [3, 4, 5], 12)
+        _request(p, d, kv, "r2", 2, [6, 7, 8], [9, 10, 11])  # the ghost DONE after r1 was read by now
+        assert wait_finished(d, {"r2"}) == ({"r2": 7}, {})
+        assert d.stats.rejected_counts().get(NOT_REQUESTED, 0) >= 1
+        p.call("stop")
+
+
+def test_transfer_landing_after_its_blocks_were_reused_does_not_touch_them(no_thread_leak):
+    """r1 landed and its blocks went to r2; r1's layers and DONE arrive again in front of r2's:
+    they are dropped, not written into r2's blocks, and r2's KV is r2's."""
+    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+        p.call("fault", "replay")
+        kv = d_cache()
+        _request(p, d, kv, "r1", 1, [0, 1, 2], [3, 4, 5])
+        assert wait_finished(d, {"r1"}) == ({"r1": 7}, {})
+        _request(p, d, kv, "r2", 2, [0, 1, 2], [9, 10, 11])  # r1's blocks, reused
+        assert wait_finished(d, {"r2"}) == ({"r2": 7}, {})
+        assert_landed(kv, [0, 1, 2], 2, [9, 10, 11], 12)
+        assert d.stats.rejected_counts() == {NOT_REQUESTED: 1}
+        p.call("stop")
+
+
+def test_checksum_off_is_honoured_by_both_sides(no_thread_leak):
+    """--kv-checksum off on the consumer: the pair sends no checksums (a flipped byte goes
+    through); identity, layer and byte counts are still checked."""
+    cfg = TransferConfig(**FAST, checksum="off")
+    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, cfg) as d:
+        p.call("fault", "flip")
+        kv = d_cache()
+        _request(p, d, kv, "r1", 1, [0, 1, 2], [3, 4, 5])
+        assert wait_finished(d, {"r1"}) == ({"r1": 7}, {})
+        assert d.stats.rejected_counts() == {}
+        p.call("stop")
+
+
+def test_prefill_restarted_mid_transfer_never_lands_partial_kv(no_thread_leak):
+    p = Peer(LAYOUT, FAST)
+    try:
+        with KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+            kv = d_cache()
+            d.consumer.request("r1", p.address, [0, 1, 2], 12, kv)
+            assert p.call("wait_state", "r1", "pulled", 10) == "pulled"
+            p.conn.send(("prefill", "r1", 1, P_BLOCKS, [3, 4, 5], 12, 7, True, 0.4))  # 0.4 s a layer
+            assert _wait(lambda: d.stats.bytes_received > 0, 10)
+            p.kill()
+            p = Peer(LAYOUT, FAST, address=p.address)  # restarted while the consumer waits
+            done, failed = wait_finished(d, {"r1"}, timeout=30)
+            assert done == {} and "r1" in failed
+            # asked again (as a migration would): the new process's KV lands whole, none of the old
+            _request(p, d, kv, "r1", 5, [0, 1, 2], [6, 7, 8])
+            assert wait_finished(d, {"r1"}) == ({"r1": 7}, {})
+            assert_landed(kv, [0, 1, 2], 5, [6, 7, 8], 12)
+            p.stop()
+    finally:
+        p.kill()
+
+
+def _wait(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
