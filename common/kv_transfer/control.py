@@ -51,6 +51,7 @@ class ControlPlane:
                  key: ClusterKey | None = None, idle_s: float = 60.0, max_peers: int = 256) -> None:
         host, port = split_address(address)
         self._sealer = control_sealer(key)
+        self.key = key  # the pairs' data planes prove it at connect too (pair_auth.py)
         self.idle_s, self.max_peers = idle_s, max_peers
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)

@@ -3,6 +3,8 @@
 Built straight on a ``TCPStore`` (no ``init_process_group``), so one process can hold
 many pairs. ``gloo`` on CPU or ``nccl`` on CUDA (see transport.py for the choice); the code
 path is the same.
+The store's wire takes no handshake: a pair's keys live under a secret prefix instead
+(``pair_auth.store_prefix``), so a stranger on the store port cannot touch them.
 Building the pair (store, communicator, a first round trip) waits at most
 ``connect_timeout_s``: NCCL sets its communicator up on the first operation, which takes
 seconds. Every later operation waits at most ``timeout_s``; any failure marks the pair
@@ -79,12 +81,14 @@ class PairGroup:
 
     def __init__(self, backend: str, rank: int, store_host: str, store_port: int,
                  timeout_s: float, store: dist.TCPStore | None = None, device: str = "cpu",
-                 connect_timeout_s: float | None = None) -> None:
+                 connect_timeout_s: float | None = None, prefix: str = "") -> None:
         self.rank, self.peer, self.backend, self.timeout_s = rank, 1 - rank, backend, timeout_s
         self.connect_timeout_s = connect_timeout_s or timeout_s
         self._timeout = datetime.timedelta(seconds=timeout_s)
         connect = datetime.timedelta(seconds=self.connect_timeout_s)
         self._store = store or dist.TCPStore(store_host, store_port, 2, False, connect)
+        if prefix:  # the pair's keys under a prefix only its two ranks know (pair_auth.store_prefix)
+            self._store = dist.PrefixStore(prefix, self._store)
         self._device = torch.device(device)
         self.broken = False
         self._lock = threading.Lock()

@@ -406,7 +406,8 @@ class PairReceiver:
             raise TransferError(f"unexpected handshake reply {reply.CMD}")
         try:
             self.pair = open_pair(reply.backend, 1, cfg.timeout_s, pair_id, connect_timeout_s=cfg.connect_timeout_s,
-                                  host=reply.store_host, port=reply.store_port, device=str(device))
+                                  host=reply.store_host, port=reply.store_port, device=str(device),
+                                  key=self.owner.control.key)
         except TransferError as e:  # the client's error must say which peer went away
             raise TransferError(f"data plane to producer {self.address} failed: {e}") from e
         self.pair_id, self.transport, self.checksum = pair_id, reply.backend, reply.checksum

@@ -141,7 +141,8 @@ class PairSender:
             peer_cache, self._peer_cache = self._peer_cache, None
             self.pair = open_pair(self.transport, 0, self.config.timeout_s, self.pair_id,
                                   connect_timeout_s=self.config.connect_timeout_s, rendezvous=rendezvous,
-                                  device=self.device, peer_cache=peer_cache, streams=self.streams)
+                                  device=self.device, peer_cache=peer_cache, streams=self.streams,
+                                  key=self._control.key)
             del peer_cache
             while True:
                 if ahead is not None:

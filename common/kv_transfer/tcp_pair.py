@@ -14,8 +14,9 @@ is a no-op); each fails after ``timeout_s`` without a byte moving (kernel socket
 per call), so a stalled peer is noticed that soon while a slow link that keeps moving is not
 cut off. A closed connection, a reset or a timeout marks the pair broken, like a gloo pair
 after a timeout.
-The connection opens with the pair id, so the producer accepts only the consumer it
-handed the port to over the control plane.
+The connection opens with a hello (pair_auth.py): the pair id, and with a cluster key a
+mutual challenge-response over the key, so the producer accepts only the consumer it handed
+the port to over the control plane, and a stranger's connection never becomes the pair's.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ import queue
 import select
 import socket
 import struct
-import time
 from dataclasses import dataclass
 
 import torch
 
+from common.cluster_auth import ClusterKey
 from common.kv_transfer.config import PairBrokenError
+from common.kv_transfer.pair_auth import accept_peer, connect_hello
 from common.kv_transfer.paged import block_runs
 
 IOV_MAX = 1024  # per sendmsg/recvmsg call (Linux's limit)
@@ -162,37 +164,16 @@ class TcpListener:
         self._sock.settimeout(timeout_s)
         self.port: int = self._sock.getsockname()[1]
 
-    def accept(self, pair_id: str) -> socket.socket:
-        """The consumer's connection that names ``pair_id``; others are dropped."""
-        deadline = time.monotonic() + (self._sock.gettimeout() or 10.0)
+    def accept(self, pair_id: str, key: ClusterKey | None = None) -> socket.socket:
+        """The consumer's connection that completes the hello for ``pair_id`` (pair_auth.py);
+        others are closed, and the listening socket goes once ours is in."""
         try:
-            while True:
-                self._sock.settimeout(max(0.01, deadline - time.monotonic()))
-                conn, _ = self._sock.accept()
-                conn.settimeout(max(0.01, deadline - time.monotonic()))
-                try:
-                    hello = _recv_exact(conn, len(pair_id.encode()))
-                except OSError:
-                    conn.close()
-                    continue
-                if hello == pair_id.encode():
-                    return conn
-                conn.close()  # a stranger or a stale consumer: keep waiting for ours
+            return accept_peer(self._sock, pair_id, key, self._sock.gettimeout() or 10.0)
         finally:
             self._sock.close()
 
     def close(self) -> None:
         self._sock.close()
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = conn.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("peer closed the connection")
-        buf += chunk
-    return bytes(buf)
 
 
 class TcpPair:
@@ -203,15 +184,16 @@ class TcpPair:
     backend = "tcp"
 
     def __init__(self, rank: int, timeout_s: float, pair_id: str, *, listener: TcpListener | None = None,
-                 host: str = "", port: int = 0, connect_timeout_s: float | None = None) -> None:
+                 host: str = "", port: int = 0, connect_timeout_s: float | None = None,
+                 key: ClusterKey | None = None) -> None:
         self.rank, self.timeout_s, self.broken = rank, timeout_s, False
         try:
             if rank == 0:
                 assert listener is not None
-                self._sock = listener.accept(pair_id)
+                self._sock = listener.accept(pair_id, key)
             else:
                 self._sock = socket.create_connection((host, port), timeout=timeout_s)
-                self._sock.sendall(pair_id.encode())
+                connect_hello(self._sock, pair_id, key)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if rank == 1:  # room for many PULLs/ACKs while the producer is busy in one long send
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, MESSAGE_BUFFER_BYTES)

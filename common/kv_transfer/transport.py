@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from common.cluster_auth import ClusterKey
 from common.kv_transfer.config import TransferError
 from common.kv_transfer.streams import StreamOps, stream_ops
 
@@ -177,25 +178,27 @@ def listen(transport: str, host: str, connect_timeout_s: float):
 
 def open_pair(transport: str, rank: int, timeout_s: float, pair_id: str, *, connect_timeout_s: float,
               rendezvous=None, host: str = "", port: int = 0, device: str = "cpu", peer_cache=None,
-              streams: StreamOps | None = None):
+              streams: StreamOps | None = None, key: ClusterKey | None = None):
     """Build this side's pair (blocks until the peer is there: call it off the serving thread).
 
     Building it may take ``connect_timeout_s`` (NCCL's first communicator takes seconds);
     each operation on it then ``timeout_s``. ``rendezvous`` is what :func:`listen` returned
     (rank 0); rank 1 joins ``host:port``. ``peer_cache`` (cuda_ipc, rank 0) is the
-    consumer's exported KV cache; ``streams`` orders GPU work (default: by ``device``)."""
+    consumer's exported KV cache; ``streams`` orders GPU work (default: by ``device``); ``key``
+    (the cluster key) is what both ranks prove at connect (pair_auth.py)."""
     if transport == "tcp":
         from common.kv_transfer.tcp_pair import TcpPair
 
         return TcpPair(rank, timeout_s, pair_id, listener=rendezvous, host=host, port=port,
-                       connect_timeout_s=connect_timeout_s)
+                       connect_timeout_s=connect_timeout_s, key=key)
     if transport in ("gloo", "nccl"):
+        from common.kv_transfer.pair_auth import store_prefix
         from common.kv_transfer.p2p_group import PairGroup
 
         if rendezvous is not None:
             host, port = rendezvous.host, rendezvous.port
         return PairGroup(transport, rank, host, port, timeout_s, store=rendezvous, device=device,
-                         connect_timeout_s=connect_timeout_s)
+                         connect_timeout_s=connect_timeout_s, prefix=store_prefix(key, pair_id))
     if transport == "cuda_ipc":
         from common.kv_transfer.cuda_ipc import IpcPair
 

@@ -57,6 +57,7 @@ class FakeControl:
     def __init__(self, log: list) -> None:
         self.log = log
         self.changed = threading.Condition()
+        self.key = None  # keyless: the pairs' hello names the pair id alone
 
     def reply(self, identity: bytes, msg) -> None:
         with self.changed:
