@@ -164,6 +164,12 @@ class NodeConfig(HttpServerOptions):
         "auto", description="KV data plane, chosen per pair at its handshake; auto = cuda_ipc (CUDA, one "
         "host), nccl (CUDA, two hosts), tcp (CPU)"
     )
+    kv_checksum: Literal["auto", "on", "off"] = Field(
+        "auto", description="CRC-32 of each KV layer, checked by the decode node before it uses the KV (both "
+        "sides agree at the handshake: off on either side wins); auto = on for tcp pairs, off for cuda_ipc, "
+        "nccl and gloo (the bytes are on the GPU or in staging buffers). Request, layer and byte counts are "
+        "always checked. Costs ~0.5 ms per MB on each side of a CPU"
+    )
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="Share of the GPU's total memory this process may use (weights, "
         "activations, KV cache); unset = 0.9"

@@ -46,7 +46,8 @@ def transfer_config(cfg: NodeConfig) -> TransferConfig:
     # the control handshake shares the operation deadline: an unreachable prefill node fails
     # fast; building the data-plane pair after it has its own, longer bound (NCCL's set-up)
     return TransferConfig(timeout_s=cfg.kv_timeout_s, lease_s=cfg.kv_lease_s, handshake_timeout_s=cfg.kv_timeout_s,
-                          connect_timeout_s=cfg.kv_connect_timeout_s, max_pairs=cfg.kv_max_pairs)
+                          connect_timeout_s=cfg.kv_connect_timeout_s, max_pairs=cfg.kv_max_pairs,
+                          checksum=cfg.kv_checksum)
 
 
 class TransferConnector(Protocol):
@@ -71,6 +72,7 @@ class Daemon:
         """``run_node``'s ``on_app``: the engine exists, HTTP is not serving yet."""
         from common.kv_transfer.config import TransferStats
         from common.kv_transfer.engine import KVTransferEngine
+        from common.kv_transfer.verify import REASONS
         from common.registry_client import Heartbeater
 
         cfg = self.config
@@ -90,6 +92,8 @@ class Daemon:
         self.connector.bind(self.transfer, engine.engine.kv_caches)
         self._kv_pairs = Gauge(PREFIX + "kv_pairs", "Live KV data-plane pairs by transport (cuda_ipc, nccl, tcp, "
                                "gloo)", ["role", "transport"], registry=metrics.registry)
+        for reason in REASONS:  # a fresh node exports zeros, not nothing
+            metrics.kv_transfer_rejected.labels(metrics.role, reason)
         metrics.add_scrape_hook(lambda: self._export_transfer_stats(metrics))
         logger.info("KV endpoint %s (layout %s, fingerprint %s, --kv-transport %s)", cfg.kv_addr,
                     engine.kv_layout, engine.kv_layout.fingerprint(), cfg.kv_transport)
@@ -146,6 +150,11 @@ class Daemon:
             if delta > 0:
                 counter.labels(metrics.role).inc(delta)
             self._exported[name] = snap[name]
+        for reason, count in self.transfer.stats.rejected_counts().items():  # verify.py's reasons
+            key = "rejected:" + reason
+            if count > self._exported.get(key, 0):
+                metrics.kv_transfer_rejected.labels(metrics.role, reason).inc(count - self._exported.get(key, 0))
+            self._exported[key] = count
         counts = self.transfer.pair_counts()
         assert self._kv_pairs is not None
         for transport in ("cuda_ipc", "nccl", "tcp", "gloo"):

@@ -74,6 +74,9 @@ class NodeMetrics:
         )
         self.kv_transfer_bytes = counter("kv_transfer_bytes", "KV cache bytes moved between nodes")
         self.kv_transfer_failures = counter("kv_transfer_failures", "KV transfers that failed or timed out")
+        self.kv_transfer_rejected = counter(
+            "kv_transfer_rejected", "Landed KV refused before use: partial, stale, damaged or not asked for",
+            ("reason",))
         self.kv_leases_expired = counter(
             "kv_leases_expired", "Prefill KV held for a peer that never asked, freed at lease end"
         )

@@ -125,3 +125,6 @@ def test_transfer_metrics_count_bytes(nodes: dict, tmp_path: Path) -> None:
         text = httpx.get(nodes[role].url + "/metrics", timeout=5).text
         assert f'pdserve:kv_pairs{{role="{role}",transport="tcp"}} 1.0' in text
         assert f'pdserve:kv_pairs{{role="{role}",transport="gloo"}} 0.0' in text
+    text = httpx.get(nodes["decode"].url + "/metrics", timeout=5).text
+    for reason in ("not_requested", "stale", "layers", "bytes", "checksum"):  # verified KV: none refused
+        assert f'pdserve:kv_transfer_rejected_total{{reason="{reason}",role="decode"}} 0.0' in text
