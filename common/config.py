@@ -166,9 +166,9 @@ class NodeConfig(HttpServerOptions):
     )
     kv_checksum: Literal["auto", "on", "off"] = Field(
         "auto", description="CRC-32 of each KV layer, checked by the decode node before it uses the KV (both "
-        "sides agree at the handshake: off on either side wins); auto = on for tcp pairs, off for cuda_ipc, "
-        "nccl and gloo (the bytes are on the GPU or in staging buffers). Request, layer and byte counts are "
-        "always checked. Costs ~0.5 ms per MB on each side of a CPU"
+        "sides agree at the handshake: off on either side wins, then on); auto = off on every transport today "
+        "(on a CPU it costs ~0.5 ms per MB on each side, 4x a loopback transfer; tcp checksums its segments "
+        "anyway). The transfer's nonce and its layer and byte counts are always checked"
     )
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="Share of the GPU's total memory this process may use (weights, "

@@ -34,7 +34,7 @@ class TransferConfig:
     max_peers: int = 256  # control-plane connections to distinct peers, at most
     max_pairs: int = 64  # data-plane pairs a producer holds (a thread and sockets each), at most
     pair_idle_s: float = 60.0  # a producer closes a pair that carried no transfer this long
-    checksum: str = "auto"  # per-layer CRC-32 of the KV: auto (tcp pairs only), on, off (verify.py)
+    checksum: str = "auto"  # per-layer CRC-32 of the KV: auto (off today), on, off (verify.py)
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "lease_s", "handshake_timeout_s", "connect_timeout_s", "heartbeat_s",

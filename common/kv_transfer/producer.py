@@ -275,7 +275,7 @@ class KVProducer:
                           control=self.control, device=self.device, on_done_sent=self._on_done_sent,
                           on_failed=self._link_failed, on_message=self.handle, streams=self.streams,
                           in_use=self._link_in_use)
-        link.checksum = use_checksum(msg.checksum, self.config.checksum, transport)
+        link.checksum = use_checksum(msg.checksum, self.config.checksum)
         with self._lock:
             if self._closed:
                 if hasattr(rendezvous, "close"):

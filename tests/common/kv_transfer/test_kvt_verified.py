@@ -24,7 +24,9 @@ def _request(p, d, kv, rid: str, seed: int, d_ids: list[int], p_ids: list[int], 
 
 @pytest.mark.parametrize("fault,reason", [("truncate", BYTES), ("flip", CHECKSUM), ("stale", STALE)])
 def test_damaged_or_stale_kv_fails_the_request_and_is_counted(fault, reason, no_thread_leak):
-    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+    # --kv-checksum on at the consumer turns the pair's checksums on (auto is off)
+    config = TransferConfig(**FAST, checksum="on")
+    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, config) as d:
         p.call("fault", fault)
         kv = d_cache()
         _request(p, d, kv, "r1", 1, [0, 1, 2], [3, 4, 5])
@@ -67,10 +69,10 @@ def test_transfer_landing_after_its_blocks_were_reused_does_not_touch_them(no_th
 
 
 def test_checksum_off_is_honoured_by_both_sides(no_thread_leak):
-    """--kv-checksum off on the consumer: the pair sends no checksums (a flipped byte goes
-    through); identity, layer and byte counts are still checked."""
+    """--kv-checksum off on the consumer beats on at the producer: the pair sends no checksums
+    (a flipped byte goes through); identity, layer and byte counts are still checked."""
     cfg = TransferConfig(**FAST, checksum="off")
-    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, cfg) as d:
+    with peer(LAYOUT, {**FAST, "checksum": "on"}) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, cfg) as d:
         p.call("fault", "flip")
         kv = d_cache()
         _request(p, d, kv, "r1", 1, [0, 1, 2], [3, 4, 5])
