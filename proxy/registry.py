@@ -99,6 +99,8 @@ class ServiceRegistry:
         self._nodes: dict[tuple[str, str], Node] = {}
         self._groups: tuple[Group, ...] | None = None  # snapshot; None = rebuild on next read
         self._senders: OrderedDict[bytes, _Sender] = OrderedDict()
+        # each decode node's connection and its latest message: told at once when a prefill node joins
+        self._decode_senders: OrderedDict[bytes, RegistrationMessage] = OrderedDict()
         self._rejected: Counter[str] = Counter()  # reason -> messages dropped
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -286,15 +288,31 @@ class ServiceRegistry:
                 if payload is not None:
                     try:
                         msg = decode(payload)
+                        joining = msg.type == "P" and not msg.goodbye and self.get("P", msg.http_address) is None
                         reason = self.register(msg)
-                        if reason is None and msg.type == "D" and not msg.goodbye:
-                            self._send_members(sock, sender, msg)
+                        if reason is None and msg.type == "D":
+                            self._remember_decode(sender, msg)
+                            if not msg.goodbye:
+                                self._send_members(sock, sender, msg)
+                        elif reason is None and joining:
+                            # a decode node pulls only from the prefill nodes it was told of: tell
+                            # every one now, not at its next heartbeat (~2 s in which the proxy
+                            # would route it requests naming a prefill node it refuses)
+                            for d_sender, d_msg in list(self._decode_senders.items()):
+                                self._send_members(sock, d_sender, d_msg)
                     except RegistrationError as exc:
                         reason = "invalid"
                         self._log(sender, f"ignored a bad registration message: {exc}")
             if reason is not None:
                 self._reject(reason)
                 self._log(sender, f"registration rejected ({reason})")
+
+    def _remember_decode(self, sender: bytes, msg: RegistrationMessage) -> None:
+        self._decode_senders.pop(sender, None)
+        if not msg.goodbye:
+            self._decode_senders[sender] = msg
+            while len(self._decode_senders) > self.max_nodes:
+                self._decode_senders.popitem(last=False)
 
     def _send_members(self, sock: zmq.Socket, sender: bytes, msg: RegistrationMessage) -> None:
         """Answer a decode node's heartbeat with the KV addresses of the prefill nodes it may pull

@@ -7,7 +7,7 @@ import pytest
 import zmq
 from proxy_fakes import wait_for
 
-from common.registry_client import RegistrationMessage, encode
+from common.registry_client import RegistrationMessage, decode_members, encode
 from helpers.zmq_peer import raw_dealer
 from proxy.registry import ServiceRegistry
 
@@ -99,3 +99,19 @@ def test_slow_beating_node_gets_three_of_its_intervals(registry, dealer):
     wait_for(lambda: False, timeout=0.6)  # past the registry's 0.4 s, within 3 x 0.3 s
     assert registry.counts()["P"] == 1
     assert wait_for(lambda: registry.counts()["P"] == 0, timeout=2)
+
+
+def test_a_joining_prefill_node_is_pushed_to_decode_nodes_at_once(registry, dealer):
+    """A decode node pulls only from the prefill nodes the registry named; one that joins later is
+    named to it at once, not in the answer to its next heartbeat (this one never beats again)."""
+    with raw_dealer(registry.address) as decode:
+        decode.send(encode(RegistrationMessage("D", "127.0.0.1:8200", "127.0.0.1:14580", model="tiny",
+                                               kv_fingerprint="abc", heartbeat_interval_s=30.0)))
+        assert decode.poll(10_000) and decode_members(decode.recv()) == frozenset()  # no prefill node yet
+        dealer.send(encode(RegistrationMessage("P", "127.0.0.1:8101", "127.0.0.1:14581", model="other",
+                                               kv_fingerprint="abc")))
+        dealer.send(encode(RegistrationMessage("P", "127.0.0.1:8100", "127.0.0.1:14579", model="tiny",
+                                               kv_fingerprint="abc")))
+        # one push per joining prefill node; another model's node is never named to it
+        assert decode.poll(10_000) and decode_members(decode.recv()) == frozenset()
+        assert decode.poll(10_000) and decode_members(decode.recv()) == frozenset({"127.0.0.1:14579"})
