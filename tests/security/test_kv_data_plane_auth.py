@@ -28,6 +28,7 @@ from common.model.config import ModelConfig
 from common.model.embedded import ensure_embedded_model
 from common.request_id import make_request_id
 from helpers.cluster import start
+from helpers.kv_pull import pull_into_blocks
 from helpers.zmq_peer import raw_dealer
 
 PROMPT = list(range(40, 60))  # 20 tokens: 2 blocks of 16
@@ -49,19 +50,7 @@ def _transfer(prefill, key: ClusterKey | None, layout) -> list[torch.Tensor]:
             headers[SIGNATURE_HEADER] = key.sign_id(rid, "prefill", body)
         r = httpx.post(prefill.url + "/v1/completions", content=body, headers=headers, timeout=60)
         assert r.status_code == 200, r.text
-        kv = [torch.zeros(layout.layer_shape(4), dtype=layout.torch_dtype) for _ in range(layout.num_layers)]
-        consumer.consumer.request(rid, prefill.kv_addr, [1, 2], len(PROMPT), kv)
-        done: dict = {}
-        failed: dict = {}
-
-        def landed() -> bool:
-            d, f = consumer.consumer.poll_finished()
-            done.update(d)
-            failed.update(f)
-            return bool(done or failed)
-
-        assert wait_for(landed, 30) and rid in done, (done, failed, prefill.log_tail())
-        return kv
+        return pull_into_blocks(consumer, prefill, rid, len(PROMPT), layout, [1, 2])
 
 
 def _open_port(prefill, key: ClusterKey | None, layout, pair_id: str) -> int:

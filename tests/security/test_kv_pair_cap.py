@@ -5,7 +5,6 @@ threads and file descriptors stay bounded and an honest transfer still works aft
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from common.model.config import ModelConfig
 from common.model.embedded import ensure_embedded_model
 from common.request_id import make_request_id
 from helpers.cluster import start
+from helpers.kv_pull import pull_into_blocks
 from helpers.zmq_peer import raw_dealer
 
 MAX_PAIRS = 8
@@ -76,18 +76,7 @@ def test_stranger_handshakes_leave_threads_and_fds_bounded(tmp_path, layout):
             body = {"model": "pdserve-tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
             r = httpx.post(prefill.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=60)
             assert r.status_code == 200, r.text
-            kv = [torch.zeros(layout.layer_shape(4), dtype=layout.torch_dtype) for _ in range(layout.num_layers)]
-            consumer.consumer.request(rid, prefill.kv_addr, [1, 2], len(prompt), kv)
-            done: dict = {}
-            failed: dict = {}
-
-            def landed() -> bool:
-                d, f = consumer.consumer.poll_finished()
-                done.update(d)
-                failed.update(f)
-                return bool(done or failed)
-
-            assert wait_for(landed, 30) and rid in done, (done, failed, prefill.log_tail())
+            kv = pull_into_blocks(consumer, prefill, rid, len(prompt), layout, [1, 2])
             assert torch.count_nonzero(kv[0][:, 1:3]) > 0  # the prompt's KV landed in blocks 1 and 2
     finally:
         prefill.stop()
