@@ -32,9 +32,17 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(self.token_ids[start:end], skip_special_tokens=self.skip_special_tokens)
 
     def add(self, new_ids: list[int]) -> str:
-        """Append generated ids; returns the text they complete (may be empty while held back)."""
-        self.token_ids.extend(new_ids)
-        self.output_ids.extend(new_ids)
+        """Append generated ids; returns the text they complete (may be empty while held back).
+
+        The ids are taken one at a time, so the text returned so far depends only on the ids,
+        never on how they were grouped: a migrated request's replay of the ids a client already
+        has (``TextStream``) ends exactly where that client's text ended, even when the ids it
+        was sent in one event end inside a multi-byte character."""
+        return "".join(self._add_one(token_id) for token_id in new_ids)
+
+    def _add_one(self, token_id: int) -> str:
+        self.token_ids.append(token_id)
+        self.output_ids.append(token_id)
         prefix_text = self._decode(self.prefix_offset, self.read_offset)
         new_text = self._decode(self.prefix_offset)
         if len(new_text) <= len(prefix_text) or new_text.endswith(_INCOMPLETE):

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 
+from common.engine.async_engine import AsyncLLMEngine
+from common.engine.sampling_params import SamplingParams
+from common.engine.text_stream import TextStream
 from common.model.config import ModelFilesError
 from common.model.detokenizer import IncrementalDetokenizer
 from common.model.embedded import ensure_embedded_model
@@ -95,3 +99,35 @@ def test_detokenizer_decodes_a_small_window(tok):
     for i in ids:
         detok.add([i])
         assert len(detok.token_ids) - detok.prefix_offset <= 4
+
+
+def test_detokenizer_text_depends_on_the_ids_not_on_their_grouping(tok):
+    """The text out after each group is the text one-at-a-time adds give at that point: a group
+    ending inside a multi-byte character still returns the complete text before it."""
+    ids = tok.encode("abc 日本語 🙂 done", add_special_tokens=False)
+    one_by_one = IncrementalDetokenizer(tok)
+    after = [""]
+    for i in ids:
+        after.append(after[-1] + one_by_one.add([i]))
+    rng = random.Random(1)
+    for _ in range(40):
+        cuts = sorted(rng.sample(range(1, len(ids)), rng.randrange(0, 4)))
+        detok, text = IncrementalDetokenizer(tok), ""
+        for start, end in zip([0, *cuts], [*cuts, len(ids)]):
+            text += detok.add(ids[start:end])
+            assert text == after[end], (cuts, end)
+
+
+def test_replayed_ids_ending_inside_a_character_are_not_shown_again(tok):
+    """A migrated request's node replays the ids the client has (common/serving/resume.py); when the
+    last of them is half a character, the next token's text follows on, nothing is repeated."""
+    prompt = tok.encode("Say:", add_special_tokens=False)
+    ids = tok.encode("hello 日本語 world", add_special_tokens=False)
+    partial = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))
+    original = TextStream(tok, prompt, [])
+    client = "".join(original.add([i], False)[0] for i in ids[:partial])
+    assert client and not client.endswith("\ufffd")
+    params = SamplingParams(max_tokens=8, resumed_tokens=partial)
+    resumed = AsyncLLMEngine._text_stream(SimpleNamespace(tokenizer=tok), prompt + ids[:partial], params)
+    rest = "".join(resumed.add([i], i == ids[-1])[0] for i in ids[partial:])
+    assert client + rest == tok.decode(ids)
