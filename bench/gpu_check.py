@@ -191,7 +191,7 @@ STEPS = [
                                                          "--up-run-dir", "{work}/up")),
          judge_disaggregated("cuda_ipc", "parity_up", "pdserve up, proxy vs colocated"), needs="checkpoints",
          # `up`'s daemons leave the step's process tree (the launcher exits once they are ready)
-         cleanup=lambda ctx: [ctx.python, "-m", "common.cli", "down", "--run-dir", str(ctx.work / "up")]),
+         cleanup=lambda ctx: [ctx.python, "-m", "pdserve.cli", "down", "--run-dir", str(ctx.work / "up")]),
     Step("nccl", "NCCL pair, cuda:0 -> cuda:1", 45,
          bench("ttft_breakdown.py", *disaggregated_args("nccl", "0.45", "--decode-gpu", "1",
                                                          "--parity", str(PARITY_REQUESTS))),

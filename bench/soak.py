@@ -36,8 +36,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import launcher  # noqa: E402
-from common.run_dir import down, write_pids  # noqa: E402
+from pdserve import launcher  # noqa: E402
+from pdserve.run_dir import down, write_pids  # noqa: E402
 
 MODEL = "pdserve-tiny"
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly pack "

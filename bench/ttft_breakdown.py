@@ -54,7 +54,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from common.launcher import PORT_FLAGS  # noqa: E402
+from pdserve.launcher import PORT_FLAGS  # noqa: E402
 from common.request_id import make_request_id  # noqa: E402
 from helpers.cluster import Proc, free_port, metric, start  # noqa: E402
 
@@ -232,7 +232,7 @@ def up_parity(model: str | None, bodies: list[dict], expected: list[tuple[str, i
               run_dir: Path) -> dict:
     """``bodies`` through a fresh `pdserve up` (its proxy), compared with ``expected``; then `down`."""
     ports = {name: free_port() for name in PORT_FLAGS}
-    cli = [sys.executable, "-m", "common.cli"]
+    cli = [sys.executable, "-m", "pdserve.cli"]
     up = [*cli, "up", "--run-dir", str(run_dir), "--timeout", "300",
           *[f"--{name.replace('_', '-')}={port}" for name, port in ports.items()],
           *(["--model", model] if model else [])]

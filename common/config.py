@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
+from common.defaults import EMBEDDED_MODEL_NAME  # torch-free, so the launcher need not load the model
 from common.options import ENV_PREFIX, env_name, flag_name, load_config
 
 from common.cluster_auth import check_key_file
@@ -29,8 +30,6 @@ __all__ = [
 Role = Literal["both", "prefill", "decode"]
 ROLE_HTTP_PORTS: dict[str, int] = {"both": 8000, "prefill": 8100, "decode": 8200}
 ROLE_KV_PORTS: dict[str, int] = {"both": 14581, "prefill": 14579, "decode": 14580}
-# The embedded model's name in the API; here (torch-free) so the launcher need not load the model package.
-EMBEDDED_MODEL_NAME = "pdserve-tiny"
 # The proxy's defaults live here (not in proxy/) so `pdserve up` needs nothing from the proxy package.
 PROXY_HTTP_PORT = 10001
 PROXY_REGISTRY_PORT = 30001

@@ -27,9 +27,9 @@ from fastapi import FastAPI
 from prometheus_client import Counter
 
 from common.config import NodeConfig
-from common.daemon import Daemon, run_daemon
+from pdserve.daemon import Daemon, run_daemon
 from common.metrics import PREFIX
-from common.node import parse_config
+from pdserve.node import parse_config
 from decode_node.connector import ConsumerConnector, ConsumerScheduler
 from decode_node.release import ReleaseRefusedKV
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.node import parse_config
+from pdserve.node import parse_config
 
 
 def main(argv: list[str] | None = None) -> None:

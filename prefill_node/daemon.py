@@ -25,9 +25,9 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 
 from common.config import NodeConfig
-from common.daemon import Daemon, run_daemon
+from pdserve.daemon import Daemon, run_daemon
 from common.kv_transfer.producer import KVProducer
-from common.node import parse_config
+from pdserve.node import parse_config
 from common.serving.context import PreparedRequest
 from common.serving.errors import OpenAIError
 from prefill_node.connector import ProducerConnector

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from common import launcher, launcher_cli
+from pdserve import launcher, launcher_cli
 
 REPO = Path(__file__).resolve().parents[1]
 DAEMONS_WIRED = all((REPO / p / "daemon.py").exists() for p in ("prefill_node", "decode_node"))
@@ -46,7 +46,7 @@ def launcher_cmd(*args: str) -> list[str]:
     script = Path(sys.executable).with_name("pdserve")
     if script.exists():
         return [str(script), *args]
-    return [sys.executable, "-m", "common.launcher_cli", *args]
+    return [sys.executable, "-m", "pdserve.launcher_cli", *args]
 
 
 def run_launcher(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -212,7 +212,7 @@ def test_up_waits_for_ready_prints_how_to_use_it_and_down_stops_all(tmp_path, mo
 # must not depend on how fast real daemons become ready).
 STUBBED_LAUNCHER = """
 import sys
-from common import launcher, launcher_cli
+from pdserve import launcher, launcher_cli
 real = launcher.process_specs
 launcher.process_specs = lambda options, model_args: [
     launcher.ProcessSpec(s.name, "stub_daemon", s.port, s.ports, s.args) for s in real(options, model_args)]

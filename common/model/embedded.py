@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from common.config import EMBEDDED_MODEL_NAME  # noqa: F401  (the name served for this model; re-exported)
+from common.defaults import EMBEDDED_MODEL_NAME  # noqa: F401  (re-exported: the name served for this model)
 
 EMBEDDED_MODEL_DIRNAME = "pdserve-tiny-llama-v1"  # bump the version when the recipe changes
 SPECIAL_TOKENS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _pdserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "common.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
 
 
@@ -59,7 +59,7 @@ def test_serve_with_a_missing_model_is_one_line_and_exit_2() -> None:
 def test_help_answers_before_torch_is_imported(command: str) -> None:
     code = (
         "import sys\n"
-        "from common.cli import main\n"
+        "from pdserve.cli import main\n"
         "try:\n"
         f"    main([{command!r}, '--help'])\n"
         "except SystemExit:\n"
@@ -77,7 +77,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     cache = os.environ.get("PDSERVE_TEST_CACHE_DIR") or str(tmp_path_factory.mktemp("cache"))
-    argv = [sys.executable, "-m", "common.cli", "serve", "--port", str(port), "--cache-dir", cache,
+    argv = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--cache-dir", cache,
             "--device", "cpu", "--num-kv-blocks", "256", "--max-model-len", "1024"]
     with serving(argv, port, log, cwd=ROOT) as url:
         yield url

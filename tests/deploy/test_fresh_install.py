@@ -19,7 +19,7 @@ from helpers.serve_process import free_port, serving
 
 REPO = Path(__file__).resolve().parents[2]
 # What deploy/Dockerfile copies into the image before `pip install .`.
-SHIPPED = ("pyproject.toml", "README.md", "common", "proxy", "prefill_node", "decode_node")
+SHIPPED = ("pyproject.toml", "README.md", "common", "pdserve", "proxy", "prefill_node", "decode_node")
 TORCH_PIN = re.search(r"torch==([\d.]+)", (REPO / "Makefile").read_text()).group(1)
 
 

@@ -26,7 +26,7 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="in the 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 ROLES = ("proxy", "prefill", "decode")
-DRAIN_S = 30  # uvicorn's timeout_graceful_shutdown in common/node.py
+DRAIN_S = 30  # uvicorn's timeout_graceful_shutdown in pdserve/node.py
 KEY_FLAG = "--cluster-key-file"
 
 
@@ -66,7 +66,7 @@ def named_port(c: dict, name: str) -> int:
 def cli_options() -> dict[str, set[str]]:
     """The options each command's --help lists (the CLI as users see it)."""
     def options(cmd: str) -> set[str]:
-        out = subprocess.run([sys.executable, "-m", "common.cli", cmd, "--help"], cwd=REPO,
+        out = subprocess.run([sys.executable, "-m", "pdserve.cli", cmd, "--help"], cwd=REPO,
                              capture_output=True, text=True, timeout=120, check=True).stdout
         return set(re.findall(r"(--[a-z][a-z0-9-]+)", out))
 

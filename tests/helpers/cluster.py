@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULES = {"both": "common.cli", "prefill": "prefill_node", "decode": "decode_node", "proxy": "proxy"}
+MODULES = {"both": "pdserve.cli", "prefill": "prefill_node", "decode": "decode_node", "proxy": "proxy"}
 
 
 def free_port() -> int:

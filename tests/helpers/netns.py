@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import ROLE_HTTP_PORTS, ROLE_KV_PORTS
-from common.launcher import is_alive
+from pdserve.launcher import is_alive
 from helpers.cluster import MODULES, ROOT, Proc
 from proxy.config import ProxyConfig
 

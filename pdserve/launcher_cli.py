@@ -18,11 +18,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from common import launcher
+from pdserve import launcher
 from common.config import EMBEDDED_MODEL_NAME, check_model_dir
-from common.launcher import PORT_FLAGS, LaunchError, UpOptions
+from pdserve.launcher import PORT_FLAGS, LaunchError, UpOptions
 from common.options import OneLineParser
-from common.run_dir import down
+from pdserve.run_dir import down
 
 
 def port_number(text: str) -> int:
@@ -79,7 +79,7 @@ def pdserve_command() -> str:
     """
     script = Path(sys.executable).with_name("pdserve")
     if not script.exists():
-        return f"{shlex.quote(sys.executable)} -m common.cli"
+        return f"{shlex.quote(sys.executable)} -m pdserve.cli"
     on_path = shutil.which("pdserve")
     if on_path and Path(on_path).resolve() == script.resolve():
         return "pdserve"

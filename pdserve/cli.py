@@ -12,12 +12,12 @@ from collections.abc import Callable
 
 # command -> (module, what it starts); each module's ``main(argv)`` parses its own flags.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("common.node", "a colocated node (prefill and decode in one process): the baseline"),
+    "serve": ("pdserve.node", "a colocated node (prefill and decode in one process): the baseline"),
     "prefill": ("prefill_node.__main__", "a prefill daemon"),
     "decode": ("decode_node.__main__", "a decode daemon"),
     "proxy": ("proxy.__main__", "the proxy: OpenAI front, registry, P/D pairing"),
-    "up": ("common.launcher_cli", "proxy + prefill + decode on loopback with the embedded model"),
-    "down": ("common.launcher_cli", "stop what 'pdserve up' started"),
+    "up": ("pdserve.launcher_cli", "proxy + prefill + decode on loopback with the embedded model"),
+    "down": ("pdserve.launcher_cli", "stop what 'pdserve up' started"),
 }
 
 
@@ -37,7 +37,7 @@ def _entry(command: str) -> Callable[[list[str]], int | None]:
         sys.exit(f"pdserve {command}: not available in this build ({module_name} is missing)")
     if command == "serve":
         return lambda rest: module.main(rest, role="both")
-    if module_name == "common.launcher_cli":
+    if module_name == "pdserve.launcher_cli":
         return lambda rest: module.main([command, *rest])
     return module.main
 

@@ -21,7 +21,7 @@ from prometheus_client import Gauge
 from common.cluster_auth import ClusterKey, warn_if_open
 from common.config import NodeConfig
 from common.metrics import PREFIX
-from common.node import run_node
+from pdserve.node import run_node
 from common.serving.auth import SignedIdsOnly
 from common.serving.context import PrepareHook
 

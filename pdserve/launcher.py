@@ -5,7 +5,7 @@ embedded model once (so the two daemons do not race to write it), starts proxy, 
 and decode as detached process groups logging to ``<run-dir>/logs/<name>.log``, records
 them in ``<run-dir>/pids.json`` and waits until each answers ``GET /ready`` with 200.
 Any exception (a signal turned into one included) before that stops whatever had started.
-``down`` is in :mod:`common.run_dir`; the command line in :mod:`common.launcher_cli`. Both
+``down`` is in :mod:`pdserve.run_dir`; the command line in :mod:`pdserve.launcher_cli`. Both
 are plain functions (``up(options)``, ``down(run_dir)``) so tests can call them in-process.
 """
 
@@ -25,7 +25,7 @@ from common.cluster_auth import ClusterKey
 from common.config import (
     EMBEDDED_MODEL_NAME, PROXY_HTTP_PORT, PROXY_REGISTRY_PORT, ROLE_HTTP_PORTS, ROLE_KV_PORTS,
 )
-from common.run_dir import PIDS_FILE, down, is_alive, is_ours, read_pids, write_pids
+from pdserve.run_dir import PIDS_FILE, down, is_alive, is_ours, read_pids, write_pids
 
 # down / is_alive / read_pids are re-exported: callers of `up` and `down` need only this module
 __all__ = ["LaunchError", "ProcessSpec", "UpOptions", "down", "is_alive", "process_specs", "read_pids", "up"]
