@@ -9,7 +9,6 @@ holds only real config fields and loads for every command.
 from __future__ import annotations
 
 import configparser
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -19,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import launcher
+import yaml
 
-yaml = pytest.importorskip("yaml", reason="pyyaml is in the test extras: pip install -e '.[test]'")
+from common.config import ROLE_HTTP_PORTS, ROLE_KV_PORTS, NodeConfig, load_config
+from pdserve import launcher
+from proxy.config import ProxyConfig
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -31,13 +32,6 @@ UNITS = {cmd: DEPLOY / "systemd" / f"pdserve-{cmd}.service" for cmd in ("proxy",
 PORTS = {"serve": 8000, "prefill": 8100, "decode": 8200, "proxy": 10001, "registry": 30001,
          "prefill_kv": 14579, "decode_kv": 14580}
 SUBCOMMANDS = {"serve", "prefill", "decode", "proxy", "up", "down"}
-
-
-def has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def flag(command: list[str], name: str) -> str:
@@ -75,11 +69,6 @@ def test_default_ports_match_the_config_models_and_launcher():
     assert (options.prefill_port, options.decode_port) == (PORTS["prefill"], PORTS["decode"])
     assert (options.prefill_kv_port, options.decode_kv_port) == (PORTS["prefill_kv"],
                                                                  PORTS["decode_kv"])
-    if not (has_module("common.config") and has_module("proxy.config")):
-        pytest.skip("common.config / proxy.config not written yet: launcher defaults only")
-    from common.config import ROLE_HTTP_PORTS, ROLE_KV_PORTS
-    from proxy.config import ProxyConfig
-
     assert ROLE_HTTP_PORTS == {"both": PORTS["serve"], "prefill": PORTS["prefill"],
                                "decode": PORTS["decode"]}
     assert (ROLE_KV_PORTS["prefill"], ROLE_KV_PORTS["decode"]) == (PORTS["prefill_kv"],
@@ -271,30 +260,19 @@ def test_units_pass_systemd_analyze_verify():
 
 # ---------------------------------------------------------------------------- example TOML
 
-def config_models():
-    if not (has_module("common.config") and has_module("proxy.config")):
-        pytest.skip("common.config.NodeConfig / proxy.config.ProxyConfig not written yet")
-    from common.config import NodeConfig
-    from proxy.config import ProxyConfig
-
-    return NodeConfig, ProxyConfig
-
-
 def test_example_toml_keys_are_real_config_fields(example_toml):
-    node_config, proxy_config = config_models()
-    node_fields = set(node_config.model_fields) - {"role"}  # role is the subcommand
+    node_fields = set(NodeConfig.model_fields) - {"role"}  # role is the subcommand
     top = {k for k, v in example_toml.items() if not isinstance(v, dict)}
-    assert top <= node_fields & set(proxy_config.model_fields)
-    assert set(example_toml["proxy"]) <= set(proxy_config.model_fields)
+    assert top <= node_fields & set(ProxyConfig.model_fields)
+    assert set(example_toml["proxy"]) <= set(ProxyConfig.model_fields)
     for table in ("prefill", "decode", "serve"):
         assert set(example_toml[table]) <= node_fields, table
 
 
 def test_example_toml_documents_every_option():
-    node_config, proxy_config = config_models()
     text = (DEPLOY / "pdserve.example.toml").read_text()
     documented = set(re.findall(r"^#?\s*(\w+) = ", text, re.M))
-    missing = (set(node_config.model_fields) | set(proxy_config.model_fields)) - {"role"}
+    missing = (set(NodeConfig.model_fields) | set(ProxyConfig.model_fields)) - {"role"}
     assert missing - documented == set(), "document these in deploy/pdserve.example.toml"
 
 
@@ -313,24 +291,18 @@ def test_example_toml_tables_use_the_default_ports(example_toml):
     ("serve", "both"),
 ])
 def test_example_toml_loads_for_every_command(cmd, role):
-    node_config, proxy_config = config_models()
-    from common.config import load_config
-
     argv = ["--config", str(DEPLOY / "pdserve.example.toml")]
     if role is None:
-        config = load_config(proxy_config, argv, prog=f"pdserve {cmd}", env={})
+        config = load_config(ProxyConfig, argv, prog=f"pdserve {cmd}", env={})
         assert config.port == PORTS["proxy"]
     else:
-        config = load_config(node_config, argv, prog=f"pdserve {cmd}", fixed={"role": role},
+        config = load_config(NodeConfig, argv, prog=f"pdserve {cmd}", fixed={"role": role},
                              env={})
         assert config.port == PORTS["serve" if role == "both" else role]
 
 
 def test_example_toml_documented_static_nodes_load(tmp_path):
     """The commented `static_*` examples, uncommented, are what the proxy's loader accepts."""
-    _, proxy_config = config_models()
-    from common.config import load_config
-
     text = (DEPLOY / "pdserve.example.toml").read_text()
     examples = re.findall(r"^# (static_(?:prefill|decode) = \[.+\])$", text, re.M)
     assert len(examples) == 2
@@ -338,7 +310,7 @@ def test_example_toml_documented_static_nodes_load(tmp_path):
     live = live.replace("[proxy]\n", "[proxy]\n" + "\n".join(examples) + "\n")
     path = tmp_path / "pdserve.toml"
     path.write_text(live)
-    config = load_config(proxy_config, ["--config", str(path)], prog="pdserve proxy", env={})
+    config = load_config(ProxyConfig, ["--config", str(path)], prog="pdserve proxy", env={})
     nodes = config.static_nodes()
     assert [(n.type, n.http_address, n.zmq_address) for n in nodes] == [
         ("P", "10.0.0.5:8100", "10.0.0.5:14579"), ("P", "10.0.0.6:8100", "10.0.0.6:14579"),
@@ -348,12 +320,11 @@ def test_example_toml_documented_static_nodes_load(tmp_path):
 
 def test_example_toml_values_are_the_defaults(example_toml):
     """The header promises the defaults; the daemons' `proxy` is the one documented exception."""
-    node_config, proxy_config = config_models()
-    proxy_defaults = proxy_config()
+    proxy_defaults = ProxyConfig()
     for key, value in example_toml["proxy"].items():
         assert getattr(proxy_defaults, key) == value, key
     for role in ("prefill", "decode"):
-        defaults = node_config(role=role)
+        defaults = NodeConfig(role=role)
         for key, value in example_toml[role].items():
             if key != "proxy":
                 assert getattr(defaults, key) == value, (role, key)

@@ -15,13 +15,12 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
+import yaml
 
 from common.config import ROLE_HTTP_PORTS, ROLE_KV_PORTS, env_name
 from proxy.config import ProxyConfig
-
-yaml = pytest.importorskip("yaml", reason="pyyaml is in the test extras: pip install -e '.[test]'")
-kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="in the test extras")
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -128,9 +127,7 @@ def test_commands_flags_and_ports_match_the_cli(objects, cli_options):
         assert given["--host"] == "0.0.0.0"
         for flag, port in expected_ports[role].items():
             assert int(given[flag]) == port == named_port(c, port_names[flag]), (role, flag)
-    assert unknown - {KEY_FLAG} == set(), f"flags no command knows: {unknown}"
-    if KEY_FLAG in unknown:
-        pytest.skip(f"{KEY_FLAG} is not an option of this tree's CLI yet (the cluster-key work adds it)")
+    assert unknown == set(), f"flags no command knows: {unknown}"
 
 
 def test_daemons_advertise_their_pod_ip_and_find_the_registry(objects):
