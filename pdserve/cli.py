@@ -2,6 +2,9 @@
 
     pdserve serve|prefill|decode|proxy [flags]   one process (see ``pdserve <cmd> --help``)
     pdserve up|down                              the three on loopback, and stop them
+    pdserve --version                            the installed version
+
+``pdserve`` with no command prints the usage and exits 2 (a usage error), as argparse does.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 
 # command -> (module, what it starts); each module's ``main(argv)`` parses its own flags.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -22,9 +26,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def usage() -> str:
-    lines = ["usage: pdserve <command> [flags]   (pdserve <command> --help for its flags)", "", "commands:"]
+    lines = ["usage: pdserve <command> [flags]   (pdserve <command> --help for its flags; pdserve --version)",
+             "", "commands:"]
     lines += [f"  {name:<9} {what}" for name, (_, what) in COMMANDS.items()]
     return "\n".join(lines) + "\n"
+
+
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml's, through the package metadata)."""
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "unknown (not installed; pip install -e .)"
 
 
 def _entry(command: str) -> Callable[[list[str]], int | None]:
@@ -45,8 +58,14 @@ def _entry(command: str) -> Callable[[list[str]], int | None]:
 def main(argv: list[str] | None = None) -> None:
     """Dispatch ``pdserve <command> [flags]``; a command's integer result is the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:
+        sys.stderr.write(usage())
+        sys.exit(2)
+    if argv[0] in ("-h", "--help", "help"):
         sys.stdout.write(usage())
+        return
+    if argv[0] in ("-V", "--version"):
+        sys.stdout.write(f"pdserve {package_version()}\n")
         return
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:

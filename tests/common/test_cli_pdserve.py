@@ -30,6 +30,19 @@ def test_help_lists_subcommands() -> None:
         assert re.search(rf"^\s+{command}\s", proc.stdout, re.M), command
 
 
+def test_no_command_prints_usage_and_exits_2() -> None:
+    proc = _pdserve()
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("usage: pdserve <command>") and proc.stdout == ""
+
+
+def test_version_comes_from_the_package_metadata() -> None:
+    from importlib.metadata import version
+
+    proc = _pdserve("--version")
+    assert proc.returncode == 0 and proc.stdout == f"pdserve {version('pdserve')}\n"
+
+
 def test_unknown_command_exits_2() -> None:
     proc = _pdserve("serveit")
     assert proc.returncode == 2 and "unknown command 'serveit'" in proc.stderr
