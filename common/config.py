@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from common.defaults import EMBEDDED_MODEL_NAME  # torch-free, so the launcher need not load the model
-from common.options import ENV_PREFIX, env_name, flag_name, load_config
+from common.options import ENV_PREFIX, USED_BY, env_name, flag_name, load_config
 
 from common.cluster_auth import check_key_file
 from common.registry_client import MAX_HEARTBEAT_INTERVAL_S
@@ -34,6 +34,10 @@ ROLE_KV_PORTS: dict[str, int] = {"both": 14581, "prefill": 14579, "decode": 1458
 PROXY_HTTP_PORT = 10001
 PROXY_REGISTRY_PORT = 30001
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# Options only some commands read: their own TOML table ([serve]...) may not set the others.
+DAEMONS = {USED_BY: ("prefill", "decode")}
+PREFILL_ONLY = {USED_BY: ("prefill",)}
+DECODE_ONLY = {USED_BY: ("decode",)}
 
 
 def check_model_dir(value: str) -> str:
@@ -131,50 +135,56 @@ class NodeConfig(HttpServerOptions):
         None,
         description="Address other processes use to reach this node (KV endpoint and the address registered "
         "with the proxy); unset = host, or the host's routable address when host is 0.0.0.0",
+        json_schema_extra=DAEMONS,
     )
     kv_port: int | None = Field(
-        None, ge=1, le=65535, description="KV transfer (ZMQ) port (role default: 14579 prefill, 14580 decode)"
+        None, ge=1, le=65535, description="KV transfer (ZMQ) port (role default: 14579 prefill, 14580 decode)",
+        json_schema_extra=DAEMONS,
     )
-    proxy: str | None = Field(None, description="Proxy registry HOST:PORT to register with; unset = none")
+    proxy: str | None = Field(None, description="Proxy registry HOST:PORT to register with; unset = none",
+                              json_schema_extra=DAEMONS)
     heartbeat_interval_s: float = Field(
-        2.0, gt=0, le=MAX_HEARTBEAT_INTERVAL_S, description="Seconds between heartbeats"
+        2.0, gt=0, le=MAX_HEARTBEAT_INTERVAL_S, description="Seconds between heartbeats", json_schema_extra=DAEMONS
     )
     kv_timeout_s: float = Field(
         5.0, gt=0, le=3600,
         description="How long a KV transfer may go without progress (a peer silent this long has failed; "
-                    "a slow link that keeps moving is not cut off)",
+                    "a slow link that keeps moving is not cut off)", json_schema_extra=DAEMONS
     )
     kv_connect_timeout_s: float = Field(
         60.0, gt=0, le=3600,
         description="How long building a KV data-plane pair may take after the handshake (NCCL's first "
-                    "communicator set-up takes seconds)",
+                    "communicator set-up takes seconds)", json_schema_extra=DAEMONS
     )
-    kv_lease_s: float = Field(30.0, gt=0, le=86400, description="How long prefill holds KV nobody asked for")
+    kv_lease_s: float = Field(30.0, gt=0, le=86400, description="How long prefill holds KV nobody asked for",
+                              json_schema_extra=DAEMONS)
     kv_peers: str | None = Field(
         None, description="Decode: comma-separated prefill KV addresses (HOST:PORT) this node may pull KV from, "
         "besides the prefill nodes the proxy's registry names; unset and no registry answer (no proxy, or "
-        "vLLM's) = any address (keyless: trusted networks only)"
+        "vLLM's) = any address (keyless: trusted networks only)", json_schema_extra=DECODE_ONLY
     )
     kv_max_pairs: int = Field(
         64, ge=1, le=4096, description="KV data-plane pairs (a thread and sockets each) a prefill node holds "
-        "at most; handshakes past it are refused, and a pair with no transfer for 60 s is closed"
+        "at most; handshakes past it are refused, and a pair with no transfer for 60 s is closed",
+        json_schema_extra=DAEMONS,
     )
     kv_transport: Literal["auto", "cuda_ipc", "nccl", "tcp", "gloo"] = Field(
         "auto", description="KV data plane, chosen per pair at its handshake; auto = cuda_ipc (CUDA, one "
-        "host), nccl (CUDA, two hosts), tcp (CPU)"
+        "host), nccl (CUDA, two hosts), tcp (CPU)", json_schema_extra=DAEMONS
     )
     kv_checksum: Literal["auto", "on", "off"] = Field(
         "auto", description="CRC-32 of each KV layer, checked by the decode node before it uses the KV (both "
         "sides agree at the handshake: off on either side wins, then on); auto = off on every transport today "
         "(on a CPU it costs ~0.5 ms per MB on each side, 4x a loopback transfer; tcp checksums its segments "
-        "anyway). The transfer's nonce and its layer and byte counts are always checked"
+        "anyway). The transfer's nonce and its layer and byte counts are always checked", json_schema_extra=DAEMONS
     )
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="Share of the GPU's total memory this process may use (weights, "
         "activations, KV cache); unset = 0.9"
     )
     max_unclaimed_kv_share: float = Field(
-        0.5, gt=0, le=1, description="Prefill: share of the KV cache held for requests nobody asked for yet"
+        0.5, gt=0, le=1, description="Prefill: share of the KV cache held for requests nobody asked for yet",
+        json_schema_extra=PREFILL_ONLY,
     )
     cluster_key_file: str | None = Field(
         None, description="Shared secret file (same on proxy and nodes): daemons serve only signed ids"

@@ -3,8 +3,10 @@
 :func:`load_config` turns any pydantic model into a command line: every field becomes
 ``--field-name`` (bools ``--flag/--no-flag``), plus ``--config PATH``. Precedence, highest
 first: CLI flags, ``PDSERVE_<FIELD_NAME>`` environment variables, the TOML file (a
-``[<command>]`` table overrides its top-level keys), the model's defaults. A bad value
-prints one line naming the option and the problem and exits with status 2.
+``[<command>]`` table overrides its top-level keys), the model's defaults. Top-level keys are
+shared by every command; a command's table may set only the options that command uses (a
+field's ``json_schema_extra={USED_BY: (...)}`` names them). A bad value prints one line naming
+the option and the problem and exits with status 2.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from pydantic.fields import FieldInfo
 
 M = TypeVar("M", bound=BaseModel)
 ENV_PREFIX = "PDSERVE_"
+# A field's ``json_schema_extra`` key naming the commands that use it (a field without one: every
+# command). A command's own TOML table may not set a field it does not use.
+USED_BY = "used_by"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -44,6 +49,13 @@ class _Source:
         if self.kind == "file":
             return f"{field} (in {self.detail})"
         return flag_name(field)
+
+
+def used_by(info: FieldInfo, command: str) -> bool:
+    """Does ``command`` (``serve``, ``prefill``...) read this field?"""
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    commands = extra.get(USED_BY)
+    return commands is None or command in commands  # type: ignore[operator]
 
 
 def flag_name(field: str) -> str:
@@ -130,11 +142,16 @@ def _read_toml(
         parser.exit(2, f"{prog}: error: --config: file not found: {path}\n")
     except (OSError, tomllib.TOMLDecodeError) as exc:
         parser.exit(2, f"{prog}: error: --config: cannot read {path}: {exc}\n")
-    section_names = {prog, prog.split()[-1]}
+    command = prog.split()[-1]
+    section_names = {prog, command}
     # every table is a command's section (no option is a table): `[proxy]` is not the `proxy` option
     top = {k: v for k, v in data.items() if not isinstance(v, dict)}
     for key, value in data.items():
         if key in section_names and isinstance(value, dict):
+            for name in value:  # top-level keys are shared by every command; a command's table is its own
+                if name in cls.model_fields and not used_by(cls.model_fields[name], command):
+                    parser.exit(2, f"{prog}: error: --config: key '{name}' in table [{key}] of {path} is not "
+                                   f"used by {prog}\n")
             top.update(value)
     for key in top:
         if key not in cls.model_fields or key in fixed:

@@ -89,6 +89,18 @@ def test_unknown_toml_key_is_an_error(tmp_path: Path) -> None:
     assert "unknown key 'prot'" in proc.stderr and proc.stderr.count("\n") == 1
 
 
+def test_a_command_table_refuses_a_key_its_command_does_not_use(tmp_path: Path) -> None:
+    """[serve] kv_port would be silently ignored (a colocated node has no KV endpoint): refused, one line."""
+    path = _write(tmp_path, "kv_port = 15000\n[serve]\nkv_port = 14000\n")
+    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--config", path], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == (f"pdserve serve: error: --config: key 'kv_port' in table [serve] of {path} "
+                           "is not used by pdserve serve\n")
+    prefill = load_config(NodeConfig, ["--config", path], "pdserve prefill", fixed={"role": "prefill"}, env={})
+    assert prefill.kv_port == 15000  # a top-level key is shared: the daemons read it, serve ignores it
+
+
 def test_bad_value_in_file_names_the_file(tmp_path: Path) -> None:
     proc = _run(["--config", _write(tmp_path, "port = 0\n")])
     assert proc.returncode == 2
