@@ -1,9 +1,8 @@
 """`pdserve up` / `pdserve down` for real: processes, ports, pids.json, logs.
 
 The full round trip (issue 6's acceptance: up, one chat completion through the proxy,
-/metrics on all three, down) needs the prefill and decode daemons; it is skipped until
-`prefill_node/daemon.py` and `decode_node/daemon.py` exist. Refusals and `down` need no
-daemons and run now against stand-in processes.
+/metrics on all three, down) runs the real daemons; refusals and `down` run against
+stand-in processes.
 """
 
 from __future__ import annotations
@@ -20,25 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from helpers.ports import free_ports
 from pdserve import launcher, launcher_cli
 
 REPO = Path(__file__).resolve().parents[1]
-DAEMONS_WIRED = all((REPO / p / "daemon.py").exists() for p in ("prefill_node", "decode_node"))
 
 # Stands in for a daemon: sleeps, and carries `-m <module>` in its argv like the real one,
-# so `down` recognises it as ours.
-SLEEPER = "import signal, sys, time\n{ignore}\ntime.sleep(120)"
-
-
-def free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+# so `down` recognises it as ours. It says "ready" once its signal disposition is set.
+SLEEPER = "import signal, sys, time\n{ignore}\nprint('ready', flush=True)\ntime.sleep(120)"
 
 
 def launcher_cmd(*args: str) -> list[str]:
@@ -72,10 +60,13 @@ def fake_model(tmp_path: Path, config: str = "{}") -> str:
 
 
 def start_sleeper(module: str, ignore_sigterm: bool = False) -> subprocess.Popen:
+    """A stand-in that has set its SIGTERM disposition when this returns."""
     ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN)" if ignore_sigterm else ""
     code = SLEEPER.format(ignore=ignore)
-    return subprocess.Popen([sys.executable, "-c", code, "-m", module],
-                            start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", code, "-m", module], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    assert proc.stdout.readline() == "ready\n", f"sleeper exited with {proc.wait()}"
+    return proc
 
 
 @pytest.fixture
@@ -86,6 +77,7 @@ def sleepers():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        proc.stdout.close()
 
 
 def write_pids(run_dir: Path, procs: list[tuple[str, str, subprocess.Popen]]) -> None:
@@ -104,7 +96,6 @@ def test_down_stops_every_group_and_is_idempotent(tmp_path, sleepers):
     run_dir = tmp_path / "run"
     sleepers += [start_sleeper("proxy"), start_sleeper("prefill_node"),
                  start_sleeper("decode_node", ignore_sigterm=True)]
-    time.sleep(0.5)  # let the stubborn one install its SIGTERM handler
     write_pids(run_dir, list(zip(("proxy", "prefill", "decode"),
                                  ("proxy", "prefill_node", "decode_node"), sleepers)))
 
@@ -277,8 +268,6 @@ def test_up_reports_a_process_that_dies_and_stops_the_rest(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not DAEMONS_WIRED, reason="needs prefill_node/daemon.py and "
-                    "decode_node/daemon.py (the daemons are wired in a later step)")
 def test_up_chat_metrics_down(tmp_path):
     import httpx
     from openai import OpenAI

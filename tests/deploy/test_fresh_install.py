@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.serve_process import free_port, serving
+from helpers.ports import free_port
+from helpers.serve_process import serving
 
 REPO = Path(__file__).resolve().parents[2]
 # What deploy/Dockerfile copies into the image before `pip install .`.

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,14 +18,10 @@ from pathlib import Path
 
 import httpx
 
+from helpers.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = {"both": "pdserve.cli", "prefill": "prefill_node", "decode": "decode_node", "proxy": "proxy"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -85,7 +85,7 @@ def test_python_m_proxy_serves_and_rejects_bad_flags():
     import subprocess
     import sys
 
-    from proxy_fakes import free_port
+    from helpers.ports import free_port
 
     root = Path(__file__).resolve().parents[2]
     bad = subprocess.run([sys.executable, "-m", "proxy", "--policy", "random"], capture_output=True, text=True,

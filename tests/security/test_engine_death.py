@@ -12,8 +12,9 @@ import httpx
 from proxy_fakes import wait_for
 
 from common.request_id import LOCAL_PREFILL, make_request_id
-from helpers.cluster import ROOT, Proc, free_port
+from helpers.cluster import ROOT, Proc
 from helpers.crashing_node import CRASH_MAX_TOKENS
+from helpers.ports import free_port
 
 ENGINE_DEAD_EXIT_CODE = 3
 

@@ -19,7 +19,8 @@ from common.kv_layout import KVLayout
 from common.kv_transfer.config import TransferConfig
 from common.kv_transfer.engine import KVTransferEngine
 from common.request_id import make_request_id
-from helpers.cluster import free_port, start
+from helpers.cluster import start
+from helpers.ports import free_port
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from serving_fakes import CharTokenizer, FakeEngine
 from common.config import NodeConfig
 from common.metrics import NodeMetrics
 from common.serving.app import build_app
+from helpers.ports import free_port
 
 
 def _events(text: str) -> list[Any]:
@@ -79,17 +79,11 @@ def test_engine_error_in_stream_is_one_error_event_then_done(engine: FakeEngine,
     assert len(events) == 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def live_server(engine: FakeEngine) -> Iterator[tuple[str, NodeMetrics]]:
     """The app on a real uvicorn, so a client can really go away mid-stream."""
     metrics = NodeMetrics("both")
-    port = _free_port()
+    port = free_port()
     config = uvicorn.Config(build_app(engine, CharTokenizer(), NodeConfig(), metrics), port=port, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
