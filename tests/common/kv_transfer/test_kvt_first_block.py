@@ -3,8 +3,6 @@ rest: the producer sends blocks ``first_block..`` and nothing lands in the block
 
 from __future__ import annotations
 
-import time
-
 import msgpack
 import pytest
 import torch
@@ -32,9 +30,12 @@ def test_only_the_blocks_after_first_block_move(pull_first, no_thread_leak):
         first = 3  # the consumer has the first 3 blocks already
         if pull_first:
             d.consumer.request("r", p.address, d_ids[first:], 18, kv, first_block=first)
-            time.sleep(0.5)  # PULL reaches P before prefill: layers are pushed as they are computed
+            assert p.call("wait_state", "r", "pulled", 10) == "pulled"  # PULL reached P before prefill
         assert p.call("prefill", "r", 11, P_BLOCKS, p_ids, 18, 77, True, 0.02) == "ok"
+        # which path ran: layers pushed as prefill computed them, or all sent from the blocks after
+        assert p.call("eager", "r") == (LAYOUT.num_layers if pull_first else 0)
         if not pull_first:
+            assert p.call("wait_state", "r", "held", 0) == "held"  # finished, nobody asked yet
             d.consumer.request("r", p.address, d_ids[first:], 18, kv, first_block=first)
         assert wait_finished(d, {"r"}) == ({"r": 77}, {})
         p_kv = make_kv(LAYOUT, P_BLOCKS, 11)
