@@ -103,7 +103,7 @@ class ConsumerScheduler(KVConnectorScheduler):
         # a landing or failure that raced an abort is dropped: the abort's stop report frees the blocks
         done = {rid: tok for rid, tok in finished.done_recving.items() if loading(rid)}
         failed = {rid: err for rid, err in finished.failed_recving.items() if loading(rid)}
-        stopped = {rid for rid in finished.done_sending if table.get(rid) is ConnectorState.ABORTING}
+        stopped = {rid for rid in finished.stopped if table.get(rid) is ConnectorState.ABORTING}
         for rid in (*done, *failed, *stopped):
             del table[rid]
         for rid in done:
@@ -113,7 +113,7 @@ class ConsumerScheduler(KVConnectorScheduler):
         logprobs = {rid: lp for rid, lp in finished.first_logprobs.items() if rid in done}
         choices = {rid: c for rid, c in finished.choice_firsts.items() if rid in done}
         cached = {rid: n for rid, n in finished.cached_tokens.items() if rid in done}
-        return FinishedTransfers(done_sending=stopped, done_recving=done, failed_recving=failed,
+        return FinishedTransfers(stopped=stopped, done_recving=done, failed_recving=failed,
                                  first_logprobs=logprobs, choice_firsts=choices, cached_tokens=cached)
 
 
@@ -124,7 +124,7 @@ class ConsumerWorker(TransferWorker):
         super().__init__()
         self._refused: dict[str, str] = {}  # loads the transfer engine refused; reported as failed
 
-    def start_step(self, meta: KVConnectorMetadata) -> None:
+    def issue(self, meta: KVConnectorMetadata) -> None:
         if self.transfer is None:
             return
         consumer = self.transfer.consumer
@@ -149,7 +149,7 @@ class ConsumerWorker(TransferWorker):
         first_logprobs = consumer.take_first_logprobs(done) if done else {}
         choices = consumer.take_choices(done) if done else {}
         cached = consumer.take_cached_tokens(done) if done else {}
-        return FinishedTransfers(done_sending=consumer.poll_aborted(), done_recving=done,
+        return FinishedTransfers(stopped=consumer.poll_aborted(), done_recving=done,
                                  failed_recving=failed, first_logprobs=first_logprobs, choice_firsts=choices,
                                  cached_tokens=cached)
 

@@ -80,17 +80,17 @@ class ProducerScheduler(KVConnectorScheduler):
         return False
 
     def update_finished(self, finished: FinishedTransfers) -> FinishedTransfers:
-        freeable = {rid for rid in finished.done_sending if self.table.get(rid) is ConnectorState.HANDED_OVER}
+        freeable = {rid for rid in finished.freeable if self.table.get(rid) is ConnectorState.HANDED_OVER}
         for rid in freeable:
             del self.table[rid]
             logger.info("request %s: KV released", rid)
-        return FinishedTransfers(done_sending=freeable)
+        return FinishedTransfers(freeable=freeable)
 
 
 class ProducerWorker(TransferWorker):
     """Moves the bytes: the only half bound to the transfer engine and the KV cache (``bind``)."""
 
-    def start_step(self, meta: KVConnectorMetadata) -> None:
+    def issue(self, meta: KVConnectorMetadata) -> None:
         if self.transfer is None:
             return
         producer = self.transfer.producer
@@ -112,7 +112,7 @@ class ProducerWorker(TransferWorker):
     def get_finished(self) -> FinishedTransfers:
         if self.transfer is None:
             return FinishedTransfers()
-        return FinishedTransfers(done_sending=self.transfer.producer.poll_freeable())
+        return FinishedTransfers(freeable=self.transfer.producer.poll_freeable())
 
 
 class ProducerConnector(KVConnector):

@@ -42,7 +42,6 @@ class EngineDeadError(RuntimeError):
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None):
         self.engine = LLMEngine(config, connector)
-        self.engine.early_outputs = self._dispatch  # a peer's first token goes out before the next compute
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
         self.tokenizer = self.engine.tokenizer
@@ -169,6 +168,7 @@ class AsyncLLMEngine:
             self._apply_commands()
             if engine.has_schedulable_work() or engine.has_pending_transfers():
                 try:
+                    self._dispatch(engine.poll_transfers())  # a peer's first token goes out before the compute
                     outputs = engine.step()
                 except Exception as e:  # noqa: BLE001 - report to every client, then stop
                     logger.exception("engine step failed")

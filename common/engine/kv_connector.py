@@ -22,8 +22,9 @@ postprocess decided (a first token to hand over) at the end of that same step, s
 hand-over never waits for the next step or the async loop's poll interval.
 
 Worker side (:class:`KVConnectorWorker`), next to the model; the only half that touches
-the transfer engine. Per step: ``start_step(meta)`` before the forward (issues loads,
-hand-overs, discards, aborts), ``save_kv_layer(layer_idx, kv_layer, meta)`` after each
+the transfer engine. Per step: ``issue(meta)`` with the metadata built at schedule time,
+before the forward (loads, discards, aborts), and again at the end of the step with what
+its postprocess decided (hand-overs), ``save_kv_layer(layer_idx, kv_layer, meta)`` after each
 attention layer when ``meta.saves`` is not empty, ``get_finished()`` polled at the start of
 every step. It keeps no table of live transfers: a request's state on the wire is the
 transfer engine's (``ProducerState`` / ``TransferState``), read there in one place.
@@ -116,9 +117,11 @@ EMPTY_METADATA = KVConnectorMetadata()
 class FinishedTransfers:
     """What the worker side reports each step (raw: the scheduler side checks it against its table)."""
 
-    # producer: requests whose KV the peer acknowledged (or whose lease expired): free blocks now;
-    # consumer: aborted requests whose receive has stopped
-    done_sending: set[str] = field(default_factory=set)
+    # producer: requests whose KV the peer acknowledged (or that were aborted, failed or whose
+    # lease expired): their blocks may be freed now
+    freeable: set[str] = field(default_factory=set)
+    # consumer: aborted requests whose receive has stopped: nothing writes into their blocks any more
+    stopped: set[str] = field(default_factory=set)
     # consumer: requests whose whole prompt KV landed: request_id -> first token id from the producer
     done_recving: dict[str, int] = field(default_factory=dict)
     # consumer: the first token's logprobs from the producer, for landed requests that asked
@@ -177,7 +180,7 @@ class KVConnectorScheduler:
 
     def request_finished(self, seq: Sequence) -> bool:
         """``seq`` finished or was aborted; True: the scheduler holds its blocks until
-        ``done_sending`` names it."""
+        ``freeable`` (producer) or ``stopped`` (consumer) names it."""
         return False
 
     def update_finished(self, finished: FinishedTransfers) -> FinishedTransfers:
@@ -205,8 +208,10 @@ class KVConnectorScheduler:
 class KVConnectorWorker:
     """Worker side with no transfer: nothing to move, nothing finishes."""
 
-    def start_step(self, meta: KVConnectorMetadata) -> None:
-        """Before the forward: issue the step's loads, hand-overs, discards, aborts and releases."""
+    def issue(self, meta: KVConnectorMetadata) -> None:
+        """Carry out ``meta``'s loads, hand-overs, discards, aborts and releases (the engine calls
+        it before the forward with the schedule's metadata, and at the end of the step with what
+        the postprocess decided)."""
 
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, meta: KVConnectorMetadata) -> None:
         """After attention layer ``layer_idx`` wrote its KV, for ``meta.saves``."""

@@ -1,10 +1,14 @@
 """The synchronous engine: ``step()`` = receive transfers, schedule, run, postprocess.
 
 The connector's two halves (``kv_connector``): the scheduler side lives in the
-``Scheduler``; the worker side gets the batch's ``KVConnectorMetadata`` before the forward
-(``start_step``) and during it (``save_kv_layer``). What the postprocess decided (a first
-token to hand over, a discard) goes to the worker at the end of the same step, so a
-hand-over never waits for the next step or the async loop's poll interval.
+``Scheduler``; the worker side is given the batch's ``KVConnectorMetadata`` before the
+forward (``issue``) and during it (``save_kv_layer``). What the postprocess decided (a
+first token to hand over, a discard) is issued at the end of the same step, so a hand-over
+never waits for the next step or the async loop's poll interval.
+
+Outputs leave only as return values: ``step()`` returns everything it produced. A caller
+that wants a peer's first token out before the step's compute calls ``poll_transfers()``
+first and sends what it returns; the ``step()`` after it then returns only the rest.
 
 Not thread-safe by design: exactly one thread (``AsyncLLMEngine``'s engine thread, or a
 test) calls every method. Requests live in ``_requests`` from ``add_request`` until the
@@ -15,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -81,9 +84,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_step_num_tokens = 0  # tokens computed by the latest step (0: it only polled)
         self.step_meter = StepMeter()  # prefill tokens/s and step records (the local-prefill stall bound)
-        # Set by an async front: where ``step`` hands the news of landed transfers (a peer's
-        # first token, a failed transfer) before it computes, so they wait for no decode step.
-        self.early_outputs: Callable[[list[RequestOutput]], None] | None = None
 
     def _default_num_blocks(self, model: torch.nn.Module) -> int:
         per_block = self.kv_layout.bytes_per_block_per_layer() * self.kv_layout.num_layers
@@ -158,12 +158,14 @@ class LLMEngine:
         )
 
     # ---- the loop -----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def poll_transfers(self) -> list[RequestOutput]:
+        """Apply the transfers the worker side finished (a peer's first token landed, a transfer
+        failed); the outputs they produce. ``step`` starts with this too."""
         landed = self.scheduler.process_transfers(self.kv_worker.get_finished())
-        landed = self._outputs(landed + self._adopt_forked())
-        if landed and self.early_outputs is not None:
-            self.early_outputs(landed)
-            landed = []
+        return self._outputs(landed + self._adopt_forked())
+
+    def step(self) -> list[RequestOutput]:
+        landed = self.poll_transfers()
         touched = self._finished_unreported
         self._finished_unreported = []
         cap = self.step_meter.stall_token_cap(self.config.max_local_prefill_stall_ms, self.config.block_size)
@@ -171,7 +173,7 @@ class LLMEngine:
         self.last_step_num_tokens = batch.num_tokens
         meta = batch.kv_connector_metadata
         if meta:
-            self.kv_worker.start_step(meta)
+            self.kv_worker.issue(meta)
         if batch:
             started = time.perf_counter()
             result = self.runner.run(batch, self._layer_hook(meta))
@@ -187,7 +189,7 @@ class LLMEngine:
             touched += result.sampled_seqs + self._adopt_forked()
         tail = self.scheduler.take_kv_metadata()  # e.g. a first token to hand over: it goes now
         if tail:
-            self.kv_worker.start_step(tail)
+            self.kv_worker.issue(tail)
         return landed + self._outputs(touched)
 
     def _adopt_forked(self) -> list[Sequence]:

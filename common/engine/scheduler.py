@@ -250,7 +250,7 @@ class Scheduler:
         """Apply the workers' finished transfers; returns the sequences that have news to emit."""
         finished = self.connector.update_finished(finished)
         touched = []
-        for rid in finished.done_sending:
+        for rid in finished.freeable | finished.stopped:  # a peer done with them, or an aborted receive stopped
             seq = self.held.pop(rid, None)
             if seq is not None:
                 self.block_manager.release(seq.block_table)

@@ -37,7 +37,8 @@ from common.kv_transfer.messages import (UNKNOWN_PAIR, Abort, Ack, Done, Error, 
 from common.kv_transfer.p2p_group import DTYPE_NAMES, dtype_name
 from common.kv_transfer.peer_checks import check_done, check_notice
 from common.kv_transfer.paged import StagingBuffer, block_run, block_runs, scatter_blocks
-from common.kv_transfer.tcp_pair import KV, Frame, Inbox, kv_nbytes, layer_buffers
+from common.kv_transfer.inbox import Inbox
+from common.kv_transfer.tcp_pair import KV, Frame, kv_nbytes, layer_buffers
 from common.kv_transfer.transport import Endpoint, open_pair
 from common.kv_transfer.verify import NOT_REQUESTED, STALE, KVRejected, check_done_identity, layer_checksum, new_nonce
 

@@ -33,7 +33,8 @@ from common.kv_transfer.messages import (Ack, Done, LayerNotice, Message, Messag
 from common.kv_transfer.p2p_group import dtype_name
 from common.kv_transfer.paged import ByteBudget, StagingBuffer, block_run, block_runs, gather_blocks
 from common.kv_transfer.streams import StreamOps, stream_ops
-from common.kv_transfer.tcp_pair import MESSAGE, READABLE, Inbox, layer_buffers
+from common.kv_transfer.inbox import READABLE, Inbox
+from common.kv_transfer.tcp_pair import MESSAGE, layer_buffers
 from common.kv_transfer.transport import open_pair
 from common.kv_transfer.verify import layer_checksum
 

@@ -21,9 +21,7 @@ the port to over the control plane, and a stranger's connection never becomes th
 
 from __future__ import annotations
 
-import collections
 import ctypes
-import queue
 import select
 import socket
 import struct
@@ -88,61 +86,6 @@ def layer_buffers(kv: torch.Tensor, runs: list[slice]) -> list[memoryview]:
 def kv_nbytes(kv_caches, layers, num_blocks: int) -> int:
     """Bytes of ``num_blocks`` blocks of each of ``layers`` (keys and values)."""
     return sum(2 * num_blocks * kv_caches[x].stride(1) * kv_caches[x].element_size() for x in layers)
-
-
-class Inbox:
-    """A thread's work queue; :meth:`get` also returns :data:`READABLE` when the
-    data socket it is given has bytes (or its close) to read."""
-
-    def __init__(self) -> None:
-        self._items: collections.deque = collections.deque()  # append/popleft are thread-safe
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-
-    def put(self, item) -> None:
-        self._items.append(item)
-        try:
-            self._wake_w.send(b"x")
-        except OSError:  # a wake-up already pending (full), or the link is gone
-            pass
-
-    def empty(self) -> bool:
-        return not self._items
-
-    def get_nowait(self):
-        try:
-            return self._items.popleft()
-        except IndexError:
-            raise queue.Empty from None
-
-    def get(self, timeout_s: float, data_fd: int | None = None):
-        """The next event, :data:`READABLE`, or :class:`queue.Empty` after ``timeout_s``."""
-        self._drain()
-        if self._items:
-            return self._items.popleft()
-        fds = [self._wake_r] if data_fd is None else [self._wake_r, data_fd]
-        ready, _, _ = select.select(fds, [], [], timeout_s)
-        self._drain()
-        if self._items:  # queued events first: they were there before the bytes were read
-            return self._items.popleft()
-        if data_fd is not None and data_fd in ready:
-            return READABLE
-        raise queue.Empty
-
-    def _drain(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-
-    def close(self) -> None:
-        self._wake_r.close()
-        self._wake_w.close()
-
-
-READABLE = ("data",)
 
 
 class _Finished:

@@ -20,12 +20,12 @@ class RecordingWorker(KVConnectorWorker):
         self.handed_over: list[str] = []
         self.result = FinishedTransfers()
 
-    def start_step(self, meta: KVConnectorMetadata) -> None:
+    def issue(self, meta: KVConnectorMetadata) -> None:
         self.metas.append(meta)
         for load in meta.loads:
             self.loads[load.request_id] = (load.first_block, list(load.block_ids))
         self.handed_over += [h.request_id for h in meta.handovers]
-        self.result.done_sending |= set(meta.aborts)
+        self.result.stopped |= set(meta.aborts)
 
     def save_kv_layer(self, layer_idx, kv_layer, meta) -> None:
         for s in meta.saves:
@@ -40,7 +40,7 @@ class RecordingWorker(KVConnectorWorker):
         self.result.failed_recving[request_id] = error
 
     def ack(self, request_id: str) -> None:
-        self.result.done_sending.add(request_id)
+        self.result.freeable.add(request_id)
 
     def get_finished(self) -> FinishedTransfers:
         result, self.result = self.result, FinishedTransfers()

@@ -56,10 +56,10 @@ def test_first_token_goes_out_alone_before_compute_and_the_stream_continues(chec
         dst[:, landing.loads["x"][1]] = src[:, held.block_table]
 
     events: list = []
-    d.early_outputs = lambda outs: events.append(("early", [o.new_token_ids for o in outs]))
     run_model = d.runner.run
     d.runner.run = lambda *a, **k: (events.append(("compute", None)), run_model(*a, **k))[1]
     landing.land("x", first, first_logprobs)
+    events.append(("early", [o.new_token_ids for o in d.poll_transfers()]))  # as AsyncLLMEngine does
     outs = d.step()
     assert events[:2] == [("early", [[first]]), ("compute", None)]
     assert [o.new_token_ids for o in outs] == [[expected_tokens[1]]]  # the next token, on its own

@@ -101,7 +101,7 @@ def test_saves_only_for_the_pass_that_completes_the_prompt_then_hands_over():
     first_with = [next(i for i, m in enumerate(metas) if getattr(m, kind)) for kind in ("saves", "handovers")]
     assert first_with[1] == first_with[0] + 1
 
-    s.process_transfers(FinishedTransfers(done_sending={"x", "unknown"}))
+    s.process_transfers(FinishedTransfers(freeable={"x", "unknown"}))
     assert s.block_manager.num_free_blocks == 32 and conn.state("x") is None and not s.held
 
 
@@ -158,7 +158,7 @@ def test_abort_after_hand_off_holds_blocks_until_the_receive_stops():
     assert s.take_kv_metadata() == KVConnectorMetadata(aborts=("x",))
     assert s.process_transfers(FinishedTransfers(done_recving={"x": 42})) == []  # raced landing: dropped
     assert s.block_manager.num_free_blocks == 29
-    s.process_transfers(FinishedTransfers(done_sending={"x"}))
+    s.process_transfers(FinishedTransfers(stopped={"x"}))
     assert s.block_manager.num_free_blocks == 32 and not s.held and conn.state("x") is None
 
 
@@ -200,7 +200,7 @@ def test_producer_worker_issues_the_metadata():
     meta = KVConnectorMetadata(saves=(SaveSpec("x", 1, "h:2", (4, 5), 6),),
                                handovers=(HandoverSpec("y", "h:2", 9, ((9, -0.25),), (1, 2), 5, num_cached_tokens=3),),
                                discards=(DiscardSpec("z", "gone"),))
-    conn.worker.start_step(meta)
+    conn.worker.issue(meta)
     conn.worker.save_kv_layer(0, "kv0", meta)
     assert transfer.calls == [("discard", "z", "gone"), ("finish", "y", 9, caches, [1, 2], 5, {9: -0.25}, [], 3),
                               ("save_layer", "x", 0, "kv0", [4, 5])]
@@ -210,10 +210,10 @@ def test_consumer_worker_issues_the_metadata_and_reports_refused_loads():
     transfer, caches = RecordingTransfer(), ["layer0"]
     conn = ConsumerConnector()
     conn.bind(transfer, caches)
-    conn.worker.start_step(KVConnectorMetadata(loads=(LoadSpec("x", "h:1", (7, 8), 2, 15),), aborts=("w",)))
+    conn.worker.issue(KVConnectorMetadata(loads=(LoadSpec("x", "h:1", (7, 8), 2, 15),), aborts=("w",)))
     assert transfer.calls == [("abort", "w"), ("request", "x", "h:1", [7, 8], 15, caches, 2)]
 
     refusing = ConsumerConnector()
     refusing.bind(RecordingTransfer(refuse="first block 9 is outside"), caches)
-    refusing.worker.start_step(KVConnectorMetadata(loads=(LoadSpec("x", "h:1", (7,), 9, 15),)))
+    refusing.worker.issue(KVConnectorMetadata(loads=(LoadSpec("x", "h:1", (7,), 9, 15),)))
     assert refusing.worker.get_finished().failed_recving == {"x": "first block 9 is outside"}
