@@ -22,14 +22,11 @@ uuid) and its own ``X-Request-Id`` echoed back.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -37,85 +34,25 @@ from common.cluster_auth import ClusterKey
 from common.logging_setup import current_request_id
 from common.registry_client import RegistrationMessage
 from common.request_id import LOCAL_PREFILL, make_request_id
-from common.serving.errors import body_error, invalid_json
+from common.serving.errors import body_error
 from common.serving.limits import MAX_REQUEST_ID_CHARS
 from common.serving.resume import RESUME_FIELD
+from proxy.body import encode_body, is_text, off_loop, parse_body
 from proxy.cache_salt import TenantSalt
+from proxy.call import Call, Incoming, next_chunk, raise_if_failed, until, wait_disconnect
 from proxy.config import ProxyConfig
 from proxy.disagg import Decision, DisaggPolicy
 from proxy.errors import (BadRequest, ClientDisconnected, NoNodeAvailable, ProxyError, RequestTimeout,
                           StreamIdle, UpstreamUnreachable, is_retryable)
 from proxy.legs import Legs, prefill_body, read_chunks
-from proxy.liveness import CHECK_INTERVAL_S, LostCheck, node_lost, watched
+from proxy.liveness import LostCheck, node_lost, watched
 from proxy.metrics import ProxyMetrics, StreamWatch
 from proxy.migration import Migration, StreamLedger
 from proxy.prefix_policy import prompt_text
 from proxy.routing import Pair, Router
-from proxy.transport import Response as NodeResponse
 
 logger = logging.getLogger(__name__)
 _CLIENT_CLOSED = 499  # nginx's status for "client closed request": logged, never sent
-_OFF_LOOP_BYTES = 256 * 1024  # bodies larger than this are parsed and re-encoded in a worker thread
-
-
-@dataclass
-class Incoming:
-    """What the client sent that outlives an attempt: its path, its own id, the arrival time."""
-
-    path: str
-    client_id: str | None
-    start: float
-    uid: str = field(default_factory=lambda: uuid.uuid4().hex)  # the first attempt's uuid
-
-    @property
-    def id_prefix(self) -> str:
-        return "chatcmpl-" if self.path.endswith("/chat/completions") else "cmpl-"
-
-    @property
-    def public_id(self) -> str:
-        """The id a client sees when no attempt was made (a refusal before routing)."""
-        return self.id_prefix + self.uid
-
-
-@dataclass
-class Call:
-    """One attempt: a pair, its tagged id (daemons only), its public id, and the legs in flight."""
-
-    pair: Pair
-    request_id: str
-    public_id: str
-    start: float
-    prefill: asyncio.Task | None = None
-    decode: asyncio.Task | None = None
-    response: NodeResponse | None = None  # the open decode stream
-    tasks: list[asyncio.Task] = field(default_factory=list)
-    closed: bool = False
-    client_id: str | None = None
-    decision: Decision = Decision("remote", "policy")
-    reading: asyncio.Task | None = None  # a read of the decode stream still in flight, to await next
-
-    @property
-    def echo_id(self) -> str:
-        """The response's X-Request-Id: the client's own, else the id in the body."""
-        return self.client_id or self.public_id
-
-    def spawn(self, coro) -> asyncio.Task:
-        task = asyncio.ensure_future(coro)
-        task.add_done_callback(_retrieve)
-        self.tasks.append(task)
-        return task
-
-    async def abort(self) -> None:
-        """Cancel whatever still runs and close the decode stream (the nodes see a disconnect)."""
-        for task in self.tasks:
-            task.cancel()
-        d = self.decode
-        opened = d is not None and d.done() and not d.cancelled() and d.exception() is None
-        if self.response is None and opened:
-            self.response = d.result()  # opened just as we gave up on it: must still be closed
-        if self.response is not None:
-            with anyio.CancelScope(shield=True):  # runs while our own task may be cancelled
-                await self.response.aclose()
 
 
 class Dispatcher:
@@ -139,13 +76,13 @@ class Dispatcher:
             refused = body_error(request.headers.get("content-type"), body_bytes)  # as a node says it
             if refused is not None:
                 raise BadRequest(refused.message, code=refused.code)
-            body = await _off_loop(len(body_bytes), _parse_body, body_bytes)
+            body = await off_loop(len(body_bytes), parse_body, body_bytes)
             if self.tenant_salt is not None:  # both legs and the prefix routing see the tenant's salt
                 body = self.tenant_salt.apply(body, request.headers.get("authorization"))
-                body_bytes = await _off_loop(len(body_bytes), _encode_body, body)
+                body_bytes = await off_loop(len(body_bytes), encode_body, body)
         except ProxyError as exc:
             return self._failed(exc, incoming)
-        watcher = asyncio.ensure_future(_wait_disconnect(request))  # only after the body is read
+        watcher = asyncio.ensure_future(wait_disconnect(request))  # only after the body is read
         attempts: list[Call] = []
         try:
             async with asyncio.timeout(self.config.total_timeout_s):
@@ -168,10 +105,10 @@ class Dispatcher:
         path = incoming.path
         if RESUME_FIELD in body:  # internal (proxy/migration.py): only this proxy may send it
             body = {k: v for k, v in body.items() if k != RESUME_FIELD}
-            body_bytes = await _off_loop(len(body_bytes), _encode_body, body)
+            body_bytes = await off_loop(len(body_bytes), encode_body, body)
         migration = Migration(path, body, self.config.migration_limit)
-        model = body.get("model") if _is_text(body.get("model")) else None  # else the nodes refuse it
-        p_bytes = await _off_loop(len(body_bytes), prefill_body, body, path)
+        model = body.get("model") if is_text(body.get("model")) else None  # else the nodes refuse it
+        p_bytes = await off_loop(len(body_bytes), prefill_body, body, path)
         stream = body.get("stream") is True
         failed_prefills: set[str] = set()
         wants_text = self.config.policy == "prefix_aware" or self.config.disagg_policy == "auto"
@@ -196,7 +133,7 @@ class Dispatcher:
                 if not decision.local:
                     self._spawn_prefill(call, path, p_bytes)
                 if self.config.dispatch == "prefill_first" and call.prefill is not None:
-                    await _until(call.prefill, call, watcher)  # the leg watches its node itself
+                    await until(call.prefill, call, watcher)  # the leg watches its node itself
                 if stream:
                     return await self._open_stream(call, path, body_bytes, watcher, migration)
                 return await self._run_full(call, path, body_bytes, watcher)
@@ -247,7 +184,7 @@ class Dispatcher:
 
     async def _run_full(self, call: Call, path: str, body_bytes: bytes, watcher: asyncio.Task) -> Response:
         call.decode = call.spawn(self.legs.decode_full(call.pair.decode, path, body_bytes, call.request_id))
-        resp = await _until(call.decode, call, watcher, self._lost("decode", call.pair.decode))
+        resp = await until(call.decode, call, watcher, self._lost("decode", call.pair.decode))
         await self._close(call)  # a prefill leg still open after D finished has nothing left to do
         self._finish(call, resp.status_code, call.start)
         headers = {"content-type": resp.headers.get("content-type", "application/json"),
@@ -271,11 +208,11 @@ class Dispatcher:
             async with asyncio.timeout(self.config.first_token_timeout_s):
                 try:  # a live node sends a stream's headers at once, before any compute: none is a stall
                     async with asyncio.timeout(self.config.stream_idle_timeout_s):
-                        call.response = await _until(call.decode, call, watcher, gone)
+                        call.response = await until(call.decode, call, watcher, gone)
                 except TimeoutError:
                     raise StreamIdle(decode.http_address, self.config.stream_idle_timeout_s) from None
                 chunks = read_chunks(call.response, decode.http_address)
-                first = await _until(call.spawn(_next(chunks)), call, watcher, gone)
+                first = await until(call.spawn(next_chunk(chunks)), call, watcher, gone)
         except TimeoutError as exc:
             raise RequestTimeout(f"decode node {decode.http_address} sent nothing within the first-token "
                                  f"timeout ({self.config.first_token_timeout_s:g} s)") from exc
@@ -366,7 +303,7 @@ class Dispatcher:
             try:
                 if not resumed.decision.local:
                     self._spawn_prefill(resumed, migration.path, prefill_body(body, migration.path))
-                first, chunks = await self._start_stream(resumed, migration.path, _encode_body(body), None)
+                first, chunks = await self._start_stream(resumed, migration.path, encode_body(body), None)
             except ProxyError as next_exc:
                 await self._close(resumed)
                 exc, call = next_exc, resumed
@@ -380,7 +317,7 @@ class Dispatcher:
 
     def _resumed_call(self, call: Call, migration: Migration, body: dict) -> Call:
         """A new attempt for a migrated stream: a pair without the nodes that failed it, a new tag."""
-        model = body.get("model") if _is_text(body.get("model")) else None
+        model = body.get("model") if is_text(body.get("model")) else None
         wants_text = self.config.policy == "prefix_aware" or self.config.disagg_policy == "auto"
         prompt = prompt_text(migration.body) if wants_text else ""
         skip_d = frozenset(migration.failed_decodes)
@@ -407,9 +344,9 @@ class Dispatcher:
             return await reading
         # While the prefill leg runs, its failure must interrupt the stream; after, read plainly.
         if call.prefill is not None and not call.prefill.done():
-            return await _until(call.spawn(_next(chunks)), call, None)
-        _raise_if_failed(call.prefill)
-        return await _next(chunks)
+            return await until(call.spawn(next_chunk(chunks)), call, None)
+        raise_if_failed(call.prefill)
+        return await next_chunk(chunks)
 
     async def _close(self, call: Call) -> None:
         if call.closed:
@@ -445,90 +382,9 @@ class Dispatcher:
                    latency * 1e3, detail)
 
 
-async def _until(task: asyncio.Task, call: Call, watcher: asyncio.Task | None,
-                 gone: LostCheck | None = None):
-    """``task``'s result, unless the prefill leg fails, the client leaves, or ``gone()`` (checked
-    every second) says the node answering it was evicted first."""
-    while not task.done():
-        waiting = {task}
-        if watcher is not None:
-            waiting.add(watcher)
-        if call.prefill is not None and call.prefill is not task and not call.prefill.done():
-            waiting.add(call.prefill)
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED,
-                           timeout=CHECK_INTERVAL_S if gone is not None else None)
-        if watcher is not None and watcher.done():
-            raise ClientDisconnected()
-        if call.prefill is not task:
-            _raise_if_failed(call.prefill)
-        if gone is not None and not task.done() and (error := gone()) is not None:
-            raise error
-    return task.result()
-
-
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}ms"
 
 
-def _raise_if_failed(task: asyncio.Task | None) -> None:
-    if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
-        raise task.exception()
-
-
-async def _next(chunks: AsyncIterator[bytes]) -> bytes | None:
-    try:
-        return await anext(chunks)
-    except StopAsyncIteration:
-        return None
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _retrieve(task: asyncio.Task) -> None:
-    # Legs that fail after being abandoned must not log "exception was never retrieved".
-    if not task.cancelled():
-        task.exception()
-
-
-async def _off_loop(size: int, fn, *args):
-    """``fn(*args)``; in a worker thread for a large body, so /health and other requests go on."""
-    if size <= _OFF_LOOP_BYTES:
-        return fn(*args)
-    return await asyncio.to_thread(fn, *args)
-
-
-def _is_text(value: object) -> bool:
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode()
-    except UnicodeEncodeError:  # a lone surrogate: no node serves such a name
-        return False
-    return True
-
-
-def _encode_body(body: dict) -> bytes:
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
 def _prefill_of(call: Call) -> str | None:
     return None if call.decision.local else call.pair.prefill.http_address
-
-
-def _parse_body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        err = invalid_json(exc.pos)
-        raise BadRequest(err.message, code=err.code) from exc
-    except ValueError as exc:  # bytes that are not UTF-8
-        err = invalid_json(None)
-        raise BadRequest(err.message, code=err.code) from exc
-    except RecursionError as exc:  # BodyLimits bounds the depth first; this is the last line
-        raise BadRequest("request body nests JSON too deeply", code="nesting_too_deep") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object", code="invalid_body")
-    return body
