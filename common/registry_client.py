@@ -152,6 +152,7 @@ def decode(frame: bytes) -> RegistrationMessage:
 
 
 MAX_MEMBERS = 4096
+RETRY_S = 0.1  # a heartbeat that could not be handed to a live connection is tried again this soon
 
 
 def encode_members(kv_addresses: list[str]) -> bytes:
@@ -182,7 +183,9 @@ class Heartbeater:
     ``info`` returns the message fields as a dict (see RegistrationMessage); it is
     called for every beat so the load figures are fresh. The first beat goes out
     at once. The proxy may be down or restart: ZMQ reconnects by itself, and beats
-    that cannot be delivered are dropped rather than queued (stale load is useless).
+    that cannot be delivered are dropped rather than queued (stale load is useless);
+    after a dropped beat the next is tried ``RETRY_S`` later, so a node registers as soon
+    as its connection is up, not one interval after.
 
         def info() -> dict:
             s = engine.stats()
@@ -242,13 +245,15 @@ class Heartbeater:
         linger = 0
         try:
             while not self._stop.is_set():
-                self._beat(sock)
-                deadline = time.monotonic() + self.interval_s
+                # a beat dropped (no live connection yet: the first one, sent before the connect
+                # completed, or the proxy just restarted) is tried again soon, not an interval later
+                dropped = self._beat(sock) == "dropped"
+                deadline = time.monotonic() + (min(self.interval_s, RETRY_S) if dropped else self.interval_s)
                 while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
                     if sock.poll(max(1, int(min(left, 0.2) * 1000))):  # the registry's answer
                         self._read_members(sock)
             # a graceful stop says goodbye, so the proxy stops routing here now, not at eviction
-            linger = 500 if self._beat(sock, goodbye=True) else 0
+            linger = 500 if self._beat(sock, goodbye=True) == "sent" else 0
         finally:
             sock.close(linger=linger)
             ctx.term()
@@ -266,16 +271,17 @@ class Heartbeater:
             except RegistrationError as exc:
                 logger.warning("registry answer ignored: %s", exc)
 
-    def _beat(self, sock: zmq.Socket, goodbye: bool = False) -> bool:
+    def _beat(self, sock: zmq.Socket, goodbye: bool = False) -> str:
+        """One beat: "sent", "dropped" (no live connection to hand it to) or "failed" (``info`` raised)."""
         try:
             frames = self._message(goodbye)
         except Exception as exc:  # noqa: BLE001 - a daemon callback must not kill the heartbeat thread
             logger.error("heartbeat info failed, beat not sent: %s", exc)
-            return False
+            return "failed"
         try:
             sock.send_multipart(frames, zmq.NOBLOCK)
             self.beats_sent += 1
-            return True
+            return "sent"
         except zmq.Again:
             logger.debug("proxy %s not reachable, heartbeat dropped", self.proxy_address)
-            return False
+            return "dropped"
