@@ -1,6 +1,8 @@
 """The node (serve / prefill / decode) configuration: :class:`NodeConfig` and role defaults.
 
-The generic flags/env/TOML loader lives in :mod:`common.options`; its public names are
+One schema from flags to engine: ``NodeConfig`` subclasses the engine's ``EngineConfig``, so
+every engine option is a flag, a ``PDSERVE_*`` variable and a TOML key, validated once when
+the flags are read, and the node hands the engine its own config. The generic flags/env/TOML loader lives in :mod:`common.options`; its public names are
 re-exported here so ``from common.config import load_config`` keeps working.
 """
 
@@ -8,7 +10,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
@@ -16,10 +18,8 @@ from common.defaults import EMBEDDED_MODEL_NAME  # torch-free, so the launcher n
 from common.options import ENV_PREFIX, USED_BY, env_name, flag_name, load_config
 
 from common.cluster_auth import check_key_file
+from common.engine.config import EngineConfig
 from common.registry_client import MAX_HEARTBEAT_INTERVAL_S
-
-if TYPE_CHECKING:
-    from common.engine.config import EngineConfig
 
 __all__ = [
     "EMBEDDED_MODEL_NAME", "ENV_PREFIX", "PROXY_HTTP_PORT", "PROXY_REGISTRY_PORT", "ROLE_HTTP_PORTS",
@@ -87,8 +87,10 @@ class HttpServerOptions(BaseModel):
     )
 
 
-class NodeConfig(HttpServerOptions):
-    """Everything one serving node (colocated, prefill or decode daemon) is started with."""
+class NodeConfig(HttpServerOptions, EngineConfig):
+    """Everything one serving node (colocated, prefill or decode daemon) is started with: its engine's
+    options (inherited from :class:`EngineConfig`, so the engine is handed this object as it is), the
+    HTTP bounds, and what the node adds (addresses, the KV endpoint, registration)."""
 
     model_config = {"extra": "forbid"}
 
@@ -97,40 +99,7 @@ class NodeConfig(HttpServerOptions):
         None, ge=1, le=65535, description="HTTP port (role default: 8000 serve, 8100 prefill, 8200 decode)"
     )
     role: Role = Field("both", description="both = colocated; prefill/decode = disaggregated daemon")
-    model: str | None = Field(None, description="Hugging Face model directory; unset = embedded tiny model")
-    served_model_name: str | None = Field(None, description="Model name in the API; unset = model's name")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on GPU"
-    )
-    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV cache block")
-    num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; unset = sized from memory")
-    kv_cache_memory_gb: float | None = Field(
-        None, gt=0,
-        description="KV cache budget when num_kv_blocks is unset; unset = 0.5 on CPU, from --gpu-memory-utilization on GPU",
-    )
-    max_num_seqs: int = Field(64, ge=1, le=65536, description="Most sequences in one engine step")
     max_n: int = Field(16, ge=1, le=1024, description="Most choices (the request's n) one request may ask for")
-    max_num_batched_tokens: int = Field(512, ge=1, description="Most tokens in one engine step")
-    max_model_len: int | None = Field(None, ge=1, description="Prompt + output limit; unset = model's")
-    enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps")
-    enable_prefix_caching: bool = Field(True, description="Reuse the KV of prompt prefixes seen before")
-    max_local_prefill_stall_ms: float | None = Field(
-        None, gt=0, le=60_000,
-        description="While requests decode, a step carries at most the prompt tokens this many ms of measured "
-        "prefill compute allow (bounds a local prefill's stall; reported to the proxy); unset = "
-        "50 on a decode node, no bound elsewhere",
-    )
-    seed: int = Field(0, description="Engine random seed (per-request seeds override it)")
-    enforce_eager: bool = Field(False, description="No CUDA graphs for decode steps (GPU only)")
-    attention_backend: Literal["auto", "sdpa", "triton"] = Field(
-        "auto", description="Attention kernel: auto = triton on CUDA when it is installed and compiles at start "
-        "(else sdpa, with a warning); triton = stop at start if it cannot; sdpa = no Triton"
-    )
-    fused_ops: Literal["auto", "on", "off"] = Field(
-        "auto", description="Fused Triton kernels for RMSNorm, rotary and SiLU-and-mul: auto = on for CUDA when "
-        "triton is installed and compiles at start; on = stop at start if it cannot; off = PyTorch ops"
-    )
     kv_host: str | None = Field(
         None,
         description="Address other processes use to reach this node (KV endpoint and the address registered "
@@ -177,10 +146,6 @@ class NodeConfig(HttpServerOptions):
         "sides agree at the handshake: off on either side wins, then on); auto = off on every transport today "
         "(on a CPU it costs ~0.5 ms per MB on each side, 4x a loopback transfer; tcp checksums its segments "
         "anyway). The transfer's nonce and its layer and byte counts are always checked", json_schema_extra=DAEMONS
-    )
-    gpu_memory_utilization: float | None = Field(
-        None, gt=0, le=1, description="Share of the GPU's total memory this process may use (weights, "
-        "activations, KV cache); unset = 0.9"
     )
     max_unclaimed_kv_share: float = Field(
         0.5, gt=0, le=1, description="Prefill: share of the KV cache held for requests nobody asked for yet",
@@ -230,6 +195,8 @@ class NodeConfig(HttpServerOptions):
             self.port = ROLE_HTTP_PORTS[self.role]
         if self.kv_port is None:
             self.kv_port = ROLE_KV_PORTS[self.role]
+        if self.max_local_prefill_stall_ms is None and self.role == "decode":
+            self.max_local_prefill_stall_ms = DEFAULT_LOCAL_PREFILL_STALL_MS  # bounds its local prefills
         if self.kv_host is None and self.host not in WILDCARD_HOSTS:
             self.kv_host = self.host
         elif self.kv_host is None and self.role == "both":
@@ -257,16 +224,3 @@ class NodeConfig(HttpServerOptions):
     def kv_addr(self) -> str:
         """``host:port`` peers use to reach this node's KV endpoint."""
         return f"{self.kv_host}:{self.kv_port}"
-
-    def engine_config(self) -> EngineConfig:
-        """The engine's own config; unset optional values keep the engine's defaults.
-
-        Every engine field is copied by name (an option the engine has and this node lacks is
-        a test failure, not a setting silently dropped)."""
-        from dataclasses import fields
-
-        from common.engine.config import EngineConfig
-
-        shared = {f.name for f in fields(EngineConfig)} & set(type(self).model_fields)
-        values = self.model_dump(include=shared)
-        return EngineConfig(**{k: v for k, v in values.items() if v is not None})

@@ -1,8 +1,8 @@
 """Log lines that say which node and which request they belong to.
 
-Every line carries the node (``role:port``) and the request id of the request being
-served (``-`` outside one), so the proxy's, prefill's and decode's logs of one request
-can be matched with a single grep for its id.
+Every line carries the process (``role:host:port``: a node's address as peers reach it, the
+proxy's as it binds) and the id of the request being served (``-`` outside one), so the
+proxy's, prefill's and decode's logs of one request can be matched with one grep for its id.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class _NodeFilter(logging.Filter):
 
 
 def configure_logging(level: str, node: str, log_file: str | None = None) -> None:
-    """Root logging to stderr (and ``log_file``) with node and request id on every line."""
+    """Root logging to stderr (and ``log_file``) with node and request id on every line; call it
+    before uvicorn starts and give uvicorn ``log_config=None``, so its lines carry them too."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file:
         handlers.append(logging.FileHandler(log_file))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pdserve.node import parse_config
+from pdserve.startup import one_line_failures
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -10,7 +11,8 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv, "decode")
     from decode_node.daemon import serve
 
-    serve(config)
+    with one_line_failures("pdserve decode"):
+        serve(config)
 
 
 if __name__ == "__main__":

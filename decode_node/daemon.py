@@ -27,11 +27,22 @@ from fastapi import FastAPI
 from prometheus_client import Counter
 
 from common.config import NodeConfig
-from pdserve.daemon import Daemon, run_daemon
-from common.metrics import PREFIX
-from pdserve.node import parse_config
+from common.metrics import PREFIX, NodeMetrics
 from decode_node.connector import ConsumerConnector, ConsumerScheduler
 from decode_node.release import ReleaseRefusedKV
+from pdserve.daemon import Daemon, started_daemon
+from pdserve.node import serve_http
+
+
+def serve(config: NodeConfig) -> None:
+    """``pdserve decode``: a decode daemon until SIGTERM / SIGINT."""
+    connector = ConsumerConnector()
+    with started_daemon(config, connector) as daemon:
+        app = daemon.build_app()
+        add_release_on_refusal(app, daemon)
+        add_override_counter(daemon.metrics, connector)
+        daemon.require_signed_ids(app)
+        serve_http(app, daemon.engine, config)
 
 
 def add_release_on_refusal(app: FastAPI, daemon: Daemon) -> None:
@@ -45,10 +56,9 @@ def add_release_on_refusal(app: FastAPI, daemon: Daemon) -> None:
     app.add_middleware(ReleaseRefusedKV, release=release)
 
 
-def add_override_counter(app: FastAPI, connector: ConsumerConnector) -> None:
+def add_override_counter(metrics: NodeMetrics, connector: ConsumerConnector) -> None:
     """``pdserve:decode_prefill_overrides_total{role, reason}``: requests tagged for a remote
     prefill that this node computed itself (see decode_node.connector), brought up to date at scrape."""
-    metrics = app.state.serving.metrics
     counter = Counter(PREFIX + "decode_prefill_overrides", "Requests tagged for a remote prefill that the "
                       "decode node prefilled itself, by reason", ["role", "reason"], registry=metrics.registry)
     counter.labels(metrics.role, "cached")  # shown at 0 before the first override
@@ -62,18 +72,3 @@ def add_override_counter(app: FastAPI, connector: ConsumerConnector) -> None:
                 exported[reason] = total
 
     metrics.add_scrape_hook(export)
-
-
-def serve(config: NodeConfig) -> None:
-    connector = ConsumerConnector()
-
-    def on_app(app: FastAPI, daemon: Daemon) -> None:
-        add_release_on_refusal(app, daemon)
-        add_override_counter(app, connector)
-
-    run_daemon(config, connector, on_app=on_app)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``pdserve decode`` / ``python -m decode_node``."""
-    serve(parse_config(argv, "decode"))

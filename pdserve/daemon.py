@@ -1,10 +1,12 @@
 """What the prefill and decode daemons share: a serving node plus a KV transfer endpoint,
 registration with the proxy, and transfer metrics.
 
-Start-up order: the engine (model, KV cache) -> the transfer engine (bound at
-``host:kv_port``, reached by peers at ``kv_host:kv_port``) handed to the connector -> heartbeats to the proxy -> HTTP.
-Shut-down runs the other way: HTTP drains, the engine stops calling the connector,
-then heartbeats stop and the transfer engine closes its threads and sockets.
+Start-up, top to bottom (``started_daemon``, then the role's ``serve``): logging -> the HTTP and
+KV ports and the device checked -> the engine (model, KV cache) -> the transfer engine (bound at
+``host:kv_port``, reached by peers at ``kv_host:kv_port``) handed to the connector ->
+heartbeats to the proxy -> the role's HTTP app (its hooks and middleware, then the signed-id
+check outermost) -> HTTP. Shut-down runs the other way: HTTP drains, the engine stops calling
+the connector, then heartbeats stop and the transfer engine closes its threads and sockets.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import logging
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
 from fastapi import FastAPI
@@ -20,18 +23,18 @@ from prometheus_client import Gauge
 
 from common.cluster_auth import ClusterKey, warn_if_open
 from common.config import NodeConfig
-from common.metrics import PREFIX
-from pdserve.node import run_node
+from common.metrics import PREFIX, NodeMetrics
 from common.serving.auth import SignedIdsOnly
 from common.serving.context import PrepareHook
+from pdserve.node import check_machine, node_app, start_engine, start_logging, with_model
 
 if TYPE_CHECKING:
     import torch
 
     from common.engine.async_engine import AsyncLLMEngine
+    from common.engine.kv_connector import KVConnector
     from common.kv_transfer.config import TransferConfig
     from common.kv_transfer.engine import KVTransferEngine
-    from common.metrics import NodeMetrics
     from common.registry_client import Heartbeater
 
 logger = logging.getLogger(__name__)
@@ -54,12 +57,30 @@ class TransferConnector(Protocol):
     def bind(self, transfer: KVTransferEngine, kv_caches: list[torch.Tensor]) -> None: ...
 
 
-class Daemon:
-    """The parts a daemon adds around ``run_node``; ``close`` undoes ``attach``."""
+@contextmanager
+def started_daemon(config: NodeConfig, connector: KVConnector) -> Iterator[Daemon]:
+    """A daemon with its engine loaded, its KV endpoint bound and its heartbeats running, until
+    the block ends; then the engine stops, and after it the heartbeats and the KV endpoint.
+    ``connector`` is the role's engine connector; it is also a ``TransferConnector``."""
+    start_logging(config)
+    check_machine(config)
+    config = with_model(config)
+    engine = start_engine(config, connector)
+    daemon = Daemon(config, engine, NodeMetrics(config.role))
+    try:
+        daemon.start(connector)  # type: ignore[arg-type]
+        yield daemon
+    finally:
+        engine.shutdown()
+        daemon.close()
 
-    def __init__(self, config: NodeConfig, connector: TransferConnector) -> None:
-        self.config = config
-        self.connector = connector
+
+class Daemon:
+    """The parts a daemon adds to a node: KV endpoint, registration, transfer metrics; ``close``
+    undoes ``start``."""
+
+    def __init__(self, config: NodeConfig, engine: AsyncLLMEngine, metrics: NodeMetrics) -> None:
+        self.config, self.engine, self.metrics = config, engine, metrics
         self.node_id = f"{NODE_TYPES[config.role]}-{socket.gethostname()}-{config.port}-{uuid.uuid4().hex[:6]}"
         self.key = ClusterKey.optional(config.cluster_key_file)
         self.transfer: KVTransferEngine | None = None
@@ -68,18 +89,17 @@ class Daemon:
         self._kv_pairs: Gauge | None = None  # pdserve:kv_pairs{role, transport}
 
     # ---- start ----------------------------------------------------------------------
-    def attach(self, app: FastAPI, engine: AsyncLLMEngine) -> None:
-        """``run_node``'s ``on_app``: the engine exists, HTTP is not serving yet."""
+    def start(self, connector: TransferConnector) -> None:
+        """Bind the KV endpoint, hand it to ``connector``, export its metrics, start heartbeats."""
         from common.kv_transfer.config import TransferStats
         from common.kv_transfer.engine import KVTransferEngine
         from common.kv_transfer.verify import REASONS
         from common.registry_client import Heartbeater
 
-        cfg = self.config
+        cfg, engine, metrics = self.config, self.engine, self.metrics
         if cfg.kv_host_chosen:
             logger.info("bound to %s without --kv-host: peers and the proxy are told %s, this host's "
                         "routable address (set --kv-host to choose another)", cfg.host, cfg.kv_host)
-        metrics: NodeMetrics = app.state.serving.metrics
         stats = TransferStats(on_transfer=metrics.observe_transfer)
         self.transfer = KVTransferEngine(
             f"{cfg.host}:{cfg.kv_port}", engine.kv_layout, transfer_config(cfg), stats,
@@ -89,7 +109,7 @@ class Daemon:
         warn_if_open(f"the {cfg.role} daemon (HTTP and KV endpoint)", cfg.host, self.key,
                      "get completions past the proxy's API key, make this node connect to any address, "
                      "and pull or drop other requests' KV")
-        self.connector.bind(self.transfer, engine.engine.kv_caches)
+        connector.bind(self.transfer, engine.engine.kv_caches)
         self._kv_pairs = Gauge(PREFIX + "kv_pairs", "Live KV data-plane pairs by transport (cuda_ipc, nccl, tcp, "
                                "gloo)", ["role", "transport"], registry=metrics.registry)
         for reason in REASONS:  # a fresh node exports zeros, not nothing
@@ -98,11 +118,22 @@ class Daemon:
         logger.info("KV endpoint %s (layout %s, fingerprint %s, --kv-transport %s)", cfg.kv_addr,
                     engine.kv_layout, engine.kv_layout.fingerprint(), cfg.kv_transport)
         if cfg.proxy:
-            self.heartbeater = Heartbeater(cfg.proxy, lambda: self._registration(engine),
+            self.heartbeater = Heartbeater(cfg.proxy, self._registration,
                                            cfg.heartbeat_interval_s, key=self.key)
             self.heartbeater.start()
             logger.info("registering with the proxy at %s as %s", cfg.proxy, self.node_id)
         self.transfer.consumer.known_peer = self.known_prefill
+
+    def build_app(self, prepare_request: PrepareHook | None = None) -> FastAPI:
+        """The node's OpenAI app, ready once the KV endpoint is up and the proxy has heard from us."""
+        return node_app(self.engine, self.config, self.metrics, ready=self.ready, prepare_request=prepare_request)
+
+    def require_signed_ids(self, app: FastAPI) -> None:
+        """With a cluster key, only ids the proxy signed reach the routes. Call it after every other
+        middleware: added last, it runs first, so nothing runs for an unsigned id."""
+        if self.key is not None:
+            app.add_middleware(SignedIdsOnly, key=self.key, role=self.config.role, kv_addr=self.config.kv_addr,
+                               max_bytes=self.config.max_request_bytes)
 
     def known_prefill(self, kv_addr: str) -> bool:
         """May this node pull KV from ``kv_addr``? With a cluster key the id naming it was signed by
@@ -118,9 +149,10 @@ class Daemon:
     def ready(self) -> bool:
         return self.transfer is not None and (self.heartbeater is None or self.heartbeater.beats_sent > 0)
 
-    def _registration(self, engine: AsyncLLMEngine) -> dict:
+    def _registration(self) -> dict:
         from common.registry_client import adaptive_figures, transfer_figures
 
+        engine = self.engine
         s = engine.stats()
         return {
             "type": NODE_TYPES[self.config.role],
@@ -167,24 +199,3 @@ class Daemon:
         if self.transfer is not None:
             self.transfer.close()
         logger.info("KV endpoint closed")
-
-
-def run_daemon(config: NodeConfig, connector: TransferConnector, prepare_request: PrepareHook | None = None,
-               on_app: Callable[[FastAPI, Daemon], None] | None = None) -> None:
-    """Serve ``config.role`` (prefill or decode) until SIGTERM / SIGINT.
-
-    ``on_app(app, daemon)`` lets the role add to the app once the transfer engine exists."""
-    daemon = Daemon(config, connector)
-
-    def attach(app: FastAPI, engine: AsyncLLMEngine) -> None:
-        daemon.attach(app, engine)
-        if on_app is not None:
-            on_app(app, daemon)
-        if daemon.key is not None:  # added last = outermost: nothing runs for an unsigned id
-            app.add_middleware(SignedIdsOnly, key=daemon.key, role=config.role, kv_addr=config.kv_addr,
-                               max_bytes=config.max_request_bytes)
-
-    try:
-        run_node(config, connector=connector, ready=daemon.ready, on_app=attach, prepare_request=prepare_request)
-    finally:
-        daemon.close()

@@ -1,10 +1,14 @@
-"""One serving node (role both, prefill or decode): engine + OpenAI app + uvicorn.
+"""One serving node (role both, prefill or decode): the steps every role starts with, and
+``pdserve serve``, the colocated node, which is only those steps.
 
-Start-up: logging -> the model (the embedded one is generated on first use) -> the
-engine thread -> the HTTP app -> uvicorn. SIGTERM / SIGINT make uvicorn stop taking
-connections and finish in-flight responses; the engine is shut down after it, which
-ends any stream still open with "abort". An engine thread that dies (a step raised) takes
-/ready and /health to 503 and stops uvicorn; the process exits with code 3.
+Start-up, top to bottom (``serve``): logging -> the ports and the device checked (before
+minutes of model loading) -> the model (the embedded one is generated on first use) -> the engine thread -> the
+HTTP app -> uvicorn. A start that cannot succeed prints one line and exits 1
+(pdserve/startup.py). SIGTERM / SIGINT make uvicorn stop taking connections and finish
+in-flight responses; the engine is shut down after it, which ends any stream still open with
+"abort". An engine thread that dies (a step raised) takes /ready and /health to 503 and stops
+uvicorn; the process exits with code 3. The daemons (pdserve/daemon.py) add their KV endpoint
+and registration between the engine and the app.
 """
 
 from __future__ import annotations
@@ -14,22 +18,21 @@ import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
 
-from common.config import (DEFAULT_LOCAL_PREFILL_STALL_MS, EMBEDDED_MODEL_NAME, ROLE_HTTP_PORTS, ROLE_KV_PORTS,
-                           NodeConfig, load_config)
+from common.config import EMBEDDED_MODEL_NAME, ROLE_HTTP_PORTS, ROLE_KV_PORTS, NodeConfig, load_config
 from common.logging_setup import configure_logging
 from common.metrics import NodeMetrics
 from common.serving.app import build_app
 from common.serving.context import PrepareHook
 from common.serving.http_server import HttpLimits, server_config
+from pdserve.startup import check_port_free, one_line_failures
 
 if TYPE_CHECKING:
     from common.engine.async_engine import AsyncLLMEngine
-    from common.engine.config import EngineConfig
     from common.engine.kv_connector import KVConnector
 
 logger = logging.getLogger(__name__)
@@ -43,62 +46,96 @@ DESCRIPTIONS = {
 }
 
 
-def resolve_engine_config(config: NodeConfig) -> EngineConfig:
-    """The engine's config, with the embedded model generated under ``cache_dir`` if needed."""
-    engine_config = config.engine_config()
-    if engine_config.max_local_prefill_stall_ms is None and config.role == "decode":
-        engine_config.max_local_prefill_stall_ms = DEFAULT_LOCAL_PREFILL_STALL_MS  # its local prefills
-    if engine_config.model is None:
-        from common.model.embedded import ensure_embedded_model
-
-        model_dir = ensure_embedded_model(Path(config.cache_dir).expanduser() / "models")
-        engine_config.model = str(model_dir)
-        engine_config.served_model_name = engine_config.served_model_name or EMBEDDED_MODEL_NAME
-    return engine_config
-
-
-def run_node(
-    config: NodeConfig,
-    *,
-    connector: KVConnector | None = None,
-    ready: Callable[[], bool] | None = None,
-    on_app: Callable[[FastAPI, AsyncLLMEngine], None] | None = None,
-    prepare_request: PrepareHook | None = None,
-) -> None:
-    """Serve until SIGTERM / SIGINT.
-
-    ``ready`` adds a role condition to /ready (e.g. "registered with the proxy");
-    ``on_app(app, engine)`` lets a role add routes or a lifespan before serving;
-    ``prepare_request`` is the serving layer's per-request hook (see ``build_app``).
-    """
-    configure_logging(config.log_level, f"{config.role}:{config.port}", config.log_file)
-    from common.engine.async_engine import AsyncLLMEngine
-
-    engine_config = resolve_engine_config(config)
-    logger.info("loading %s on %s", engine_config.model, engine_config.device)
-    engine = AsyncLLMEngine(engine_config, connector)
-    engine.start()
+def serve(config: NodeConfig) -> None:
+    """``pdserve serve``: a colocated node until SIGTERM / SIGINT."""
+    start_logging(config)
+    check_machine(config)
+    config = with_model(config)
+    engine = start_engine(config)
     try:
-        app = _build(engine, config, ready, prepare_request)
-        if on_app is not None:
-            on_app(app, engine)
-        logger.info(
-            "serving %s as role %s on http://%s:%d (max_model_len %d)",
-            engine.model_name, config.role, config.host, config.port, engine.max_model_len,
-        )
-        limits = HttpLimits(config.http_header_timeout_s, config.http_body_timeout_s, config.http_max_connections)
-        server = uvicorn.Server(
-            server_config(app, config.host, config.port, limits, log_config=None,
-                          timeout_graceful_shutdown=30, timeout_keep_alive=config.keep_alive_timeout_s)
-        )
-        engine.on_dead = lambda reason: setattr(server, "should_exit", True)  # /ready already says 503
-        _serve_until_signal(server)
-        if engine.dead_reason is not None:
-            logger.critical("exiting: the engine thread stopped (%s); restart this node", engine.dead_reason)
-            raise SystemExit(ENGINE_DEAD_EXIT_CODE)
+        app = node_app(engine, config, NodeMetrics(config.role))
+        serve_http(app, engine, config)
     finally:
         engine.shutdown()
         logger.info("stopped")
+
+
+def main(argv: list[str] | None = None, role: str = "both") -> None:
+    """``pdserve serve``: parse the flags, then serve colocated."""
+    config = parse_config(argv, role)
+    with one_line_failures(f"pdserve {COMMANDS[role]}"):
+        serve(config)
+
+
+# ---- the steps, in the order a node takes them -------------------------------------------
+def start_logging(config: NodeConfig) -> None:
+    """Every line from here on names the node (its role and the address it is reached at)."""
+    configure_logging(config.log_level, f"{config.role}:{config.kv_host}:{config.port}", config.log_file)
+
+
+def check_machine(config: NodeConfig) -> None:
+    """What this machine must offer before a model is loaded: the HTTP port (and a daemon's KV
+    port) free, and the device there (StartupError, EngineConfigError)."""
+    check_port_free(config.host, config.port or 0, "--port")
+    if config.role != "both":
+        check_port_free(config.host, config.kv_port or 0, "--kv-port")
+    device = config.resolved_device()
+    if device.type == "cuda" and device.index is not None:
+        import torch
+
+        torch.cuda.set_device(device)  # kernels, streams and graphs go to the current device
+
+
+def with_model(config: NodeConfig) -> NodeConfig:
+    """``config`` naming a model directory: without ``--model``, the embedded model, generated
+    under ``--cache-dir`` on first use."""
+    if config.model is not None:
+        return config
+    from common.model.embedded import ensure_embedded_model
+
+    model_dir = ensure_embedded_model(Path(config.cache_dir).expanduser() / "models")
+    return config.model_copy(update={"model": str(model_dir),
+                                     "served_model_name": config.served_model_name or EMBEDDED_MODEL_NAME})
+
+
+def start_engine(config: NodeConfig, connector: KVConnector | None = None) -> AsyncLLMEngine:
+    """Load the model and start the engine thread (the node's config is the engine's)."""
+    from common.engine.async_engine import AsyncLLMEngine
+
+    logger.info("loading %s on %s", config.model, config.resolved_device())
+    engine = AsyncLLMEngine(config, connector)
+    engine.start()
+    return engine
+
+
+def node_app(
+    engine: AsyncLLMEngine, config: NodeConfig, metrics: NodeMetrics,
+    ready: Callable[[], bool] | None = None, prepare_request: PrepareHook | None = None,
+) -> FastAPI:
+    """The OpenAI app over ``engine``; /ready also needs ``ready()`` (e.g. "registered")."""
+
+    def is_ready() -> bool:
+        if engine.dead_reason is not None:
+            return False
+        return ready() if ready is not None else True
+
+    return build_app(engine, engine.tokenizer, config, metrics, ready=is_ready, prepare_request=prepare_request)
+
+
+def serve_http(app: FastAPI, engine: AsyncLLMEngine, config: NodeConfig) -> None:
+    """uvicorn until SIGTERM / SIGINT (in-flight requests drained); exit 3 if the engine died."""
+    logger.info("serving %s as role %s on http://%s:%d (max_model_len %d)",
+                engine.model_name, config.role, config.host, config.port, engine.max_model_len)
+    limits = HttpLimits(config.http_header_timeout_s, config.http_body_timeout_s, config.http_max_connections)
+    server = uvicorn.Server(
+        server_config(app, config.host, config.port, limits, log_config=None,
+                      timeout_graceful_shutdown=30, timeout_keep_alive=config.keep_alive_timeout_s)
+    )
+    engine.on_dead = lambda reason: setattr(server, "should_exit", True)  # /ready already says 503
+    _serve_until_signal(server)
+    if engine.dead_reason is not None:
+        logger.critical("exiting: the engine thread stopped (%s); restart this node", engine.dead_reason)
+        raise SystemExit(ENGINE_DEAD_EXIT_CODE)
 
 
 class _Terminated(Exception):
@@ -127,18 +164,6 @@ def _serve_until_signal(server: uvicorn.Server) -> None:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _build(
-    engine: AsyncLLMEngine, config: NodeConfig, ready: Callable[[], bool] | None, prepare: PrepareHook | None
-) -> FastAPI:
-    def is_ready() -> bool:
-        if engine.dead_reason is not None:
-            return False
-        return ready() if ready is not None else True
-
-    return build_app(engine, engine.tokenizer, config, NodeMetrics(config.role), ready=is_ready,
-                     prepare_request=prepare)
-
-
 def parse_config(argv: list[str] | None, role: str) -> NodeConfig:
     """``pdserve serve|prefill|decode`` flags (env, TOML) with the role fixed by the command."""
     return load_config(
@@ -149,8 +174,3 @@ def parse_config(argv: list[str] | None, role: str) -> NodeConfig:
         fixed={"role": role},
         defaults={"port": ROLE_HTTP_PORTS[role], "kv_port": ROLE_KV_PORTS[role]},
     )
-
-
-def main(argv: list[str] | None = None, role: str = "both", **run_kwargs: Any) -> None:
-    """``pdserve serve``: parse flags and serve colocated."""
-    run_node(parse_config(argv, role), **run_kwargs)

@@ -22,31 +22,33 @@ proxy tries another prefill node), so ids that nobody will ever pull cannot pin 
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 
 from common.config import NodeConfig
-from pdserve.daemon import Daemon, run_daemon
-from common.kv_transfer.producer import KVProducer
-from pdserve.node import parse_config
 from common.serving.context import PreparedRequest
 from common.serving.errors import OpenAIError
+from pdserve.daemon import Daemon, started_daemon
+from pdserve.node import serve_http
 from prefill_node.connector import ProducerConnector
+
+
+def serve(config: NodeConfig) -> None:
+    """``pdserve prefill``: a prefill daemon until SIGTERM / SIGINT."""
+    with started_daemon(config, ProducerConnector()) as daemon:
+        app = daemon.build_app(prepare_request=PrefillAdmission(daemon, config.max_unclaimed_kv_share))
+        daemon.require_signed_ids(app)
+        serve_http(app, daemon.engine, config)
 
 
 class PrefillAdmission:
     """The prefill role's ``prepare_request``: one token, and room for KV nobody claimed yet."""
 
-    def __init__(self, max_unclaimed_share: float) -> None:
-        self.max_unclaimed_share = max_unclaimed_share
-        self.producer: KVProducer | None = None
-        self.limit_blocks = self.block_size = 0
-
-    def bind(self, app: FastAPI, daemon: Daemon) -> None:
+    def __init__(self, daemon: Daemon, max_unclaimed_share: float) -> None:
         assert daemon.transfer is not None
         self.producer = daemon.transfer.producer
         self.block_size = daemon.transfer.layout.block_size
-        total = app.state.serving.engine.stats().num_total_blocks
-        self.limit_blocks = max(1, int(total * self.max_unclaimed_share))
+        total = daemon.engine.stats().num_total_blocks
+        self.limit_blocks = max(1, int(total * max_unclaimed_share))
 
     def __call__(self, prepared: PreparedRequest, http_request: Request) -> None:
         prepared.params.max_tokens = 1  # a prefill leg produces exactly the first token
@@ -54,12 +56,11 @@ class PrefillAdmission:
         # "may the first token be a stop token" matters
         prepared.params.min_tokens = min(prepared.params.min_tokens, 1)
         prepared.params.stop = []  # the decode side applies stop strings to the whole text
-        if prepared.tags is None or self.producer is None:
+        if prepared.tags is None:
             return
         prepared.admit = lambda: self._reserve(prepared)
 
     def _reserve(self, prepared: PreparedRequest) -> None:
-        assert self.producer is not None
         need = -(-len(prepared.prompts[0]) // self.block_size)
         if not self.producer.reserve_unclaimed(prepared.request_id, need, self.limit_blocks):
             raise OpenAIError(
@@ -67,13 +68,3 @@ class PrefillAdmission:
                 f"({self.limit_blocks} blocks, --max-unclaimed-kv-share); retry later or on another node",
                 status=503, type="service_unavailable", code="unclaimed_kv_limit",
             )
-
-
-def serve(config: NodeConfig) -> None:
-    admission = PrefillAdmission(config.max_unclaimed_kv_share)
-    run_daemon(config, ProducerConnector(), admission, on_app=admission.bind)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``pdserve prefill`` / ``python -m prefill_node``."""
-    serve(parse_config(argv, "prefill"))

@@ -1,68 +1,94 @@
-"""The engine's one typed configuration object (``EngineConfig``)."""
+"""The engine's one typed configuration object (``EngineConfig``): every engine option, its
+default, its bounds and its help text, declared once.
+
+The node's configuration (``common.config.NodeConfig``) is a subclass, so each field here is
+also a ``--flag``, a ``PDSERVE_*`` variable and a TOML key, validated when the flags are read;
+a node hands its own config to the engine, nothing is copied. Importing this module loads no
+torch (``pdserve <cmd> --help`` answers without it).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from typing import TYPE_CHECKING, Literal
 
-import torch
+from pydantic import BaseModel, Field, field_validator
+
+if TYPE_CHECKING:
+    import torch
 
 CPU_KV_CACHE_GB = 0.5  # default KV budget on CPU when num_kv_blocks is not given
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 class EngineConfigError(ValueError):
-    """A setting is invalid; the message says which and why."""
+    """The machine cannot run a setting (e.g. ``--device cuda`` without a GPU); the message says why."""
 
 
-@dataclass
-class EngineConfig:
-    model: str | None = None  # HF directory; None = the embedded default model
-    served_model_name: str | None = None
-    device: str = "auto"  # "auto" | "cpu" | "cuda"
-    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb / free GPU memory
-    kv_cache_memory_gb: float | None = None  # None: 0.5 GB on CPU, from gpu_memory_utilization on GPU
-    gpu_memory_utilization: float | None = None  # share of the GPU's total memory; None: 0.9 (gpu_memory.py)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # per-step token budget; longer prefills are chunked
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was seen before
-    seed: int = 0
-    enforce_eager: bool = False  # no CUDA graphs for decode steps
-    attention_backend: str = "auto"  # auto (triton on CUDA when installed, else sdpa) | sdpa | triton
-    fused_ops: str = "auto"  # auto (on for CUDA when triton is installed) | on | off: Triton RMSNorm/rotary/SiLU
-    # while sequences decode, a step carries at most the prompt tokens this many ms of measured
-    # prefill compute allow (a decode node's local prefills); None: only max_num_batched_tokens
-    max_local_prefill_stall_ms: float | None = None
+class EngineConfig(BaseModel):
+    """How the engine loads its model and schedules; unknown fields are refused."""
 
-    def __post_init__(self) -> None:
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise EngineConfigError(f"device must be auto, cpu or cuda, not {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise EngineConfigError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise EngineConfigError(f"{name} must be >= 1")
-        if self.attention_backend not in ("auto", "sdpa", "triton"):
-            raise EngineConfigError(
-                f"attention_backend must be auto, sdpa or triton, not {self.attention_backend!r}"
-            )
-        if self.fused_ops not in ("auto", "on", "off"):
-            raise EngineConfigError(f"fused_ops must be auto, on or off, not {self.fused_ops!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise EngineConfigError("num_kv_blocks must be >= 1")
-        if self.max_local_prefill_stall_ms is not None and self.max_local_prefill_stall_ms <= 0:
-            raise EngineConfigError("max_local_prefill_stall_ms must be > 0")
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise EngineConfigError("gpu_memory_utilization must be in (0, 1]")
+    model_config = {"extra": "forbid"}
+
+    model: str | None = Field(None, description="Hugging Face model directory; unset = embedded tiny model")
+    served_model_name: str | None = Field(None, description="Model name in the API; unset = model's name")
+    device: str = Field("auto", description="auto (cuda when available), cpu, cuda or cuda:N")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on GPU"
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV cache block")
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; unset = sized from memory")
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0, description="KV cache budget when num_kv_blocks is unset; unset = 0.5 on CPU, from "
+        "--gpu-memory-utilization on GPU",
+    )
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="Share of the GPU's total memory this process may use (weights, "
+        "activations, KV cache); unset = 0.9"
+    )
+    max_num_seqs: int = Field(64, ge=1, le=65536, description="Most sequences in one engine step")
+    max_num_batched_tokens: int = Field(512, ge=1, description="Most tokens in one engine step")
+    max_model_len: int | None = Field(None, ge=1, description="Prompt + output limit; unset = model's")
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV of prompt prefixes seen before")
+    seed: int = Field(0, description="Engine random seed (per-request seeds override it)")
+    enforce_eager: bool = Field(False, description="No CUDA graphs for decode steps (GPU only)")
+    attention_backend: Literal["auto", "sdpa", "triton"] = Field(
+        "auto", description="Attention kernel: auto = triton on CUDA when it is installed and compiles at start "
+        "(else sdpa, with a warning); triton = stop at start if it cannot; sdpa = no Triton"
+    )
+    fused_ops: Literal["auto", "on", "off"] = Field(
+        "auto", description="Fused Triton kernels for RMSNorm, rotary and SiLU-and-mul: auto = on for CUDA when "
+        "triton is installed and compiles at start; on = stop at start if it cannot; off = PyTorch ops"
+    )
+    max_local_prefill_stall_ms: float | None = Field(
+        None, gt=0, le=60_000,
+        description="While requests decode, a step carries at most the prompt tokens this many ms of measured "
+        "prefill compute allow (bounds a local prefill's stall; reported to the proxy); unset = "
+        "50 on a decode node, no bound elsewhere",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not _DEVICE.fullmatch(value):
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
+        return value
 
     def resolved_device(self) -> torch.device:
+        """The device to run on; EngineConfigError when this machine has no such device."""
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise EngineConfigError("device=cuda but CUDA is not available")
-        return torch.device(self.device)
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise EngineConfigError(f"--device {self.device}: CUDA is not available on this machine "
+                                    "(use --device cpu or auto)")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise EngineConfigError(f"--device {self.device}: this machine has {torch.cuda.device_count()} "
+                                    "CUDA device(s), numbered from 0")
+        return device
 
     def resolved_dtype(self) -> str:
         """The KV/compute dtype name: float32 on CPU (no fast bf16 here), bfloat16 on GPU."""

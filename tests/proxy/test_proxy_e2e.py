@@ -78,11 +78,13 @@ def test_proxy_log_lines_name_the_node_and_the_request(cluster) -> None:
     proxy = cluster["proxy"]
     got = _client(proxy).completions.create(model="pdserve-tiny", prompt="logged", **GREEDY)
     # The same "[node] [request id]" prefix as the daemons' lines, so one grep for the id finds them all.
-    marker = f"[proxy:{proxy.port}] [{got.id}]"
+    marker = f"[proxy:127.0.0.1:{proxy.port}] [{got.id}]"
     deadline = time.monotonic() + 30
     while marker not in proxy.log.read_text(errors="replace"):
         assert time.monotonic() < deadline, proxy.log_tail()
         time.sleep(0.1)
+    first_line = proxy.log.read_text(errors="replace").splitlines()[0]  # uvicorn's own start-up lines too
+    assert f" [proxy:127.0.0.1:{proxy.port}] " in first_line, first_line
     line = next(ln for ln in proxy.log.read_text(errors="replace").splitlines() if marker in ln)
     assert "status=200" in line and "P=" in line and "D=" in line
 

@@ -91,7 +91,7 @@ def test_enforce_eager_from_flag_env_and_default():
     from common.config import NodeConfig, load_config
 
     def engine_config(argv, env):
-        return load_config(NodeConfig, argv, "pdserve serve", env=env).engine_config()
+        return load_config(NodeConfig, argv, "pdserve serve", env=env)  # the node's config is the engine's
 
     assert engine_config([], {}).enforce_eager is False
     assert engine_config(["--enforce-eager"], {}).enforce_eager is True
@@ -99,12 +99,11 @@ def test_enforce_eager_from_flag_env_and_default():
 
 
 def test_no_graphs_and_no_reserve_off_cuda(checkpoint_dir):
-    from common.engine.config import EngineConfigError
     from common.engine.cuda_graph import graph_memory
 
     e = LLMEngine(EngineConfig(model=str(checkpoint_dir("llama")), device="cpu", num_kv_blocks=8))
     assert e.runner.graphs is None and e.runner.attn_backend.name == "sdpa"
     assert e.kv_caches[0].shape[1] == 8 + 1  # the scratch block past the block manager's blocks
     assert graph_memory(e.runner.model, e.kv_layout, e.config, 512) == 0
-    with pytest.raises(EngineConfigError):
+    with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="flash")

@@ -61,7 +61,7 @@ def test_activation_reserve_grows_with_the_step_budget():
 def test_flags_reach_the_engine_config():
     cfg = load_config(NodeConfig, ["--gpu-memory-utilization", "0.45", "--kv-transport", "cuda_ipc"],
                       "pdserve decode", env={})
-    assert cfg.kv_transport == "cuda_ipc" and cfg.engine_config().gpu_memory_utilization == 0.45
+    assert cfg.kv_transport == "cuda_ipc" and cfg.gpu_memory_utilization == 0.45
     with pytest.raises(SystemExit):
         load_config(NodeConfig, ["--gpu-memory-utilization", "1.5"], "pdserve decode", env={})
     with pytest.raises(SystemExit):

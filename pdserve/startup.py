@@ -1,0 +1,69 @@
+"""What every process checks before it loads anything, and how a failed start is reported.
+
+A start that cannot succeed (a port taken, a checkpoint the loader refuses, ``--device cuda``
+on a machine without CUDA, a cluster key file that went away) prints one line,
+``pdserve <command>: error: <what is wrong>``, and exits 1; a bad option value was already
+refused with exit 2 when the flags were read (common/options.py). Ports are checked first, so
+a node whose port is taken says so before it spends minutes loading a model.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+START_FAILED_EXIT_CODE = 1
+
+
+class StartupError(Exception):
+    """This process cannot start here; the message says why and what to change."""
+
+
+def check_port_free(host: str, port: int, option: str) -> None:
+    """StartupError unless ``host:port`` can be bound now (``option`` is the flag that set it).
+
+    Bound with SO_REUSEADDR, as uvicorn and ZMQ bind, so a port a stopped process left in
+    TIME_WAIT counts as free and only a listening one as taken. Port 0 (any free port) is free."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise StartupError(f"{option}: cannot bind {host}:{port}: {exc.strerror}") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            in_use = exc.errno == errno.EADDRINUSE
+            problem = "is in use by another process" if in_use else f"cannot be bound ({exc.strerror})"
+            raise StartupError(f"{option}: port {port} on {host} {problem}; stop that process or "
+                               f"choose another {option}") from None
+
+
+def _reported_failures() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean "cannot start here" (imported late: they live beside torch)."""
+    from common.cluster_auth import ClusterKeyError
+    from common.engine.config import EngineConfigError
+    from common.engine.gpu_memory import GpuMemoryError
+    from common.model.attention import TritonStartError
+    from common.model.config import ModelLoadError
+
+    return StartupError, ModelLoadError, EngineConfigError, GpuMemoryError, TritonStartError, ClusterKeyError
+
+
+@contextmanager
+def one_line_failures(prog: str) -> Iterator[None]:
+    """Report a failed start as ``prog: error: ...`` on stderr and exit 1, not as a traceback."""
+    try:
+        yield
+    except Exception as exc:
+        if isinstance(exc, StartupError) or isinstance(exc, _reported_failures()):
+            message = " ".join(str(exc).split())  # one line, whatever the message held
+            sys.stderr.write(f"{prog}: error: {message}\n")
+            raise SystemExit(START_FAILED_EXIT_CODE) from None
+        raise
