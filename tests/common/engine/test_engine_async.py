@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from common.engine import async_engine as async_engine_module
 from common.engine.async_engine import AsyncLLMEngine
 from common.engine.config import EngineConfig
 from common.engine.sampling_params import SamplingParams
@@ -92,18 +93,25 @@ def test_closing_the_stream_aborts_and_frees_blocks(engine):
 
 def test_abort_and_concurrent_requests(engine):
     async def go():
-        async def run(rid, n):
-            return [o async for o in engine.generate(rid, [5, 6, 7, 8][:n], SamplingParams(max_tokens=400, ignore_eos=True))]
+        victim_started = asyncio.Event()
 
-        long = asyncio.create_task(run("victim", 4))
-        short = [asyncio.create_task(run(f"s{i}", i + 1)) for i in range(3)]
-        await asyncio.sleep(0.05)
+        async def run(rid, n, max_tokens):
+            outs = []
+            async for out in engine.generate(rid, [5, 6, 7, 8][:n], SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+                outs.append(out)
+                if rid == "victim":
+                    victim_started.set()
+            return outs
+
+        long = asyncio.create_task(run("victim", 4, 400))
+        short = [asyncio.create_task(run(f"s{i}", i + 1, 24)) for i in range(3)]
+        await victim_started.wait()  # abort a request that is generating, beside the others
         await engine.abort("victim")
         return await long, await asyncio.gather(*short)
 
     victim, shorts = asyncio.run(go())
-    assert victim[-1].finish_reason == "abort"
-    assert all(o[-1].finish_reason == "length" and o[-1].num_output_tokens == 400 for o in shorts)
+    assert victim[-1].finish_reason == "abort" and victim[-1].num_output_tokens < 400
+    assert all(o[-1].finish_reason == "length" and o[-1].num_output_tokens == 24 for o in shorts)
     wait_all_free(engine)
     with pytest.raises(ValueError):
         collect(engine, "too-long", [1] * engine.max_model_len, SamplingParams())
@@ -131,15 +139,48 @@ def test_parked_request_resumes_when_the_connector_reports():
     assert not e._thread.is_alive()
 
 
-def test_idle_engine_thread_sleeps(engine):
+def count_looks(monkeypatch, async_engine) -> list[int]:
+    """How often, from now on, the engine thread looks for work (once per turn of its loop)."""
+    looks = [0]
+    real = async_engine.engine.has_schedulable_work
+
+    def counted():
+        looks[0] += 1
+        return real()
+
+    monkeypatch.setattr(async_engine.engine, "has_schedulable_work", counted)
+    return looks
+
+
+def wait_until(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_idle_engine_thread_sleeps(engine, monkeypatch):
+    """Idle, the thread waits for a command: it does not look for work even once while another
+    engine serves a whole request (a busy loop would look thousands of times meanwhile)."""
     collect(engine, "warm", [5, 6], SamplingParams(max_tokens=2))
-    time.sleep(0.05)
-    before = time.process_time()
-    time.sleep(0.5)
-    assert time.process_time() - before < 0.1  # a busy loop would burn ~0.5 s of CPU
+    wait_all_free(engine)
+    wait_until(lambda: engine.stalled_for() == 0, "the engine thread never went idle")
+    looks = count_looks(monkeypatch, engine)
+    other = AsyncLLMEngine(EngineConfig(device="cpu", num_kv_blocks=16))
+    other.start()
+    try:
+        outs = collect(other, "window", [5, 6, 7], SamplingParams(max_tokens=16, ignore_eos=True))
+        assert outs[-1].num_output_tokens == 16
+    finally:
+        other.shutdown()
+    assert looks[0] == 0
 
 
-def test_no_spin_while_blocks_are_held_by_parked_requests():
+def test_no_spin_while_blocks_are_held_by_parked_requests(engine, monkeypatch):
+    """Nothing can run (a parked request holds the blocks a local one needs): the thread waits a
+    poll interval between looks. With the interval made an hour, it looks at most once more
+    while the other engine serves a whole request; a busy loop would look thousands of times."""
+    monkeypatch.setattr(async_engine_module, "POLL_INTERVAL_S", 3600.0)
     e = AsyncLLMEngine(EngineConfig(device="cpu", num_kv_blocks=4), consumer())  # loads never land
 
     async def go():
@@ -148,18 +189,19 @@ def test_no_spin_while_blocks_are_held_by_parked_requests():
             return [o async for o in gen]
 
         parked = asyncio.create_task(run("parked", 40, True))  # 3 of 4 blocks, held forever
-        await asyncio.sleep(0.05)
         local = asyncio.create_task(run("local", 30, False))  # needs 2 blocks: must wait
-        await asyncio.sleep(0.05)
-        before = time.process_time()
-        await asyncio.sleep(0.5)
-        busy = time.process_time() - before
-        await e.abort("parked")
-        return busy, await parked, await local
+        await asyncio.to_thread(wait_until, lambda: e.stats().num_waiting == 2, "both requests never queued")
+        looks = count_looks(monkeypatch, e)
+        window = await asyncio.to_thread(collect, engine, "window", [5, 6, 7],
+                                         SamplingParams(max_tokens=16, ignore_eos=True))
+        assert window[-1].num_output_tokens == 16
+        looked = looks[0]
+        await e.abort("parked")  # wakes the thread: the freed blocks let the local one run
+        return looked, await parked, await local
 
     try:
-        busy, parked, local = asyncio.run(go())
-        assert busy < 0.25  # polling every 5 ms, not spinning
+        looked, parked, local = asyncio.run(go())
+        assert looked <= 1
         assert parked[-1].finish_reason == "abort" and local[-1].finish_reason == "length"
         wait_all_free(e)
     finally:
