@@ -146,12 +146,12 @@ class ConsumerWorker(TransferWorker):
         done, failed = consumer.poll_finished()
         if self._refused:
             failed, self._refused = {**failed, **self._refused}, {}
-        first_logprobs = consumer.take_first_logprobs(done) if done else {}
-        choices = consumer.take_choices(done) if done else {}
-        cached = consumer.take_cached_tokens(done) if done else {}
-        return FinishedTransfers(stopped=consumer.poll_aborted(), done_recving=done,
-                                 failed_recving=failed, first_logprobs=first_logprobs, choice_firsts=choices,
-                                 cached_tokens=cached)
+        landed = consumer.take_landed(done) if done else {}
+        return FinishedTransfers(
+            stopped=consumer.poll_aborted(), done_recving=done, failed_recving=failed,
+            first_logprobs={rid: t.first_logprobs for rid, t in landed.items() if t.first_logprobs},
+            choice_firsts={rid: t.choices for rid, t in landed.items() if t.choices},
+            cached_tokens={rid: t.cached_tokens for rid, t in landed.items() if t.cached_tokens > 0})
 
 
 class ConsumerConnector(KVConnector):

@@ -1,13 +1,30 @@
 """Consumer side (decode node): ask a producer for a request's KV and land it in blocks.
 
-A request's life here: ``request`` (engine thread) registers it and hands it to the
-producer's :class:`~common.kv_transfer.receiver.PairReceiver` thread, which makes sure a
-pair exists (handshake: layout check, transport choice, pair build), sends PULL, then for
-each LAYER notice receives the bytes into ``kv_caches[layer][:, block_ids]`` (tcp: straight
-into the blocks; gloo/nccl: through a staging buffer unless the blocks are one run;
-cuda_ipc: the producer already wrote them). DONE carries the first
-token; the link ACKs and the request shows up in ``poll_finished``. A dead producer
-(failed receive, unanswered ping), an error from the producer or ``abort`` end it.
+A request's life here: ``request`` (engine thread) makes its one record
+(:class:`~common.kv_transfer.consumer_record.Transfer`) and hands it to the producer's
+:class:`~common.kv_transfer.receiver.PairReceiver` thread, which makes sure a pair exists
+(handshake: layout check, transport choice, pair build), sends PULL, then for each LAYER
+notice receives the bytes into ``kv_caches[layer][:, block_ids]`` (tcp: straight into the
+blocks; gloo/nccl: through a staging buffer unless the blocks are one run; cuda_ipc: the
+producer already wrote them). DONE carries the first token; the link ACKs and the request
+shows up in ``poll_finished``. A dead producer (failed receive, unanswered ping), an error
+from the producer or ``abort`` end it.
+
+:class:`KVConsumer` owns the records (``_transfers``, request id -> record) and makes every
+state change, under its lock; the link thread asks it through the public methods below.
+
+| state     | entered by (thread)                                  | next                          |
+|-----------|------------------------------------------------------|-------------------------------|
+| QUEUED    | ``request`` (engine)                                 | PULLED, FAILED, ABORTING      |
+| PULLED    | ``advance``: PULL sent (link)                        | RECEIVING, LANDED, FAILED, ABORTING |
+| RECEIVING | ``advance``: a layer landed (link)                   | LANDED, FAILED, ABORTING      |
+| LANDED    | ``landed``: DONE checked (link)                      | REPORTED (``poll_finished``); STOPPED (``abort``) |
+| REPORTED  | ``poll_finished`` (engine)                           | removed by ``take_landed`` or the next ``poll_finished`` |
+| FAILED    | ``failed`` (link), or ``request`` refusing a peer    | removed by ``poll_finished``; STOPPED (``abort``) |
+| ABORTING  | ``abort`` of a live transfer (engine)                | STOPPED (``abort_stopped``, link) |
+| STOPPED   | ``abort_stopped`` (link), or ``abort`` of one no link works on | removed by ``poll_aborted`` |
+
+A landing or failure that races an abort is ignored: the record is ABORTING by then.
 """
 
 from __future__ import annotations
@@ -22,8 +39,9 @@ import torch
 
 from common.kv_layout import KVLayout
 from common.kv_transfer.config import TransferConfig, TransferError, TransferStats
+from common.kv_transfer.consumer_record import Transfer, TransferState
 from common.kv_transfer.messages import Abort, Message
-from common.kv_transfer.receiver import PairReceiver, Transfer
+from common.kv_transfer.receiver import PairReceiver
 
 if TYPE_CHECKING:
     from common.kv_transfer.control import ControlPlane
@@ -45,17 +63,12 @@ class KVConsumer:
         self.control: ControlPlane  # set by the engine once bound
         self._lock = threading.Lock()
         self._links: dict[str, PairReceiver] = {}
-        self._owner_of: dict[str, PairReceiver] = {}
-        self._finished: dict[str, int] = {}
-        self._first_logprobs: dict[str, dict[int, float]] = {}  # until the connector takes them
-        self._choices: dict[str, list[tuple[int, dict[int, float] | None]]] = {}  # n > 1: likewise
-        self._cached_tokens: dict[str, int] = {}  # DONE's prefix-cache count: likewise
-        self._failed: dict[str, str] = {}
-        self._aborted: set[str] = set()
+        self._transfers: dict[str, Transfer] = {}  # the one table: request id -> record
         self._closed = False
         # called (from a link thread, without our lock) when a poll would return something new
         self.on_progress: Callable[[], None] = lambda: None
 
+    # ---- engine thread -------------------------------------------------------------------
     def request(self, request_id: str, prefill_addr: str, block_ids: list[int], num_tokens: int,
                 kv_caches: list[torch.Tensor], first_block: int = 0) -> None:
         """Ask the producer at ``prefill_addr`` ("host:port") for ``request_id``'s KV of a
@@ -64,71 +77,75 @@ class KVConsumer:
         :meth:`poll_finished`."""
         if len(kv_caches) != self.layout.num_layers:
             raise ValueError(f"{len(kv_caches)} KV layers, layout says {self.layout.num_layers}")
-        if not 0 <= first_block < self._num_blocks(num_tokens):
+        if not 0 <= first_block < self.num_blocks(num_tokens):
             raise ValueError(f"first block {first_block} is outside a {num_tokens}-token prompt")
-        if len(block_ids) < self._num_blocks(num_tokens) - first_block:
+        if len(block_ids) < self.num_blocks(num_tokens) - first_block:
             raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens "
                              f"from block {first_block}")
         t = Transfer(request_id, list(block_ids), num_tokens, kv_caches, first_block)
         if not self.known_peer(prefill_addr):  # nothing is opened, nothing lands in the blocks
-            self.stats.add(failures=1)
-            with self._lock:
-                self._failed[request_id] = (f"{prefill_addr} is not a known prefill node (not in --kv-peers "
-                                            "nor registered with the proxy); not asking it for KV")
-            self.on_progress()
+            self._refuse(t, f"{prefill_addr} is not a known prefill node (not in --kv-peers "
+                            "nor registered with the proxy); not asking it for KV")
             return
         with self._lock:
             if self._closed:
                 raise TransferError("transfer engine closed")
             link = self._links.get(prefill_addr)
-            if link is None and len(self._links) >= self.config.max_peers:
-                # one thread per producer: ids naming ever new addresses must not grow them without bound
-                self.stats.add(failures=1)
-                self._failed[request_id] = (f"{self.config.max_peers} producers already in use; "
-                                            f"not asking {prefill_addr}")
-                self.on_progress()
-                return
-            if link is None:
-                link = self._links[prefill_addr] = PairReceiver(self, prefill_addr)
-            self._owner_of[request_id] = link
-            link.events.put(("new", t))  # under the lock: an idle link retires only with an empty queue
+            full = link is None and len(self._links) >= self.config.max_peers
+            if not full:
+                if link is None:
+                    link = self._links[prefill_addr] = PairReceiver(self, prefill_addr)
+                t.link = link
+                self._transfers[request_id] = t
+                link.events.put(("new", t))  # under the lock: an idle link retires only with an empty queue
+        if full:  # one thread per producer: ids naming ever new addresses must not grow them without bound
+            self._refuse(t, f"{self.config.max_peers} producers already in use; not asking {prefill_addr}")
+
+    def _refuse(self, t: Transfer, reason: str) -> None:
+        self.stats.add(failures=1)
+        t.state, t.error = TransferState.FAILED, reason
+        with self._lock:
+            self._transfers[t.request_id] = t
+        self.on_progress()
 
     def poll_finished(self) -> tuple[dict[str, int], dict[str, str]]:
-        """(request_id -> first token for landed transfers, request_id -> error for failed ones)."""
+        """(request_id -> first token for landed transfers, request_id -> error for failed ones).
+        A landed one's logprobs, choices and cached count wait for :meth:`take_landed` until the
+        next poll."""
         with self._lock:
-            done, failed = self._finished, self._failed
-            self._finished, self._failed = {}, {}
+            done, failed = {}, {}
+            for rid, t in list(self._transfers.items()):
+                if t.state is TransferState.REPORTED:
+                    del self._transfers[rid]  # nobody took its extras
+                elif t.state is TransferState.LANDED:
+                    t.state, done[rid] = TransferState.REPORTED, t.first_token
+                elif t.state is TransferState.FAILED:
+                    del self._transfers[rid]
+                    failed[rid] = t.error
         return done, failed
 
-    def take_first_logprobs(self, request_ids: set[str] | dict) -> dict[str, dict[int, float]]:
-        """The first token's logprobs that came with DONE, for these landed requests (taken once)."""
+    def take_landed(self, request_ids: set[str] | dict) -> dict[str, Transfer]:
+        """The records of these just polled landed transfers (DONE's first-token logprobs, the
+        other choices' first tokens, the producer's cached count), taken once."""
         with self._lock:
-            return {rid: lp for rid in request_ids if (lp := self._first_logprobs.pop(rid, None)) is not None}
-
-    def take_choices(self, request_ids: set[str] | dict) -> dict[str, list[tuple[int, dict[int, float] | None]]]:
-        """Choices 1..'s first tokens that came with DONE (n > 1), for these landed requests (taken once)."""
-        with self._lock:
-            return {rid: c for rid in request_ids if (c := self._choices.pop(rid, None)) is not None}
-
-    def take_cached_tokens(self, request_ids: set[str] | dict) -> dict[str, int]:
-        """The producer's prefix-cache count of the prompt that came with DONE (taken once)."""
-        with self._lock:
-            return {rid: n for rid in request_ids if (n := self._cached_tokens.pop(rid, None)) is not None}
+            out = {rid: t for rid in request_ids if (t := self._transfers.get(rid)) is not None
+                   and t.state is TransferState.REPORTED}
+            for rid in out:
+                del self._transfers[rid]
+        return out
 
     def abort(self, request_id: str) -> None:
         """Stop waiting for ``request_id`` and tell its producer to drop it. Its blocks may be
         reused once :meth:`poll_aborted` names it (a receive into them may still be running)."""
         with self._lock:
-            link = self._owner_of.pop(request_id, None)
-            self._finished.pop(request_id, None)
-            self._first_logprobs.pop(request_id, None)
-            self._choices.pop(request_id, None)
-            self._cached_tokens.pop(request_id, None)
-            self._failed.pop(request_id, None)
-            if link is None:
-                self._aborted.add(request_id)
-        if link is not None:
-            link.events.put(("abort", request_id))
+            t = self._transfers.get(request_id)
+            if t is not None and t.state.live:
+                t.state = TransferState.ABORTING
+                assert t.link is not None
+                t.link.events.put(("abort", request_id))
+                return
+            stopped = Transfer(request_id, [], 0, [], state=TransferState.STOPPED)
+            self._transfers[request_id] = stopped  # nothing receives into its blocks
 
     def release_remote(self, request_id: str, prefill_addr: str, connect: bool = True) -> None:
         """Tell the producer at ``prefill_addr`` to drop ``request_id`` that this side will never
@@ -137,23 +154,23 @@ class KVConsumer:
         self.control.send(prefill_addr, Abort(request_id=request_id), connect=connect)
 
     def transfer_state(self, request_id: str) -> str:
-        """A live transfer's :class:`~common.kv_transfer.receiver.TransferState` value;
-        "finished" or "failed" until polled; else "unknown"."""
+        """The request's :class:`~common.kv_transfer.consumer_record.TransferState` value, or
+        "unknown" (never asked for, or polled)."""
         with self._lock:
-            link = self._owner_of.get(request_id)
-            if request_id in self._finished or request_id in self._failed:
-                return "finished" if request_id in self._finished else "failed"
-        t = link.transfers.get(request_id) if link is not None else None
-        return t.state.value if t is not None else "queued" if link is not None else "unknown"
+            t = self._transfers.get(request_id)
+            return t.state.value if t is not None and t.state is not TransferState.REPORTED else "unknown"
 
     def poll_aborted(self) -> set[str]:
         """Aborted requests whose receive has stopped: nothing writes into their blocks any more."""
         with self._lock:
-            out, self._aborted = self._aborted, set()
+            out = {rid for rid, t in self._transfers.items() if t.state is TransferState.STOPPED}
+            for rid in out:
+                del self._transfers[rid]
         return out
 
+    # ---- control thread ------------------------------------------------------------------
     def handle(self, address: str, msg: Message) -> None:
-        """Control thread: an unsolicited message from a producer."""
+        """An unsolicited message from a producer: its link thread handles it."""
         link = self._links.get(address)
         if link is None:
             logger.warning("consumer: %s from unknown producer %s dropped", msg.CMD, address)
@@ -174,8 +191,8 @@ class KVConsumer:
         for link in links:
             link.thread.join(timeout=self.config.handshake_timeout_s + self.config.timeout_s)
 
-    # ---- link threads --------------------------------------------------------------------
-    def _retire(self, link: PairReceiver) -> bool:
+    # ---- link threads: every state change of a record is one of these ------------------------
+    def retire(self, link: PairReceiver) -> bool:
         """An idle link asks to end its thread; refused if work arrived for it meanwhile."""
         with self._lock:
             if self._links.get(link.address) is not link or not link.events.empty():
@@ -183,37 +200,44 @@ class KVConsumer:
             del self._links[link.address]
             return True
 
-    def _num_blocks(self, num_tokens: int) -> int:
+    def num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.layout.block_size)
 
-    def _done(self, t: Transfer, first_token: int, first_logprobs: list | None = None,
-              choices: list | None = None, cached_tokens: int = 0) -> None:
+    def advance(self, t: Transfer, state: TransferState) -> None:
+        """PULL sent (PULLED) or a layer landed (RECEIVING); ignored once it left the link."""
+        with self._lock:
+            if t.state.live:
+                t.state = state
+
+    def landed(self, t: Transfer, first_token: int, first_logprobs: list | None = None,
+               choices: list | None = None, cached_tokens: int = 0) -> None:
         now = time.monotonic()
         self.stats.transfer_done(now - t.started, t.nbytes)
         if t.first_byte is not None:
             self.stats.transfer_rate(t.nbytes, now - t.first_byte)
         with self._lock:
-            if self._owner_of.pop(t.request_id, None) is None:
-                return
-            self._finished[t.request_id] = first_token
+            if not t.state.live or self._transfers.get(t.request_id) is not t:
+                return  # aborted meanwhile: the abort's stop report frees the blocks
+            t.state, t.first_token, t.cached_tokens = TransferState.LANDED, first_token, max(cached_tokens, 0)
             if first_logprobs:
-                self._first_logprobs[t.request_id] = {int(tok): float(lp) for tok, lp in first_logprobs}
-            if cached_tokens > 0:
-                self._cached_tokens[t.request_id] = cached_tokens
-            if choices:
-                self._choices[t.request_id] = [(int(tok), {int(a): float(b) for a, b in lps} or None)
-                                               for tok, lps in choices]
+                t.first_logprobs = {int(tok): float(lp) for tok, lp in first_logprobs}
+            t.choices = [(int(tok), {int(a): float(b) for a, b in lps} or None) for tok, lps in choices or []]
         self.on_progress()
 
-    def _abort_stopped(self, request_id: str) -> None:
+    def abort_stopped(self, request_id: str) -> None:
+        """The link holds no receive into ``request_id``'s blocks any more."""
         with self._lock:
-            self._aborted.add(request_id)
+            t = self._transfers.get(request_id)
+            if t is None:
+                self._transfers[request_id] = Transfer(request_id, [], 0, [], state=TransferState.STOPPED)
+            elif t.state is TransferState.ABORTING:
+                t.state = TransferState.STOPPED
         self.on_progress()
 
-    def _fail(self, t: Transfer, reason: str) -> None:
+    def failed(self, t: Transfer, reason: str) -> None:
         self.stats.add(failures=1)
         with self._lock:
-            if self._owner_of.pop(t.request_id, None) is None:
+            if not t.state.live or self._transfers.get(t.request_id) is not t:
                 return
-            self._failed[t.request_id] = reason
+            t.state, t.error = TransferState.FAILED, reason
         self.on_progress()

@@ -18,14 +18,12 @@ streams drained, and fails the transfer on the answer or at the answer's deadlin
 from __future__ import annotations
 
 import collections
-import enum
 import logging
 import queue
 import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,37 +38,13 @@ from common.kv_transfer.paged import StagingBuffer, block_run, block_runs, scatt
 from common.kv_transfer.inbox import Inbox
 from common.kv_transfer.tcp_pair import KV, Frame, kv_nbytes, layer_buffers
 from common.kv_transfer.transport import Endpoint, open_pair
-from common.kv_transfer.verify import NOT_REQUESTED, STALE, KVRejected, check_done_identity, layer_checksum, new_nonce
+from common.kv_transfer.consumer_record import Transfer, TransferState
+from common.kv_transfer.verify import NOT_REQUESTED, STALE, KVRejected, check_done_identity, layer_checksum
 
 if TYPE_CHECKING:
     from common.kv_transfer.consumer import KVConsumer
 
 logger = logging.getLogger(__name__)
-
-
-class TransferState(enum.Enum):
-    """Where a live transfer is on the consumer (gone from the table once done or failed)."""
-
-    QUEUED = "queued"  # handed to the link thread; handshake (if no pair yet) and PULL next
-    PULLED = "pulled"  # PULL sent: waiting for the producer's first layer
-    RECEIVING = "receiving"  # layers landing in the blocks; DONE finishes it
-
-
-@dataclass
-class Transfer:
-    request_id: str
-    block_ids: list[int]  # where blocks first_block.. of the prompt land
-    num_tokens: int
-    kv_caches: list[torch.Tensor]
-    first_block: int = 0
-    started: float = field(default_factory=time.monotonic)
-    first_byte: float | None = None  # its first layer arrived: the transfer rate runs from here to DONE
-    layers: set[int] = field(default_factory=set)
-    nbytes: int = 0
-    retried: bool = False  # asked again on a new pair after the producer forgot the old one
-    state: TransferState = TransferState.QUEUED
-    nonce: int = field(default_factory=new_nonce)  # in PULL; DONE must echo it (verify.py)
-    checksums: dict[int, int] = field(default_factory=dict)  # layer -> CRC-32 of what landed (checksummed pairs)
 
 
 class PairReceiver:
@@ -106,7 +80,7 @@ class PairReceiver:
                     event = self.events.get(cfg.heartbeat_s / 4, self.pair.fileno() if tcp else None)
             except queue.Empty:
                 event = ("tick",)
-                if self._idle_for() > cfg.peer_idle_s and self.owner._retire(self):
+                if self._idle_for() > cfg.peer_idle_s and self.owner.retire(self):
                     break  # nothing to do with this producer for a while: the thread goes
             if event is None:
                 break
@@ -182,11 +156,11 @@ class PairReceiver:
         if t is None:
             return
         if reason:
-            self.owner._fail(self.transfers.pop(t.request_id), reason)
+            self.owner.failed(self.transfers.pop(t.request_id), reason)
             return
         t.layers.update(frame.layers)
         t.nbytes += frame.nbytes
-        t.state = TransferState.RECEIVING
+        self.owner.advance(t, TransferState.RECEIVING)
 
     def _on_new(self, t: Transfer) -> None:
         if self.pair is not None and not getattr(self.pair, "alive", lambda: True)():
@@ -196,17 +170,17 @@ class PairReceiver:
             try:
                 self._open_pair(t.kv_caches)
             except TransferError as e:
-                self.owner._fail(t, str(e))
+                self.owner.failed(t, str(e))
                 return
         if self.transport == "cuda_ipc" and [x.data_ptr() for x in t.kv_caches] != self._exported:
-            self.owner._fail(t, "a cuda_ipc pair writes into the KV cache exported at its handshake; "
+            self.owner.failed(t, "a cuda_ipc pair writes into the KV cache exported at its handshake; "
                                 "this request names another")
             return
         self.transfers[t.request_id] = t
         self._cache_blocks = t.kv_caches[0].shape[1]
-        t.state = TransferState.PULLED
+        self.owner.advance(t, TransferState.PULLED)
         pull = Pull(request_id=t.request_id, pair_id=self.pair_id, num_tokens=t.num_tokens,
-                    num_blocks=self.owner._num_blocks(t.num_tokens), block_ids=t.block_ids,
+                    num_blocks=self.owner.num_blocks(t.num_tokens), block_ids=t.block_ids,
                     first_block=t.first_block, nonce=t.nonce)
         if self.transport == "tcp":
             # straight to the producer's sender thread, which reads the socket between sends: no
@@ -231,12 +205,12 @@ class PairReceiver:
             t.retried = True
             self._on_new(t)
             return
-        self.owner._fail(t, f"producer refused: {reply.reason}")
+        self.owner.failed(t, f"producer refused: {reply.reason}")
 
     def _on_abort(self, request_id: str) -> None:
         # on this thread, between events: no receive into the request's blocks is posted now
         if self.transfers.pop(request_id, None) is None:
-            self.owner._abort_stopped(request_id)
+            self.owner.abort_stopped(request_id)
         elif self.transport == "cuda_ipc":  # the producer writes into our blocks: wait for its word
             self._fencing += 1
             fut = self.owner.control.request(self.address, Abort(request_id=request_id),
@@ -244,13 +218,13 @@ class PairReceiver:
             fut.add_done_callback(lambda f: self.events.put(("abort_fenced", request_id, f)))
         else:
             self.owner.control.send(self.address, Abort(request_id=request_id))
-            self.owner._abort_stopped(request_id)
+            self.owner.abort_stopped(request_id)
 
     def _fail_fenced(self, t: Transfer, reason: str) -> None:
         """Fail ``t``; on a cuda_ipc pair only once the producer confirmed it writes no more
         into its blocks (a copy may be on its stream), or its answer's deadline passed."""
         if self.transport != "cuda_ipc":
-            self.owner._fail(t, reason)
+            self.owner.failed(t, reason)
             return
         self._fencing += 1
         fut = self.owner.control.request(self.address, Abort(request_id=t.request_id),
@@ -259,11 +233,11 @@ class PairReceiver:
 
     def _on_fenced_fail(self, t: Transfer, reason: str) -> None:
         self._fencing -= 1
-        self.owner._fail(t, reason)
+        self.owner.failed(t, reason)
 
     def _on_abort_fenced(self, request_id: str, fut: Future) -> None:
         self._fencing -= 1
-        self.owner._abort_stopped(request_id)
+        self.owner.abort_stopped(request_id)
         if fut.exception() is not None:  # no answer: treat the producer as gone, drop the pair
             raise TransferError(f"producer {self.address} did not confirm the abort: {fut.exception()}")
 
@@ -346,13 +320,13 @@ class PairReceiver:
             ids = t.block_ids[: msg.shape[1]]
             if tuple(msg.shape[2:]) != tuple(t.kv_caches[0].shape[2:]) or len(ids) != msg.shape[1]:
                 reason = f"layers {msg.layers}: unexpected shape {msg.shape}"
-                self.owner._fail(self.transfers.pop(t.request_id), reason)
+                self.owner.failed(self.transfers.pop(t.request_id), reason)
                 return
             for j, layer in enumerate(msg.layers):
                 scatter_blocks(t.kv_caches[layer], ids, buf[j])
         t.layers.update(msg.layers)
         t.nbytes += nbytes
-        t.state = TransferState.RECEIVING
+        self.owner.advance(t, TransferState.RECEIVING)
 
     def _finish(self, msg: Done) -> None:
         t = self.transfers.pop(msg.request_id, None)
@@ -363,22 +337,22 @@ class PairReceiver:
         bad = check_done(msg, self.owner.vocab_size)
         if bad is not None:  # this request fails alone; the pair and the engine go on
             logger.warning("consumer: bad DONE for %s from %s: %s", msg.request_id, self.address, bad)
-            self.owner._fail(t, f"producer {self.address} sent a bad DONE: {bad}")
+            self.owner.failed(t, f"producer {self.address} sent a bad DONE: {bad}")
             self._ack(msg.request_id)
             return
         try:
             check_done_identity(msg, nonce=t.nonce, layout=self.owner.layout,
-                                num_blocks=self.owner._num_blocks(t.num_tokens) - t.first_block,
+                                num_blocks=self.owner.num_blocks(t.num_tokens) - t.first_block,
                                 layers=t.layers, nbytes=t.nbytes, checksums=t.checksums if self.checksum else None)
         except KVRejected as e:  # partial, stale or damaged: decode must not run on it
             logger.warning("consumer: KV of %s from %s rejected (%s): %s", msg.request_id, self.address, e.reason, e)
             self.owner.stats.reject(e.reason)
-            self.owner._fail(t, f"KV from producer {self.address} rejected ({e.reason}): {e}")
+            self.owner.failed(t, f"KV from producer {self.address} rejected ({e.reason}): {e}")
             if e.reason == STALE:
                 return  # not this transfer's DONE: no ACK on its behalf
         else:
-            self.owner._done(t, msg.first_token, msg.first_logprobs, msg.choices, msg.cached_tokens)
-        self._ack(msg.request_id)  # after _done: the engine sees the request first
+            self.owner.landed(t, msg.first_token, msg.first_logprobs, msg.choices, msg.cached_tokens)
+        self._ack(msg.request_id)  # after landed(): the engine sees the request first
 
     def _ack(self, request_id: str) -> None:
         ack = Ack(request_id=request_id)
