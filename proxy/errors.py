@@ -17,7 +17,7 @@ class ProxyError(Exception):
     """An error the client should see; ``kind`` labels the errors metric, ``code`` is OpenAI's word."""
 
     status = 500
-    code: str | None = "internal_error"
+    code: str = "internal_error"
     kind = "internal"
     param: str | None = None
     role: str | None = None  # the node's role and address, when a node is to blame

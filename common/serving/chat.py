@@ -24,7 +24,7 @@ router = APIRouter()
 def chat_prompt_token_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
     """Render the template (it adds any BOS itself), then encode without special tokens."""
     if not body.messages:
-        raise OpenAIError("messages is empty", param="messages")
+        raise OpenAIError("messages is empty", param="messages", code="empty_messages")
     if tokenizer is None:
         raise OpenAIError("this model has no tokenizer, so no chat template; use /v1/completions",
                           param="messages")
@@ -36,7 +36,8 @@ def chat_prompt_token_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[i
         # or a model without one); either way the client sent something we cannot render.
         if type(exc).__name__ != "ChatTemplateError":
             raise
-        raise OpenAIError(f"cannot apply the chat template: {exc}", param="messages") from exc
+        raise OpenAIError(f"cannot apply the chat template: {exc}", param="messages",
+                          code="chat_template_error") from exc
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

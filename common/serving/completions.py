@@ -26,16 +26,17 @@ def prompt_token_ids(tokenizer: Any, prompt: Prompt) -> list[list[int]]:
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
-        raise OpenAIError("prompt is empty", param="prompt")
+        raise OpenAIError("prompt is empty", param="prompt", code="empty_prompt")
     if _token_ids(prompt):
         return [list(prompt)]  # type: ignore[arg-type]
     prompts: list[list[int]] = []
     for item in prompt:
         if isinstance(item, str):
             if not item:
-                raise OpenAIError("prompt is empty", param="prompt")
+                raise OpenAIError("prompt is empty", param="prompt", code="empty_prompt")
             if tokenizer is None:
-                raise OpenAIError("this model has no tokenizer; send the prompt as token ids", param="prompt")
+                raise OpenAIError("this model has no tokenizer; send the prompt as token ids", param="prompt",
+                                  code="no_tokenizer")
             prompts.append(list(tokenizer.encode(item, add_special_tokens=True)))
         else:
             prompts.append(list(item))
@@ -67,7 +68,7 @@ async def create_completion(
     with openai_errors(request_id):
         ctx.check_model(body)
         if body.echo:
-            raise OpenAIError("echo is not supported", param="echo")
+            raise OpenAIError("echo is not supported", param="echo", code="unsupported_parameter")
         num_chars = prompt_chars(body.prompt)
         ctx.check_prompt_chars(num_chars, "prompt")
         prompts = await ctx.off_loop(num_chars, prompt_token_ids, ctx.tokenizer, body.prompt)

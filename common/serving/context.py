@@ -165,10 +165,11 @@ class ServingContext:
         limit = self.engine.max_model_len
         for tokens in prompts:
             if not tokens:
-                raise OpenAIError("prompt is empty", param="prompt")
+                raise OpenAIError("prompt is empty", param="prompt", code="empty_prompt")
             if vocab is not None and (min(tokens) < 0 or max(tokens) >= vocab):  # C loops, then find it
                 bad = next(t for t in tokens if not 0 <= t < vocab)
-                raise OpenAIError(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+                raise OpenAIError(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt",
+                                  code="invalid_value")
             if len(tokens) >= limit:  # no room for a token; not phrased by max_tokens (a prefill leg's is 1)
                 raise OpenAIError(
                     f"this model's maximum context length is {limit} tokens; "
@@ -196,7 +197,8 @@ class ServingContext:
                 code="untagged_request",
             )
         if num_prompts != 1:
-            raise OpenAIError(f"a {role} node serves one prompt per request", param="prompt")
+            raise OpenAIError(f"a {role} node serves one prompt per request", param="prompt",
+                              code="unsupported_value")
         if role == "prefill" and tags.local_prefill:
             raise OpenAIError("this request is marked for a local prefill on its decode node; a prefill "
                               "node has nothing to do for it", param="X-Request-Id", code="local_prefill")

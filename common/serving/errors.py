@@ -40,13 +40,36 @@ ERROR_TYPES = {
 }
 
 
+# The ``code`` of an error raised without its own word: never null (clients branch on it).
+STATUS_CODES = {
+    400: "invalid_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "request_too_large",
+    429: "rate_limited",
+    500: "internal_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+def default_code(status: int) -> str:
+    """The ``code`` for an error with no more specific word."""
+    return STATUS_CODES.get(status, "invalid_request" if status < 500 else "internal_error")
+
+
 def error_type(status: int) -> str:
     """The OpenAI ``type`` for an HTTP status (4xx: the client's request, 5xx: ours)."""
     return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """``{"error": {"message", "type", "param", "code"}}``: the one error shape of proxy and nodes."""
+def error_body(message: str, type: str, param: str | None, code: str) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}``: the one error shape of proxy and nodes
+    (``code`` is always a word; ``param`` may be null)."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -67,7 +90,7 @@ class OpenAIError(Exception):
         self.status = status
         self.type = type or error_type(status)
         self.param = param
-        self.code = code
+        self.code = code or default_code(status)
         self.request_id: str | None = None  # set once the route knows it, echoed in the header
 
     def body(self) -> dict[str, Any]:
@@ -146,7 +169,7 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     """The first problem of a body that failed validation, naming the field."""
     errors = exc.errors()
     if not errors:
-        return OpenAIError("invalid request body", param="body")
+        return OpenAIError("invalid request body", param="body", code="invalid_body")
     first = errors[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":

@@ -187,7 +187,7 @@ async def _refusals_as_400(stream: AsyncIterator[RequestOutput]) -> AsyncIterato
     except StopAsyncIteration:
         return
     except ValueError as exc:
-        raise OpenAIError(f"the engine refused the request: {exc}") from exc
+        raise OpenAIError(f"the engine refused the request: {exc}", code="invalid_request") from exc
     yield first
     async for out in iterator:
         yield out

@@ -37,7 +37,7 @@ class ResponseFormats:
                 return self._json_object
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise OpenAIError("response_format of type json_schema needs json_schema.schema",
-                                  param="response_format.json_schema")
+                                  param="response_format.json_schema", code="missing_field")
             return await asyncio.to_thread(self._compiler_or_400().json_schema, fmt.json_schema.schema_)
         except GrammarError as exc:
             raise OpenAIError(str(exc), param=exc.param, code="invalid_value") from None
@@ -46,6 +46,7 @@ class ResponseFormats:
         if self._compiler is None:
             backend = getattr(self._tokenizer, "backend_json", None)
             if backend is None or not self._vocab_size:
-                raise OpenAIError("this model has no tokenizer, so no response_format", param="response_format")
+                raise OpenAIError("this model has no tokenizer, so no response_format", param="response_format",
+                                  code="no_tokenizer")
             self._compiler = GrammarCompiler(backend(), self._vocab_size, self._tokenizer.eos_token_ids)
         return self._compiler

@@ -31,7 +31,8 @@ def resumed_prompts(resume_ids: list[int] | None, prompts: list[list[int]], para
         return prompts
     if tags is None or len(prompts) != 1:
         raise OpenAIError(f"{RESUME_FIELD} is for a pdserve proxy's requests (a tagged X-Request-Id, one prompt)",
-                          param=RESUME_FIELD)
+                          param=RESUME_FIELD,
+                          code="invalid_value")
     params.resumed_tokens = len(resume_ids)
     return [prompts[0] + list(resume_ids)]
 
