@@ -78,9 +78,10 @@ def test_parity_with_colocated(nodes: dict, order: str, stream: bool, length: in
     assert expected[1] == 12
 
 
+# the embedded model only: chat text tokenizes past the random checkpoint's 256-token vocabulary
+# (the completions cases above cover that checkpoint's disaggregation)
+@pytest.mark.parametrize("nodes", ["embedded"], indirect=True)
 def test_chat_parity(nodes: dict) -> None:
-    if nodes["model"] != "embedded":
-        pytest.skip("chat text tokenizes past the random checkpoint's 256-token vocabulary")
     body = {"messages": [{"role": "user", "content": "How do I read a file in Python?"}],
             "max_tokens": 10, "temperature": 0, "ignore_eos": True}
     expected = _colocated(nodes["both"], body, "/v1/chat/completions")
