@@ -2,7 +2,9 @@
 
 One schema from flags to engine: ``NodeConfig`` subclasses the engine's ``EngineConfig``, so
 every engine option is a flag, a ``PDSERVE_*`` variable and a TOML key, validated once when
-the flags are read, and the node hands the engine its own config. The generic flags/env/TOML loader lives in :mod:`common.options`; its public names are
+the flags are read, and the node hands the engine its own config.
+
+The generic flags/env/TOML loader lives in :mod:`common.options`; its public names are
 re-exported here so ``from common.config import load_config`` keeps working.
 """
 
