@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.model.tensor_parallel import TPShard, row_parallel
+
 
 def load_fused_ops() -> ModuleType:
     """The fused Triton kernels (``common.model.fused_ops``); imports triton, so call it only when they run."""
@@ -114,10 +116,14 @@ def apply_rotary(
 
 
 class GatedMLP(nn.Module):
-    """SiLU-gated MLP with gate and up projections packed into one matmul."""
+    """SiLU-gated MLP with gate and up projections packed into one matmul.
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    Under tensor parallelism ``intermediate_size`` is this rank's share: gate/up are its
+    columns, down_proj its rows, summed over the ranks (``tensor_parallel.row_parallel``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPShard | None = None) -> None:
         super().__init__()
+        self.tp = tp or TPShard()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -134,6 +140,6 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, fused: ModuleType | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if fused is not None and gate_up.dim() == 2:
-            return self.down_proj(fused.silu_and_mul(gate_up))
+            return row_parallel(self.down_proj, fused.silu_and_mul(gate_up), self.tp)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return row_parallel(self.down_proj, F.silu(gate) * up, self.tp)

@@ -3,6 +3,9 @@
 Parameter names follow the Hugging Face checkpoints except for the packed projections
 (``qkv_proj`` = q/k/v, ``gate_up_proj`` = gate/up); ``packed_modules_mapping`` tells the
 loader where each checkpoint tensor goes.
+
+Built with a ``TPShard`` of size N, the model is one rank's part of a tensor-parallel model
+(``tensor_parallel``): its heads, MLP columns and vocab rows, joined by collectives.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from common.model.attention_metadata import AttentionMetadata
 from common.model.attn_backends.sdpa import SdpaBackend
 from common.model.config import ModelConfig
 from common.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, load_fused_ops
+from common.model.tensor_parallel import TPShard, embed, logits, row_parallel, shard_sizes
 
 
 @dataclass
@@ -35,10 +39,12 @@ class StepInputs:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPShard) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        shard = shard_sizes(config, tp)
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = d = config.head_dim
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.scale = d**-0.5
@@ -71,14 +77,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q, step.fused), self.k_norm(k, step.fused)
         q, k = apply_rotary(q, step.cos, step.sin, step.fused), apply_rotary(k, step.cos, step.sin, step.fused)
         write_kv(kv_cache, k, v, step.slots)
-        return self.o_proj(step.backend.forward(q, k, v, kv_cache, step.plan, self.scale))
+        return row_parallel(self.o_proj, step.backend.forward(q, k, v, kv_cache, step.plan, self.scale), self.tp)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPShard) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = Attention(config, tp)
+        self.mlp = GatedMLP(config.hidden_size, shard_sizes(config, tp).intermediate_size, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -88,10 +94,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPShard) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.embed_tokens = nn.Embedding(shard_sizes(config, tp).vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -109,13 +115,14 @@ class CausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPShard | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp or TPShard()
         self.attn_backend: AttentionBackend = SdpaBackend()  # the engine sets its choice at start,
         self.use_fused_ops = False  # and this one (attention.use_kernels)
-        self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DecoderModel(config, self.tp)
+        self.lm_head = nn.Linear(config.hidden_size, shard_sizes(config, self.tp).vocab_rows, bias=False)
         if config.tie_word_embeddings:
             self.tie_weights()
 
@@ -150,7 +157,7 @@ class CausalLM(nn.Module):
         plan = self.attn_backend.plan(attn_metadata, device)
         fused = load_fused_ops() if self.use_fused_ops else None
         step = StepInputs(self.attn_backend, plan, attn_metadata.slot_mapping.to(device), cos, sin, fused)
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = embed(self.model.embed_tokens, input_ids, self.tp)
         for i, layer in enumerate(self.model.layers):
             hidden = layer(hidden, kv_caches[i], step)
             if on_layer_done is not None:
@@ -159,4 +166,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [n, vocab] for the given hidden states."""
-        return self.lm_head(hidden).float()
+        return logits(self.lm_head, hidden, self.tp, self.config.vocab_size)

@@ -3,6 +3,9 @@
 The model is built on the ``meta`` device (no memory, no init cost), materialised empty on
 the target device, then every parameter is filled from ``*.safetensors`` exactly once.
 Checkpoint tensors that we keep packed go through the parameter's ``weight_loader``.
+
+A tensor-parallel rank (``tp`` of size N) reads only its slice of each sharded tensor
+(``safe_open(...).get_slice``), so a rank's peak is its share of the weights, not all of them.
 """
 
 from __future__ import annotations
@@ -16,21 +19,27 @@ from safetensors import safe_open
 
 from common.model.config import ModelConfig, ModelFilesError, ModelLoadError
 from common.model.llama import CausalLM
+from common.model.tensor_parallel import TPShard, check_split, checkpoint_slice
 
 # Buffers some older checkpoints saved; we recompute them.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_VOCAB_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
 def load_model(
-    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    tp: TPShard | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
-    """Build the model in ``path`` on ``device`` in ``dtype``, ready for inference."""
+    """Build the model in ``path`` (rank ``tp``'s part of it) on ``device`` in ``dtype``, ready for
+    inference; TensorParallelError when its heads do not split over ``tp.size`` ranks."""
     directory = Path(path)
     config = ModelConfig.from_dir(directory)
+    tp = tp or TPShard()
+    check_split(config, tp.size)
     device = torch.device(device)
     files = checkpoint_files(directory)
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, tp)
     model.to(dtype).materialize(device)
     _load_weights(model, files)
     model.eval()
@@ -54,11 +63,16 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_tensors(files: list[Path], config: ModelConfig, tp: TPShard) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                part = checkpoint_slice(name, config, tp)
+                if part is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    dim, start, stop = part
+                    yield name, f.get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
 
 
 def _load_weights(model: CausalLM, files: list[Path]) -> None:
@@ -70,7 +84,7 @@ def _load_weights(model: CausalLM, files: list[Path]) -> None:
                 shards_needed[name] += 1
     loaded: dict[str, int] = {}
     unexpected: list[str] = []
-    for name, tensor in _read_tensors(files):
+    for name, tensor in _read_tensors(files, model.config, model.tp):
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
@@ -81,7 +95,11 @@ def _load_weights(model: CausalLM, files: list[Path]) -> None:
             unexpected.append(name)
             continue
         with torch.no_grad():
-            if shard is None:
+            if shard is None and tensor.shape[0] < param.shape[0] and name.endswith(_VOCAB_TENSORS):
+                _check_shape(name, param[: tensor.shape[0]], tensor)  # the last rank's vocab rows, padded
+                param[: tensor.shape[0]].copy_(tensor)
+                param[tensor.shape[0] :].zero_()
+            elif shard is None:
                 _check_shape(name, param, tensor)
                 param.copy_(tensor)
             else:
