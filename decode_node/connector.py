@@ -1,21 +1,23 @@
 """The consumer connector: the decode daemon's two connector halves.
 
-A tagged request's life here (its id names a prefill node), by the scheduler side's
-table (:class:`~common.engine.kv_connector.ConnectorState`):
+A tagged request's life here (its id names a prefill node), by its one record in the
+consumer's table (:class:`~common.kv_transfer.consumer_table.ConsumerTable`, shared with
+the transfer engine at ``bind``; the states are
+:class:`~common.engine.kv_connector.ConnectorState`'s):
 
 1. **LOAD_PENDING** — the scheduler allocated blocks for the whole prompt and parked the
    request (blocks held, no running slot). Blocks of a prefix this node already has cached
    are taken as they are; the ``LoadSpec`` asks only for the blocks after them
    (``first_block``; the prefill node still computes what it lacks itself).
-2. **LOADING** — the load went out in the step's metadata; the worker asked the prefill
-   node, and the KV lands straight in the blocks. The worker reports the landed request
-   with the prefill node's first token (and its logprobs): the engine appends it and
-   decodes on, no recompute of the last prompt token. A failed transfer ends the request
-   with an error and frees its blocks.
-3. **ABORTING** — aborted (client gone, timeout) while LOADING: the receiving thread could
-   still be writing into the blocks, so they are held until the worker reports the
-   receive stopped. Aborted while LOAD_PENDING (not yet handed to the worker), the load is
-   dropped and the blocks are freed at once.
+2. **LOADING** — the load went out in the step's metadata; the worker asked the transfer
+   engine (QUEUED, PULLED, RECEIVING), and the KV lands straight in the blocks. The worker
+   reports the landed request with the prefill node's first token (and its logprobs): the
+   engine appends it and decodes on, no recompute of the last prompt token. A failed
+   transfer ends the request with an error and frees its blocks.
+3. **ABORTING** — aborted (client gone, timeout) while the KV may still land: the receiving
+   thread could still be writing into the blocks, so they are held until the worker reports
+   the receive stopped. Aborted while LOAD_PENDING (not yet handed to the worker), the load
+   is dropped and the blocks are freed at once.
 
 **Override** (adaptive disaggregation): the proxy tags a request remote from an estimate of
 what this node caches; the scheduler knows it exactly. When the prompt is mostly cached here
@@ -38,9 +40,13 @@ from typing import TYPE_CHECKING
 from common.engine.kv_connector import (ConnectorState, FinishedTransfers, KVConnector, KVConnectorMetadata,
                                         KVConnectorScheduler, LoadSpec, TransferWorker)
 from common.kv_transfer.config import TransferError
+from common.kv_transfer.consumer_table import ConsumerTable
 
 if TYPE_CHECKING:
+    import torch
+
     from common.engine.sequence import Sequence
+    from common.kv_transfer.engine import KVTransferEngine
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,10 @@ class ConsumerScheduler(KVConnectorScheduler):
     def __init__(self) -> None:
         super().__init__()
         self.overrides: collections.Counter[str] = collections.Counter()  # reason -> remote tags computed here
+        self.table = ConsumerTable()  # until bind: then the transfer engine's (one table a side)
+
+    def state(self, request_id: str) -> ConnectorState | None:
+        return self.table.state(request_id)
 
     def num_external_tokens(self, seq: Sequence) -> int:
         return seq.num_prompt_tokens if prefill_addr(seq) else 0
@@ -74,7 +84,7 @@ class ConsumerScheduler(KVConnectorScheduler):
     def on_blocks_allocated(self, seq: Sequence, first_block: int) -> None:
         addr = prefill_addr(seq)
         assert addr is not None
-        self.table[seq.request_id] = ConnectorState.LOAD_PENDING
+        self.table.plan(seq.request_id)
         self._loads.append(LoadSpec(seq.request_id, addr, tuple(seq.block_table[first_block:]), first_block,
                                     seq.num_prompt_tokens))
         logger.info("request %s: %d blocks allocated (%d cached), asking %s for %d tokens of KV",
@@ -82,39 +92,30 @@ class ConsumerScheduler(KVConnectorScheduler):
 
     def request_finished(self, seq: Sequence) -> bool:
         rid = seq.request_id
-        state = self.table.get(rid)
-        if state is ConnectorState.LOAD_PENDING:  # the worker never heard of it: nothing writes there
-            del self.table[rid]
+        if self.table.unplan(rid):  # the worker never heard of it: nothing writes there
             self._loads = [load for load in self._loads if load.request_id != rid]
             return False
-        if state is not ConnectorState.LOADING:
+        if not self.table.abort(rid):  # landed, failed or never loaded: nothing more lands there
             return False
-        self.table[rid] = ConnectorState.ABORTING
         self._aborts.append(rid)
         logger.info("request %s: aborted while its KV was arriving; blocks held until the receive stops", rid)
         return True
 
+    def build_meta(self, seqs: list[Sequence] | None = None,
+                   num_new_tokens: list[int] | None = None) -> KVConnectorMetadata:
+        for load in self._loads:
+            self.table.issue(load.request_id)
+        return super().build_meta(seqs, num_new_tokens)
+
     def update_finished(self, finished: FinishedTransfers) -> FinishedTransfers:
-        table = self.table
-
-        def loading(rid: str) -> bool:
-            return table.get(rid) is ConnectorState.LOADING
-
-        # a landing or failure that raced an abort is dropped: the abort's stop report frees the blocks
-        done = {rid: tok for rid, tok in finished.done_recving.items() if loading(rid)}
-        failed = {rid: err for rid, err in finished.failed_recving.items() if loading(rid)}
-        stopped = {rid for rid in finished.stopped if table.get(rid) is ConnectorState.ABORTING}
-        for rid in (*done, *failed, *stopped):
-            del table[rid]
-        for rid in done:
+        """The worker's report as it is: the table already ignored a landing or failure that
+        raced an abort, and the scheduler applies it only to what it still parks or holds."""
+        for rid in finished.done_recving:
             logger.info("request %s: KV received, decoding", rid)
-        for rid, err in failed.items():
+        for rid, err in finished.failed_recving.items():
             logger.warning("request %s: KV transfer failed: %s", rid, err)
-        logprobs = {rid: lp for rid, lp in finished.first_logprobs.items() if rid in done}
-        choices = {rid: c for rid, c in finished.choice_firsts.items() if rid in done}
-        cached = {rid: n for rid, n in finished.cached_tokens.items() if rid in done}
-        return FinishedTransfers(stopped=stopped, done_recving=done, failed_recving=failed,
-                                 first_logprobs=logprobs, choice_firsts=choices, cached_tokens=cached)
+        self.table.forget((*finished.done_recving, *finished.failed_recving), finished.stopped)
+        return finished
 
 
 class ConsumerWorker(TransferWorker):
@@ -159,3 +160,9 @@ class ConsumerConnector(KVConnector):
 
     def __init__(self) -> None:
         super().__init__(ConsumerScheduler(), ConsumerWorker())
+
+    def bind(self, transfer: KVTransferEngine, kv_caches: list[torch.Tensor]) -> None:
+        """The worker gets the transfer engine; the scheduler side reads the engine's table."""
+        super().bind(transfer, kv_caches)
+        assert isinstance(self.scheduler, ConsumerScheduler) and not self.scheduler.table
+        self.scheduler.table = transfer.consumer.table

@@ -4,16 +4,18 @@ A tagged request's life here (its id names a decode node):
 
 1. **prefill** — the engine schedules it like any request (chunked when long). For the
    pass that completes the prompt the scheduler side puts a ``SaveSpec`` (row, decode
-   node, block table) in the step's metadata (state SAVING); after each layer the worker
+   node, block table) in the step's metadata; after each layer the worker
    offers that layer to the transfer engine, which pushes it only if the decode node has
    already asked (else the KV stays in the paged blocks).
 2. **hand-over** — sampling the first token finishes the request (max_tokens is 1 here).
-   The scheduler side records a ``HandoverSpec`` (first token, its logprobs, blocks) and
-   holds the blocks (HANDED_OVER); the engine passes it to the worker at the end of that
-   same step, which calls the transfer engine's ``finish`` (the lease starts; the rest of
-   the KV and the first token go out whenever the decode node asks).
-3. **release** — the worker reports the request freeable (acknowledged by the decode
-   node, aborted, failed, or its lease expired); the scheduler frees the blocks.
+   The scheduler side marks its record HANDED_OVER in the producer's one table
+   (:class:`~common.kv_transfer.producer_table.ProducerTable`, shared with the transfer
+   engine at ``bind``), records a ``HandoverSpec`` (first token, its logprobs, blocks) and
+   holds the blocks; the engine issues it to the worker at the end of that same step, which
+   calls the transfer engine's ``finish`` (HELD: the lease starts; the rest of the KV and the
+   first token go out whenever the decode node asks: SENDING, AWAITING_ACK).
+3. **release** — the worker reports the request freeable (RELEASED: acknowledged by the
+   decode node, aborted, failed, or its lease expired); the scheduler frees the blocks.
 
 A request that ends before its first token (aborted, failed) is discarded: its blocks are
 freed at once (no layer was pushed: that happens only in the pass that samples) and the
@@ -32,9 +34,11 @@ import torch
 from common.engine.kv_connector import (ConnectorState, DiscardSpec, FinishedTransfers, HandoverSpec,
                                         KVConnector, KVConnectorMetadata, KVConnectorScheduler,
                                         SaveSpec, TransferWorker)
+from common.kv_transfer.producer_table import ProducerTable
 
 if TYPE_CHECKING:
     from common.engine.sequence import Sequence
+    from common.kv_transfer.engine import KVTransferEngine
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +50,19 @@ def decode_addr(seq: Sequence) -> str | None:
 class ProducerScheduler(KVConnectorScheduler):
     """Decides what the prefill node saves, hands over and discards; holds no transfer engine."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = ProducerTable()  # until bind: then the transfer engine's (one table a side)
+
+    def state(self, request_id: str) -> ConnectorState | None:
+        return self.table.state(request_id)
+
     def saves(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[SaveSpec]:
         out = []
         for row, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
             addr = decode_addr(seq)
             # only the pass that completes the prompt: earlier chunks are sent from the blocks later
             if addr and seq.num_computed_tokens + n == seq.num_prompt_tokens:
-                self.table[seq.request_id] = ConnectorState.SAVING
                 out.append(SaveSpec(seq.request_id, row, addr, tuple(seq.block_table), seq.num_prompt_tokens))
         return out
 
@@ -64,7 +74,7 @@ class ProducerScheduler(KVConnectorScheduler):
             return False
         rid = seq.request_id
         if seq.output_token_ids and seq.finish_reason in ("length", "stop"):
-            self.table[rid] = ConnectorState.HANDED_OVER
+            self.table.hand_over(rid)
             logprobs = tuple(seq.logprobs[0].items()) if seq.logprobs else None
             choices = tuple((t, tuple((lp or {}).items())) for t, lp in seq.choice_firsts)  # n > 1
             self._handovers.append(HandoverSpec(rid, addr, seq.output_token_ids[0], logprobs,
@@ -73,18 +83,17 @@ class ProducerScheduler(KVConnectorScheduler):
             logger.info("request %s: prefill done, KV held for %s (%d blocks)", rid, addr,
                         len(seq.block_table))
             return True
-        self.table.pop(rid, None)
         why = f"prefill ended ({seq.finish_reason}) before the first token"
         logger.info("request %s: %s; KV dropped", rid, why)
         self._discards.append(DiscardSpec(rid, why))
         return False
 
     def update_finished(self, finished: FinishedTransfers) -> FinishedTransfers:
-        freeable = {rid for rid in finished.freeable if self.table.get(rid) is ConnectorState.HANDED_OVER}
-        for rid in freeable:
-            del self.table[rid]
+        """The worker's report as it is: the scheduler frees only what it still holds."""
+        for rid in finished.freeable:
             logger.info("request %s: KV released", rid)
-        return FinishedTransfers(freeable=freeable)
+        self.table.forget(finished.freeable)
+        return finished
 
 
 class ProducerWorker(TransferWorker):
@@ -120,3 +129,9 @@ class ProducerConnector(KVConnector):
 
     def __init__(self) -> None:
         super().__init__(ProducerScheduler(), ProducerWorker())
+
+    def bind(self, transfer: KVTransferEngine, kv_caches: list[torch.Tensor]) -> None:
+        """The worker gets the transfer engine; the scheduler side reads the engine's table."""
+        super().bind(transfer, kv_caches)
+        assert isinstance(self.scheduler, ProducerScheduler) and not self.scheduler.table
+        self.scheduler.table = transfer.producer.table

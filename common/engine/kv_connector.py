@@ -14,7 +14,8 @@ no transfer engine, no network. It decides, from the ``Sequence`` objects it see
     discarded, which loads are aborted, and which requests tagged for a load compute their
     few uncached tokens here instead (``prefill_here``; the peer is told to drop the KV);
   * whether the scheduler holds a finished request's blocks (``request_finished``), read
-    from its one table of live transfers (``table``: request id -> :class:`ConnectorState`).
+    from the side's one table of transfers (request id -> record with one
+    :class:`ConnectorState`), which the transfer engine updates too (shared at ``bind``).
 Everything decided since the last metadata goes into the next :class:`KVConnectorMetadata`
 (``build_meta``): frozen dataclasses of ids, ints and strings, no ``Sequence``. The engine
 gives the workers the one built at schedule time before the forward, and what the step's
@@ -26,8 +27,8 @@ the transfer engine. Per step: ``issue(meta)`` with the metadata built at schedu
 before the forward (loads, discards, aborts), and again at the end of the step with what
 its postprocess decided (hand-overs), ``save_kv_layer(layer_idx, kv_layer, meta)`` after each
 attention layer when ``meta.saves`` is not empty, ``get_finished()`` polled at the start of
-every step. It keeps no table of live transfers: a request's state on the wire is the
-transfer engine's (``ProducerState`` / ``TransferState``), read there in one place.
+every step. It keeps no table of live transfers: the side's one table, which the scheduler
+side reads, is the transfer engine's.
 
 Tensor parallelism: each of N workers would get the same metadata (block ids are the same
 on every rank; each rank moves its own heads) and the scheduler side needs no change; only
@@ -115,7 +116,8 @@ EMPTY_METADATA = KVConnectorMetadata()
 
 @dataclass
 class FinishedTransfers:
-    """What the worker side reports each step (raw: the scheduler side checks it against its table)."""
+    """What the worker side reports each step (the scheduler applies it to the sequences it still
+    parks or holds; a report for any other request is ignored)."""
 
     # producer: requests whose KV the peer acknowledged (or that were aborted, failed or whose
     # lease expired): their blocks may be freed now
@@ -135,23 +137,48 @@ class FinishedTransfers:
 
 
 class ConnectorState(enum.Enum):
-    """A live transfer as the scheduler side sees it (absent from the table: none)."""
+    """Where one transfer is: the one state of its one record, on either side.
 
-    LOAD_PENDING = "load_pending"  # consumer: blocks allocated; the load goes out with the next metadata
-    LOADING = "loading"  # consumer: load handed to the worker; KV lands in the blocks
-    ABORTING = "aborting"  # consumer: aborted after hand-off; blocks held until the receive stops
-    SAVING = "saving"  # producer: the pass that completes the prompt saves each layer
-    HANDED_OVER = "handed_over"  # producer: first token handed over; blocks held until the peer is done
+    The record and its transitions belong to the side's table in the transfer layer
+    (``common/kv_transfer/consumer_table.py``, ``producer_table.py``; their docstrings hold the
+    tables). The scheduler side sets the states it decides (marked *scheduler*) and reads the
+    others there; the transfer engine's threads set the rest.
+    """
+
+    # consumer (decode node)
+    LOAD_PENDING = "load_pending"  # scheduler: blocks allocated; the load goes out with the next metadata
+    LOADING = "loading"  # scheduler: the load is in the step's metadata, on its way to the transfer engine
+    QUEUED = "queued"  # handed to the link thread; handshake (if no pair yet) and PULL next
+    PULLED = "pulled"  # both: the PULL is out (consumer) / in (producer); no byte moved yet
+    RECEIVING = "receiving"  # layers landing in the blocks; DONE finishes it
+    LANDED = "finished"  # every layer and DONE in and checked: the first token waits for a poll
+    REPORTED = "reported"  # polled; DONE's logprobs, choices and cached count wait to be taken
+    FAILED = "failed"  # ended with an error that waits for a poll
+    ABORTING = "aborting"  # scheduler: aborted while KV may still land in the blocks (held)
+    STOPPED = "stopped"  # aborted, nothing writes into the blocks any more: waits for a poll
+    # producer (prefill node)
+    RESERVED = "reserved"  # admitted while nobody asked for its KV: counted against the unclaimed limit
+    HANDED_OVER = "handed_over"  # scheduler: first token sampled, blocks held; the hand-over is on its way
+    HELD = "held"  # prefill finished, nobody asked yet: KV waits in the blocks under a lease
+    SENDING = "sending"  # pulled and finished: every layer and DONE queued on the pair
+    AWAITING_ACK = "awaiting_ack"  # DONE sent; freed on ACK, or when the lease ends
+    RELEASED = "released"  # the blocks may be freed: waits for a poll
+    DROPPED = "dropped"  # aborted, failed or expired; kept a while to answer a late PULL
+
+    @property
+    def receiving(self) -> bool:
+        """Consumer: the load is out and KV may still land in its blocks."""
+        return self in (ConnectorState.LOADING, ConnectorState.QUEUED, ConnectorState.PULLED,
+                        ConnectorState.RECEIVING)
 
 
 class KVConnectorScheduler:
     """Scheduler side with no transfer (role ``both``); the roles override the decisions.
 
-    Holds no transfer engine: every decision lands in ``table`` and in the pending lists
-    that ``build_meta`` drains."""
+    Holds no transfer engine: decisions land in the pending lists that ``build_meta`` drains;
+    a role's states live in its one table of transfers (``state`` reads it)."""
 
     def __init__(self) -> None:
-        self.table: dict[str, ConnectorState] = {}
         self._loads: list[LoadSpec] = []
         self._handovers: list[HandoverSpec] = []
         self._discards: list[DiscardSpec] = []
@@ -159,7 +186,8 @@ class KVConnectorScheduler:
         self._releases: list[tuple[str, str]] = []
 
     def state(self, request_id: str) -> ConnectorState | None:
-        return self.table.get(request_id)
+        """The request's transfer state (None: no transfer)."""
+        return None
 
     # ---- decisions (called by the Scheduler) ---------------------------------------------
     def num_external_tokens(self, seq: Sequence) -> int:
@@ -197,8 +225,6 @@ class KVConnectorScheduler:
         saves = self.saves(seqs, num_new_tokens or []) if seqs else []
         if not (saves or self.has_pending()):
             return EMPTY_METADATA
-        for load in self._loads:
-            self.table[load.request_id] = ConnectorState.LOADING
         meta = KVConnectorMetadata(tuple(self._loads), tuple(saves), tuple(self._handovers),
                                    tuple(self._discards), tuple(self._aborts), tuple(self._releases))
         self._loads, self._handovers, self._discards, self._aborts, self._releases = [], [], [], [], []

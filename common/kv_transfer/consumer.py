@@ -1,7 +1,7 @@
 """Consumer side (decode node): ask a producer for a request's KV and land it in blocks.
 
-A request's life here: ``request`` (engine thread) makes its one record
-(:class:`~common.kv_transfer.consumer_record.Transfer`) and hands it to the producer's
+A request's life here: ``request`` (engine thread) starts its one record
+(:class:`~common.kv_transfer.consumer_table.Transfer`) and hands it to the producer's
 :class:`~common.kv_transfer.receiver.PairReceiver` thread, which makes sure a pair exists
 (handshake: layout check, transport choice, pair build), sends PULL, then for each LAYER
 notice receives the bytes into ``kv_caches[layer][:, block_ids]`` (tcp: straight into the
@@ -10,21 +10,9 @@ producer already wrote them). DONE carries the first token; the link ACKs and th
 shows up in ``poll_finished``. A dead producer (failed receive, unanswered ping), an error
 from the producer or ``abort`` end it.
 
-:class:`KVConsumer` owns the records (``_transfers``, request id -> record) and makes every
-state change, under its lock; the link thread asks it through the public methods below.
-
-| state     | entered by (thread)                                  | next                          |
-|-----------|------------------------------------------------------|-------------------------------|
-| QUEUED    | ``request`` (engine)                                 | PULLED, FAILED, ABORTING      |
-| PULLED    | ``advance``: PULL sent (link)                        | RECEIVING, LANDED, FAILED, ABORTING |
-| RECEIVING | ``advance``: a layer landed (link)                   | LANDED, FAILED, ABORTING      |
-| LANDED    | ``landed``: DONE checked (link)                      | REPORTED (``poll_finished``); STOPPED (``abort``) |
-| REPORTED  | ``poll_finished`` (engine)                           | removed by ``take_landed`` or the next ``poll_finished`` |
-| FAILED    | ``failed`` (link), or ``request`` refusing a peer    | removed by ``poll_finished``; STOPPED (``abort``) |
-| ABORTING  | ``abort`` of a live transfer (engine)                | STOPPED (``abort_stopped``, link) |
-| STOPPED   | ``abort_stopped`` (link), or ``abort`` of one no link works on | removed by ``poll_aborted`` |
-
-A landing or failure that races an abort is ignored: the record is ABORTING by then.
+The records and their states live in one :class:`~common.kv_transfer.consumer_table.ConsumerTable`
+(``table``; its docstring has the transitions), which the decode connector's scheduler side
+reads too. The link threads report through this class's public methods.
 """
 
 from __future__ import annotations
@@ -37,9 +25,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from common.engine.kv_connector import ConnectorState
 from common.kv_layout import KVLayout
 from common.kv_transfer.config import TransferConfig, TransferError, TransferStats
-from common.kv_transfer.consumer_record import Transfer, TransferState
+from common.kv_transfer.consumer_table import ConsumerTable, Transfer
 from common.kv_transfer.messages import Abort, Message
 from common.kv_transfer.receiver import PairReceiver
 
@@ -62,8 +51,8 @@ class KVConsumer:
         self.transport = transport  # --kv-transport: what this side asks for at each handshake
         self.control: ControlPlane  # set by the engine once bound
         self._lock = threading.Lock()
-        self._links: dict[str, PairReceiver] = {}
-        self._transfers: dict[str, Transfer] = {}  # the one table: request id -> record
+        self._links: dict[str, PairReceiver] = {}  # producer address -> its link thread
+        self.table = ConsumerTable()  # the one record per transfer
         self._closed = False
         # called (from a link thread, without our lock) when a poll would return something new
         self.on_progress: Callable[[], None] = lambda: None
@@ -95,57 +84,33 @@ class KVConsumer:
             if not full:
                 if link is None:
                     link = self._links[prefill_addr] = PairReceiver(self, prefill_addr)
-                t.link = link
-                self._transfers[request_id] = t
-                link.events.put(("new", t))  # under the lock: an idle link retires only with an empty queue
+                if self.table.start(t, link):
+                    link.events.put(("new", t))  # under the lock: an idle link retires only with an empty queue
         if full:  # one thread per producer: ids naming ever new addresses must not grow them without bound
             self._refuse(t, f"{self.config.max_peers} producers already in use; not asking {prefill_addr}")
 
     def _refuse(self, t: Transfer, reason: str) -> None:
         self.stats.add(failures=1)
-        t.state, t.error = TransferState.FAILED, reason
-        with self._lock:
-            self._transfers[t.request_id] = t
+        self.table.start(t, None, error=reason)
         self.on_progress()
 
     def poll_finished(self) -> tuple[dict[str, int], dict[str, str]]:
         """(request_id -> first token for landed transfers, request_id -> error for failed ones).
         A landed one's logprobs, choices and cached count wait for :meth:`take_landed` until the
         next poll."""
-        with self._lock:
-            done, failed = {}, {}
-            for rid, t in list(self._transfers.items()):
-                if t.state is TransferState.REPORTED:
-                    del self._transfers[rid]  # nobody took its extras
-                elif t.state is TransferState.LANDED:
-                    t.state, done[rid] = TransferState.REPORTED, t.first_token
-                elif t.state is TransferState.FAILED:
-                    del self._transfers[rid]
-                    failed[rid] = t.error
-        return done, failed
+        return self.table.poll_finished()
 
     def take_landed(self, request_ids: set[str] | dict) -> dict[str, Transfer]:
         """The records of these just polled landed transfers (DONE's first-token logprobs, the
         other choices' first tokens, the producer's cached count), taken once."""
-        with self._lock:
-            out = {rid: t for rid in request_ids if (t := self._transfers.get(rid)) is not None
-                   and t.state is TransferState.REPORTED}
-            for rid in out:
-                del self._transfers[rid]
-        return out
+        return self.table.take_landed(request_ids)
 
     def abort(self, request_id: str) -> None:
         """Stop waiting for ``request_id`` and tell its producer to drop it. Its blocks may be
         reused once :meth:`poll_aborted` names it (a receive into them may still be running)."""
-        with self._lock:
-            t = self._transfers.get(request_id)
-            if t is not None and t.state.live:
-                t.state = TransferState.ABORTING
-                assert t.link is not None
-                t.link.events.put(("abort", request_id))
-                return
-            stopped = Transfer(request_id, [], 0, [], state=TransferState.STOPPED)
-            self._transfers[request_id] = stopped  # nothing receives into its blocks
+        link = self.table.stop(request_id)
+        if link is not None:
+            link.events.put(("abort", request_id))
 
     def release_remote(self, request_id: str, prefill_addr: str, connect: bool = True) -> None:
         """Tell the producer at ``prefill_addr`` to drop ``request_id`` that this side will never
@@ -154,19 +119,13 @@ class KVConsumer:
         self.control.send(prefill_addr, Abort(request_id=request_id), connect=connect)
 
     def transfer_state(self, request_id: str) -> str:
-        """The request's :class:`~common.kv_transfer.consumer_record.TransferState` value, or
-        "unknown" (never asked for, or polled)."""
-        with self._lock:
-            t = self._transfers.get(request_id)
-            return t.state.value if t is not None and t.state is not TransferState.REPORTED else "unknown"
+        """The request's :class:`~common.engine.kv_connector.ConnectorState` value, or "unknown"
+        (never asked for, or polled)."""
+        return self.table.value(request_id)
 
     def poll_aborted(self) -> set[str]:
         """Aborted requests whose receive has stopped: nothing writes into their blocks any more."""
-        with self._lock:
-            out = {rid for rid, t in self._transfers.items() if t.state is TransferState.STOPPED}
-            for rid in out:
-                del self._transfers[rid]
-        return out
+        return self.table.poll_aborted()
 
     # ---- control thread ------------------------------------------------------------------
     def handle(self, address: str, msg: Message) -> None:
@@ -203,11 +162,9 @@ class KVConsumer:
     def num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.layout.block_size)
 
-    def advance(self, t: Transfer, state: TransferState) -> None:
-        """PULL sent (PULLED) or a layer landed (RECEIVING); ignored once it left the link."""
-        with self._lock:
-            if t.state.live:
-                t.state = state
+    def advance(self, t: Transfer, state: ConnectorState) -> None:
+        """PULL sent (PULLED) or a layer landed (RECEIVING)."""
+        self.table.advance(t, state)
 
     def landed(self, t: Transfer, first_token: int, first_logprobs: list | None = None,
                choices: list | None = None, cached_tokens: int = 0) -> None:
@@ -215,29 +172,18 @@ class KVConsumer:
         self.stats.transfer_done(now - t.started, t.nbytes)
         if t.first_byte is not None:
             self.stats.transfer_rate(t.nbytes, now - t.first_byte)
-        with self._lock:
-            if not t.state.live or self._transfers.get(t.request_id) is not t:
-                return  # aborted meanwhile: the abort's stop report frees the blocks
-            t.state, t.first_token, t.cached_tokens = TransferState.LANDED, first_token, max(cached_tokens, 0)
-            if first_logprobs:
-                t.first_logprobs = {int(tok): float(lp) for tok, lp in first_logprobs}
-            t.choices = [(int(tok), {int(a): float(b) for a, b in lps} or None) for tok, lps in choices or []]
-        self.on_progress()
+        logprobs = {int(tok): float(lp) for tok, lp in first_logprobs} if first_logprobs else None
+        firsts = [(int(tok), {int(a): float(b) for a, b in lps} or None) for tok, lps in choices or []]
+        if self.table.finish(t, ConnectorState.LANDED, first_token=first_token, first_logprobs=logprobs,
+                             choices=firsts, cached_tokens=max(cached_tokens, 0)):
+            self.on_progress()
 
     def abort_stopped(self, request_id: str) -> None:
         """The link holds no receive into ``request_id``'s blocks any more."""
-        with self._lock:
-            t = self._transfers.get(request_id)
-            if t is None:
-                self._transfers[request_id] = Transfer(request_id, [], 0, [], state=TransferState.STOPPED)
-            elif t.state is TransferState.ABORTING:
-                t.state = TransferState.STOPPED
+        self.table.abort_stopped(request_id)
         self.on_progress()
 
     def failed(self, t: Transfer, reason: str) -> None:
         self.stats.add(failures=1)
-        with self._lock:
-            if not t.state.live or self._transfers.get(t.request_id) is not t:
-                return
-            t.state, t.error = TransferState.FAILED, reason
-        self.on_progress()
+        if self.table.finish(t, ConnectorState.FAILED, error=reason):
+            self.on_progress()

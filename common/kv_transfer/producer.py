@@ -1,6 +1,7 @@
 """Producer side (prefill node): hold a request's KV under a lease, push it when asked.
 
-A request's life here (:class:`ProducerState`): the consumer may PULL before or after
+A request's life here, by its one record in the :class:`~common.kv_transfer.producer_table.ProducerTable`
+(``table``; its docstring has the transitions): the consumer may PULL before or after
 prefill (PULLED or HELD). ``save_layer`` (engine thread, after each layer) queues a layer
 only if the consumer already asked (gloo/nccl: staged, if the byte budget allows; tcp and
 cuda_ipc: sent from the blocks); otherwise the KV simply stays in the paged blocks. Each
@@ -9,28 +10,26 @@ gathered): the sender orders its work after it (streams.py).
 ``finish`` starts the lease; once both the pull and the finish are in, every layer not
 yet queued is queued for the pair's sender thread, then DONE with the first token
 (SENDING, then AWAITING_ACK). The consumer's ACK, an ABORT, a failed pair or an expired
-lease make the request freeable (``poll_freeable``; DROPPED on the way).
+lease make the request freeable (RELEASED, taken by ``poll_freeable``).
 """
 
 from __future__ import annotations
 
-import collections
-import enum
 import logging
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from common.engine.kv_connector import ConnectorState
 from common.kv_layout import KVLayout
 from common.kv_transfer.config import TransferConfig, TransferStats
 from common.kv_transfer.cuda_ipc import open_cache
 from common.kv_transfer.messages import (UNKNOWN_PAIR, Abort, Ack, Error, Handshake, HandshakeOk, Message, Ok,
                                          Ping, Pull)
 from common.kv_transfer.paged import ByteBudget, block_run, gather_blocks
+from common.kv_transfer.producer_table import ProducerRequest, ProducerTable
 from common.kv_transfer.sender import PairSender, SendJob
 from common.kv_transfer.streams import StreamOps, stream_ops
 from common.kv_transfer.verify import use_checksum
@@ -43,51 +42,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class ProducerState(enum.Enum):
-    """Where a request is on the producer; read from :attr:`ProducerRequest.state`."""
-
-    PULLED = "pulled"  # the consumer asked; prefill still running (layers go out as they finish)
-    HELD = "held"  # prefill finished, nobody asked yet: KV waits in the blocks under a lease
-    SENDING = "sending"  # both in: every layer and DONE queued on the pair
-    AWAITING_ACK = "awaiting_ack"  # DONE sent; freed on ACK, or when the lease ends
-    DROPPED = "dropped"  # aborted, failed or expired: freed once prefill finished
-
-
-@dataclass
-class ProducerRequest:
-    request_id: str
-    deadline: float | None  # lease; None while layers are being sent
-    state: ProducerState  # the one place a request's progress is kept; see the module docstring
-    # first seen (the consumer's pull or prefill's finish): kv_transfer_seconds runs from here to the
-    # ACK, as the consumer's runs from its request to the last layer
-    created: float = field(default_factory=time.monotonic)
-    link: PairSender | None = None
-    # what the consumer wants: ``num_blocks`` blocks from ``first_block`` on (the consumer has
-    # the ones before). Once both the pull and ``finish`` are in, ``block_ids`` starts there.
-    num_blocks: int = 0
-    first_block: int = 0
-    first_token: int = 0
-    first_logprobs: list = field(default_factory=list)  # [[token_id, logprob], ...] for DONE
-    choices: list = field(default_factory=list)  # n > 1: DONE's ``choices``
-    cached_tokens: int = 0  # DONE's ``cached_tokens``
-    kv_caches: list[torch.Tensor] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-    remote_block_ids: list[int] = field(default_factory=list)  # the consumer's (cuda_ipc writes there)
-    ready: object | None = None  # event after the prompt's last KV write (sends from the blocks order on it)
-    queued_layers: set[int] = field(default_factory=set)
-    nonce: int = 0  # the consumer's PULL's, echoed in DONE (verify.py)
-    checksums: dict[int, int] = field(default_factory=dict)  # layer -> CRC-32 sent (checksummed pairs)
-
-    @property
-    def finished(self) -> bool:
-        """Prefill is done: the request holds blocks of its own."""
-        return self.state in (ProducerState.HELD, ProducerState.SENDING, ProducerState.AWAITING_ACK)
-
-    @property
-    def dropped(self) -> bool:  # read by the sender thread without the lock: one attribute read
-        return self.state is ProducerState.DROPPED
-
-
 class KVProducer:
     """The producer half of :class:`~common.kv_transfer.engine.KVTransferEngine`."""
 
@@ -98,13 +52,10 @@ class KVProducer:
         self.transport = transport
         self.streams = streams or stream_ops(device)  # orders the GPU paths' work (streams.py)
         self.control: ControlPlane | None = None  # set by the engine once bound
-        self._lock = threading.Lock()
-        self._requests: dict[str, ProducerRequest] = {}
+        self.table = ProducerTable()  # the one record per transfer (the connector reads it too)
+        self._lock = self.table.lock  # one lock: a record's move and the sends it queues go together
         self._links: dict[str, PairSender] = {}
-        self._freeable: set[str] = set()
-        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> why
         self._budget = ByteBudget(config.max_bytes_in_flight)
-        self._reserved: dict[str, tuple[int, float]] = {}  # admitted, not finished: id -> (blocks, deadline)
         self._closed = False
         # called when ``poll_freeable`` would return something new (may run under our lock:
         # it must neither block nor call back into the producer)
@@ -115,13 +66,17 @@ class KVProducer:
         """Admit a prefill whose KV nobody asked for yet, if what is held (or about to be) for
         unclaimed requests stays within ``limit_blocks``; forged ids cannot pin the cache."""
         now = time.monotonic()
+        records = self.table.records
         with self._lock:
-            for rid in [r for r, (_, deadline) in self._reserved.items() if deadline <= now]:
-                del self._reserved[rid]  # admitted but never finished (the client left early)
-            held = sum(len(r.block_ids) for r in self._requests.values() if r.state is ProducerState.HELD)
-            if held + sum(b for b, _ in self._reserved.values()) + num_blocks > limit_blocks:
+            if request_id in records and records[request_id].state is not ConnectorState.RESERVED:
+                return True  # already asked for (or dropped): not unclaimed KV
+            for rid in [r for r, q in records.items() if q.state is ConnectorState.RESERVED and q.deadline <= now]:
+                del records[rid]  # admitted but never finished (the client left early)
+            held = sum(len(q.block_ids) if q.state is ConnectorState.HELD else q.reserved_blocks
+                       for r, q in records.items() if r != request_id)
+            if held + num_blocks > limit_blocks:
                 return False
-            self._reserved[request_id] = (num_blocks, now + self.config.lease_s)
+            self.table.reserve(request_id, num_blocks, now + self.config.lease_s)
             return True
 
     # ---- engine thread ---------------------------------------------------------------
@@ -129,7 +84,7 @@ class KVProducer:
         """After layer ``layer_idx`` of the pass that completes the prompt: queue it if the
         consumer already asked and the staging budget has room. Never blocks on the network."""
         with self._lock:
-            req = self._requests.get(request_id)
+            req = self.table.records.get(request_id)
             if req is None or req.link is None or req.dropped or layer_idx in req.queued_layers:
                 return
             ids = block_ids[req.first_block: req.first_block + req.num_blocks]
@@ -157,20 +112,17 @@ class KVProducer:
         first token travels with its logprobs when the request asked for them, and with the
         other choices' first tokens when it asked for n > 1: ``Done.choices``)."""
         with self._lock:
-            self._reserved.pop(request_id, None)  # from now on its real blocks count
-            if request_id in self._gone:
-                self._free(request_id)  # aborted or expired while prefill ran
+            req = self.table.finish(request_id, time.monotonic() + self.config.lease_s)  # HELD
+            if req is None:
+                self.on_progress()  # aborted or expired while prefill ran: only its blocks are freed
                 return
-            req = self._requests.get(request_id) or ProducerRequest(request_id, None, ProducerState.HELD)
-            self._requests[request_id] = req
-            req.state, req.first_token = ProducerState.HELD, first_token  # SENDING below if pulled
+            req.first_token = first_token
             req.first_logprobs = [[t, lp] for t, lp in (first_logprobs or {}).items()]
             req.choices = list(choices or [])
             req.cached_tokens = cached_tokens
             req.kv_caches, req.block_ids = kv_caches, list(block_ids)[req.first_block:]
             req.ready = self._kv_written(kv_caches[0]) if kv_caches else None
-            req.deadline = time.monotonic() + self.config.lease_s
-            self._queue_rest(req)
+            self._queue_rest(req)  # SENDING if pulled
 
     def _kv_written(self, kv_layer: torch.Tensor):
         """An event after the work queued so far on the engine's stream (None on CPU)."""
@@ -180,33 +132,30 @@ class KVProducer:
         """The engine dropped the request before ``finish`` (aborted, failed): forget it, and
         tell a consumer that already asked. The caller frees the blocks itself."""
         with self._lock:
-            self._reserved.pop(request_id, None)
-            req = self._requests.get(request_id)
+            req = self.table.drop(request_id, why)
             if req is not None and req.link is not None and self.control is not None:
                 self.control.reply(req.link.identity, Error(reason=why, request_id=request_id))
-            self._drop(request_id, why)
 
     def request_state(self, request_id: str) -> str:
-        """A :class:`ProducerState` value, "gone" (dropped and forgotten) or "unknown" (never
-        seen, or acknowledged)."""
+        """A :class:`~common.engine.kv_connector.ConnectorState` value while the request is live,
+        "gone" (dropped) or "unknown" (never seen, or acknowledged)."""
         with self._lock:
-            req = self._requests.get(request_id)
-            if req is not None:
-                return req.state.value
-            return "gone" if request_id in self._gone else "unknown"
+            req = self.table.records.get(request_id)
+            if req is None or req.state is ConnectorState.RELEASED and not req.dropped:
+                return "unknown"
+            return "gone" if req.dropped else req.state.value
 
     def queued_layers(self, request_id: str) -> int:
         """How many of the request's layers are queued for sending (0 when unknown)."""
         with self._lock:
-            req = self._requests.get(request_id)
+            req = self.table.records.get(request_id)
             return len(req.queued_layers) if req is not None else 0
 
     def poll_freeable(self) -> set[str]:
         """Requests whose blocks may be freed now. Also enforces leases: call every step."""
         self._expire_leases()
         with self._lock:
-            out, self._freeable = self._freeable, set()
-        return out
+            return self.table.poll_freeable()
 
     # ---- control thread --------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:
@@ -226,6 +175,11 @@ class KVProducer:
             for link in self._links.values():
                 if link.pair_id == msg.pair_id or (not msg.pair_id and link.identity == identity):
                     link.heard()
+                if msg.pair_id and link.pair_id == msg.pair_id:
+                    # Replies for the pair go where its pings come from: a consumer whose control
+                    # connection was opened anew since the handshake has a new ZMQ identity, and
+                    # an error sent to the old one is dropped (its transfer would wait out its deadline).
+                    link.identity = identity
         self._reply(identity, Ok(id=msg.id))
 
     def _on_handshake(self, identity: bytes, msg: Handshake) -> None:
@@ -294,41 +248,38 @@ class KVProducer:
             if link is not None:
                 link.heard()
                 link.last_used = time.monotonic()
-            why = self._gone.get(msg.request_id)
-            req = self._requests.get(msg.request_id)
+            req = self.table.records.get(msg.request_id)
+            why = req.why if req is not None else None
             if why is None and (link is None or link.broken):
                 why = UNKNOWN_PAIR
-            elif why is None and req is not None and req.link is not None:
+            elif why is None and req is not None and (req.link is not None or req.state is ConnectorState.RELEASED):
                 why = "request already pulled"
             elif why is None and not 0 <= msg.first_block < msg.num_blocks:
                 why = f"first block {msg.first_block} is outside the prompt's {msg.num_blocks} blocks"
             if why is not None:
                 self._reply(identity, Error(id=msg.id, reason=why, request_id=msg.request_id))
                 return
-            if req is None:  # the consumer asked before we saw the request
-                lease_end = time.monotonic() + self.config.lease_s
-                req = ProducerRequest(msg.request_id, lease_end, ProducerState.PULLED)
-                self._requests[msg.request_id] = req
+            # a new PULLED record if the consumer asked before prefill finished (a reservation is claimed)
+            req = self.table.pulled(msg.request_id, time.monotonic() + self.config.lease_s)
             req.link, req.remote_block_ids, req.first_block = link, list(msg.block_ids), msg.first_block
             req.nonce = msg.nonce
             req.num_blocks = msg.num_blocks - msg.first_block
             if req.finished:
                 req.block_ids = req.block_ids[req.first_block:]
-            self._reserved.pop(msg.request_id, None)  # claimed
             if msg.id:  # 0: came in-band on a tcp pair, where nobody waits for an answer
                 self._reply(identity, Ok(id=msg.id))
             self._queue_rest(req)
 
     def _on_ack(self, identity: bytes, msg: Ack) -> None:
         with self._lock:
-            req = self._requests.pop(msg.request_id, None)
+            req = self.table.ack(msg.request_id)
             if req is not None:
-                self._free(msg.request_id)
+                self.on_progress()  # an Event's set: takes no lock of ours
                 self.stats.transfer_sent(time.monotonic() - req.created)
 
     def _on_abort(self, identity: bytes, msg: Abort) -> None:
         with self._lock:
-            req = self._requests.get(msg.request_id)
+            req = self.table.records.get(msg.request_id)
             self._drop(msg.request_id, "aborted by the consumer")
             if not msg.id:
                 return  # fire-and-forget (the consumer never gave us blocks to write into)
@@ -336,18 +287,14 @@ class KVProducer:
                 [link for link in self._links.values() if link.identity == identity]
             ipc = [link for link in links if link.transport == "cuda_ipc"]
             if ipc:  # answered by the sender once its stream drained: no copy lands after the reply
-                fence_req = req or ProducerRequest(msg.request_id, None, ProducerState.DROPPED)
+                fence_req = req or ProducerRequest(msg.request_id, None, ConnectorState.DROPPED)
                 ipc[0].jobs.put(SendJob("fence", fence_req, reply_id=msg.id))
                 return
         self._reply(identity, Ok(id=msg.id))
 
     # ---- shared helpers (lock held) ----------------------------------------------------
-    def _free(self, request_id: str) -> None:
-        self._freeable.add(request_id)
-        self.on_progress()  # an Event's set: takes no lock of ours
-
     def _queue_rest(self, req: ProducerRequest) -> None:
-        if req.state is not ProducerState.HELD or req.link is None:
+        if req.state is not ConnectorState.HELD or req.link is None:
             return
         if len(req.block_ids) < req.num_blocks:
             self._fail_request(req, f"producer has {len(req.block_ids)} blocks, consumer wants {req.num_blocks}")
@@ -365,7 +312,7 @@ class KVProducer:
         for i in range(0, len(rest), per_msg):
             req.link.jobs.put(SendJob("layers", req, rest[i:i + per_msg]))
         req.link.jobs.put(SendJob("done", req))
-        req.state, req.deadline = ProducerState.SENDING, None
+        self.table.sending(req)
 
     def _fail_request(self, req: ProducerRequest, reason: str) -> None:
         if req.link is not None and self.control is not None:
@@ -374,19 +321,15 @@ class KVProducer:
         self._drop(req.request_id, reason)
 
     def _drop(self, request_id: str, why: str) -> None:
-        req = self._requests.pop(request_id, None)
-        if req is not None:
-            if req.finished:
-                self._free(request_id)
-            req.state = ProducerState.DROPPED
-        self._gone[request_id] = why
-        while len(self._gone) > 10_000:
-            self._gone.popitem(last=False)
+        req = self.table.drop(request_id, why)
+        if req is not None and req.state is ConnectorState.RELEASED:
+            self.on_progress()  # its blocks may be freed: an Event's set, takes no lock of ours
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
         with self._lock:
-            for req in [r for r in self._requests.values() if r.deadline is not None and r.deadline <= now]:
+            for req in [r for r in self.table.records.values() if r.deadline is not None and r.deadline <= now
+                        and r.state is not ConnectorState.RESERVED]:
                 self.stats.add(leases_expired=1)
                 reason = "producer lease expired"
                 # not a normal release: a decode node asked for nothing, or never acknowledged
@@ -399,19 +342,20 @@ class KVProducer:
 
     def _on_done_sent(self, req: ProducerRequest) -> None:
         with self._lock:
-            if req.state is ProducerState.SENDING:  # not dropped meanwhile
-                req.state, req.deadline = ProducerState.AWAITING_ACK, time.monotonic() + self.config.lease_s
+            self.table.done_sent(req, time.monotonic() + self.config.lease_s)
 
     def _link_failed(self, link: PairSender, reason: str) -> None:
         with self._lock:
             self._links.pop(link.pair_id, None)
-            for req in [r for r in self._requests.values() if r.link is link]:
+            for req in [r for r in self.table.records.values() if r.link is link and not r.dropped
+                        and r.state is not ConnectorState.RELEASED]:
                 self._fail_request(req, f"transfer failed: {reason}")
             link.drain()  # under the lock: nothing can be queued to this pair any more
 
     def _link_in_use(self, link: PairSender) -> bool:
         with self._lock:
-            return any(r.link is link for r in self._requests.values())
+            return any(r.link is link and not r.dropped and r.state is not ConnectorState.RELEASED
+                       for r in self.table.records.values())
 
     def pair_transports(self) -> list[str]:
         with self._lock:

@@ -22,23 +22,22 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
 
+from common.engine.kv_connector import ConnectorState
 from common.kv_transfer.config import PairBrokenError, TransferError
-from common.kv_transfer.cuda_ipc import export_cache
-from common.kv_transfer.messages import (UNKNOWN_PAIR, Abort, Ack, Done, Error, Handshake, HandshakeOk,
-                                         LayerNotice, Message, MessageError, Ping, Pull, decode, encode)
-from common.kv_transfer.p2p_group import DTYPE_NAMES, dtype_name
-from common.kv_transfer.peer_checks import check_done, check_notice
-from common.kv_transfer.paged import StagingBuffer, block_run, block_runs, scatter_blocks
+from common.kv_transfer.consumer_table import Transfer
 from common.kv_transfer.inbox import Inbox
+from common.kv_transfer.messages import (UNKNOWN_PAIR, Abort, Ack, Done, Error, LayerNotice, Message, MessageError,
+                                         Ping, Pull, decode, encode)
+from common.kv_transfer.p2p_group import DTYPE_NAMES, dtype_name
+from common.kv_transfer.paged import StagingBuffer, block_run, block_runs, scatter_blocks
+from common.kv_transfer.pair_handshake import open_consumer_pair
+from common.kv_transfer.peer_checks import check_done, check_notice
 from common.kv_transfer.tcp_pair import KV, Frame, kv_nbytes, layer_buffers
-from common.kv_transfer.transport import Endpoint, open_pair
-from common.kv_transfer.consumer_record import Transfer, TransferState
 from common.kv_transfer.verify import NOT_REQUESTED, STALE, KVRejected, check_done_identity, layer_checksum
 
 if TYPE_CHECKING:
@@ -160,7 +159,7 @@ class PairReceiver:
             return
         t.layers.update(frame.layers)
         t.nbytes += frame.nbytes
-        self.owner.advance(t, TransferState.RECEIVING)
+        self.owner.advance(t, ConnectorState.RECEIVING)
 
     def _on_new(self, t: Transfer) -> None:
         if self.pair is not None and not getattr(self.pair, "alive", lambda: True)():
@@ -178,7 +177,7 @@ class PairReceiver:
             return
         self.transfers[t.request_id] = t
         self._cache_blocks = t.kv_caches[0].shape[1]
-        self.owner.advance(t, TransferState.PULLED)
+        self.owner.advance(t, ConnectorState.PULLED)
         pull = Pull(request_id=t.request_id, pair_id=self.pair_id, num_tokens=t.num_tokens,
                     num_blocks=self.owner.num_blocks(t.num_tokens), block_ids=t.block_ids,
                     first_block=t.first_block, nonce=t.nonce)
@@ -326,7 +325,7 @@ class PairReceiver:
                 scatter_blocks(t.kv_caches[layer], ids, buf[j])
         t.layers.update(msg.layers)
         t.nbytes += nbytes
-        self.owner.advance(t, TransferState.RECEIVING)
+        self.owner.advance(t, ConnectorState.RECEIVING)
 
     def _finish(self, msg: Done) -> None:
         t = self.transfers.pop(msg.request_id, None)
@@ -363,31 +362,13 @@ class PairReceiver:
 
     # ---- pair and liveness --------------------------------------------------------------
     def _open_pair(self, kv_caches: list[torch.Tensor]) -> None:
-        cfg, owner = self.owner.config, self.owner
-        pair_id, device = uuid.uuid4().hex, kv_caches[0].device
-        could_ipc = device.type == "cuda" and owner.transport in ("auto", "cuda_ipc")
-        ipc = export_cache(kv_caches) if could_ipc else []
-        self._exported = [x.data_ptr() for x in kv_caches]
-        hello = Handshake(pair_id=pair_id, layout=owner.layout.to_dict(), backend=owner.transport,
-                          endpoint=Endpoint.local(device).to_dict(), ipc=ipc, checksum=cfg.checksum)
-        fut = owner.control.request(self.address, hello, cfg.handshake_timeout_s)
-        try:
-            reply = fut.result(timeout=cfg.handshake_timeout_s + 1)
-        except Exception as e:
-            raise TransferError(f"producer {self.address} unreachable: {e}") from e
-        if isinstance(reply, Error):
-            raise TransferError(reply.reason)
-        if not isinstance(reply, HandshakeOk):
-            raise TransferError(f"unexpected handshake reply {reply.CMD}")
-        try:
-            self.pair = open_pair(reply.backend, 1, cfg.timeout_s, pair_id, connect_timeout_s=cfg.connect_timeout_s,
-                                  host=reply.store_host, port=reply.store_port, device=str(device),
-                                  key=self.owner.control.key)
-        except TransferError as e:  # the client's error must say which peer went away
-            raise TransferError(f"data plane to producer {self.address} failed: {e}") from e
-        self.pair_id, self.transport, self.checksum = pair_id, reply.backend, reply.checksum
-        self.staging = [StagingBuffer(device), StagingBuffer(device)]
-        logger.info("consumer: pair %s to %s uses %s", pair_id[:8], self.address, reply.backend)
+        owner = self.owner
+        opened = open_consumer_pair(owner.control, self.address, owner.layout, owner.transport, owner.config,
+                                    kv_caches)
+        self.pair, self.pair_id, self.transport = opened.pair, opened.pair_id, opened.transport
+        self.checksum, self._exported = opened.checksum, opened.exported
+        self.staging = [StagingBuffer(kv_caches[0].device), StagingBuffer(kv_caches[0].device)]
+        logger.info("consumer: pair %s to %s uses %s", self.pair_id[:8], self.address, self.transport)
 
     def _heartbeat(self) -> None:
         cfg = self.owner.config

@@ -17,6 +17,8 @@ from common.engine.kv_connector import (ConnectorState, DiscardSpec, FinishedTra
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import ScheduledBatch, Scheduler
 from common.engine.sequence import Sequence
+from common.kv_transfer.consumer_table import ConsumerTable
+from common.kv_transfer.producer_table import ProducerTable
 from decode_node.connector import ConsumerConnector, ConsumerScheduler
 from prefill_node.connector import ProducerConnector, ProducerScheduler
 
@@ -67,7 +69,7 @@ def test_metadata_is_frozen_plain_data():
 
 
 def test_scheduler_side_holds_no_transfer_engine():
-    transfer = SimpleNamespace(producer=object(), consumer=object())
+    transfer = SimpleNamespace(producer=SimpleNamespace(table=ProducerTable()), consumer=SimpleNamespace(table=ConsumerTable()))
     for connector in (ProducerConnector(), ConsumerConnector()):
         connector.bind(transfer, [])
         held = vars(connector.scheduler).values()

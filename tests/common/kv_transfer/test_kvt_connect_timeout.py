@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import common.kv_transfer.producer as producer_mod
-import common.kv_transfer.receiver as receiver_mod
+import common.kv_transfer.pair_handshake as receiver_mod  # the consumer builds its pair there
 import common.kv_transfer.sender as sender_mod
 from common.config import NodeConfig, load_config
 from pdserve.daemon import transfer_config

@@ -56,7 +56,7 @@ def test_consumer_killed_mid_transfer_frees_producer_blocks(no_thread_leak):
         p_kv = make_kv(LAYOUT, P_BLOCKS, 3)
         with peer(LAYOUT, FAST) as d:
             d.call("request", "r1", prod.address, [0, 1], 8, 4)
-            assert _wait(lambda: "r1" in prod.producer._requests, 5)
+            assert _wait(lambda: "r1" in prod.producer.table.records, 5)
             prod.producer.save_layer("r1", 0, p_kv[0], [1, 2])
             assert _wait(lambda: prod.stats.bytes_sent > 0, 5)
             d.kill()

@@ -15,11 +15,13 @@ import torch
 
 import common.kv_transfer.producer as producer_mod
 import common.kv_transfer.sender as sender_mod
+from common.engine.kv_connector import ConnectorState as ProducerState
 from common.kv_transfer.config import TransferConfig, TransferStats
 from common.kv_transfer.cuda_ipc import IpcPair
 from common.kv_transfer.messages import Handshake, Pull
 from common.kv_transfer.paged import ByteBudget
-from common.kv_transfer.producer import KVProducer, ProducerRequest, ProducerState
+from common.kv_transfer.producer import KVProducer
+from common.kv_transfer.producer_table import ProducerRequest
 from common.kv_transfer.sender import PairSender, SendJob
 from common.kv_transfer.transport import Endpoint
 from kvt_fixtures import FAST, LAYOUT
