@@ -65,19 +65,8 @@ class KVProducer:
     def reserve_unclaimed(self, request_id: str, num_blocks: int, limit_blocks: int) -> bool:
         """Admit a prefill whose KV nobody asked for yet, if what is held (or about to be) for
         unclaimed requests stays within ``limit_blocks``; forged ids cannot pin the cache."""
-        now = time.monotonic()
-        records = self.table.records
         with self._lock:
-            if request_id in records and records[request_id].state is not ConnectorState.RESERVED:
-                return True  # already asked for (or dropped): not unclaimed KV
-            for rid in [r for r, q in records.items() if q.state is ConnectorState.RESERVED and q.deadline <= now]:
-                del records[rid]  # admitted but never finished (the client left early)
-            held = sum(len(q.block_ids) if q.state is ConnectorState.HELD else q.reserved_blocks
-                       for r, q in records.items() if r != request_id)
-            if held + num_blocks > limit_blocks:
-                return False
-            self.table.reserve(request_id, num_blocks, now + self.config.lease_s)
-            return True
+            return self.table.reserve(request_id, num_blocks, limit_blocks, time.monotonic(), self.config.lease_s)
 
     # ---- engine thread ---------------------------------------------------------------
     def save_layer(self, request_id: str, layer_idx: int, kv_layer: torch.Tensor, block_ids: list[int]) -> None:

@@ -110,14 +110,29 @@ class ProducerTable:
                     del self.records[rid]
 
     # ---- transfer engine (the caller holds the lock) -----------------------------------------
-    def reserve(self, request_id: str, num_blocks: int, deadline: float) -> None:
-        self.records[request_id] = ProducerRequest(request_id, deadline, S.RESERVED, reserved_blocks=num_blocks)
+    def reserve(self, request_id: str, num_blocks: int, limit_blocks: int, now: float, lease_s: float) -> bool:
+        """RESERVED for ``lease_s`` if the blocks held for unclaimed requests (HELD, and RESERVED
+        but not yet finished) stay within ``limit_blocks``; a request already asked for (or
+        dropped) holds no unclaimed KV and is admitted as it is."""
+        req = self.records.get(request_id)
+        if req is not None and req.state is not S.RESERVED:
+            return True
+        for rid in [r for r, q in self.records.items() if q.state is S.RESERVED and q.deadline <= now]:
+            del self.records[rid]  # admitted but never finished (the client left early)
+        held = sum(len(q.block_ids) if q.state is S.HELD else q.reserved_blocks
+                   for rid, q in self.records.items()
+                   if rid != request_id and q.state in (S.HELD, S.RESERVED, S.HANDED_OVER))
+        if held + num_blocks > limit_blocks:
+            return False
+        self.records[request_id] = ProducerRequest(request_id, now + lease_s, S.RESERVED, reserved_blocks=num_blocks)
+        return True
 
     def pulled(self, request_id: str, deadline: float) -> ProducerRequest:
         """The record a PULL attaches to: a new PULLED one unless prefill already has one."""
         req = self.records.get(request_id)
         if req is None or req.state is S.RESERVED:
             req = self.records[request_id] = ProducerRequest(request_id, deadline, S.PULLED)
+        req.reserved_blocks = 0  # claimed
         return req
 
     def finish(self, request_id: str, deadline: float) -> ProducerRequest | None:
@@ -130,7 +145,7 @@ class ProducerTable:
             return None
         if req is None or req.state is S.RESERVED:
             req = self.records[request_id] = ProducerRequest(request_id, None, S.HELD)
-        req.state, req.deadline = S.HELD, deadline
+        req.state, req.deadline, req.reserved_blocks = S.HELD, deadline, 0  # its real blocks count now
         return req
 
     def sending(self, req: ProducerRequest) -> None:

@@ -1,0 +1,74 @@
+"""The two tables that own a transfer's one record (producer_table.py, consumer_table.py):
+the moves their docstrings list, and the races they settle, without threads or sockets."""
+
+from __future__ import annotations
+
+from common.engine.kv_connector import ConnectorState as S
+from common.kv_transfer.consumer_table import ConsumerTable, Transfer
+from common.kv_transfer.producer_table import ProducerTable
+
+LINK = object()  # stands in for the link thread a record is handed to
+
+
+def test_unclaimed_reservations_count_until_claimed_finished_or_dropped():
+    t = ProducerTable()
+    with t.lock:
+        assert t.reserve("a", 3, 5, now=0.0, lease_s=10) and t.reserve("b", 2, 5, now=0.0, lease_s=10)
+        assert not t.reserve("c", 1, 5, now=0.0, lease_s=10)  # 3 + 2 held for nobody
+        t.pulled("a", deadline=10.0)  # claimed: no longer unclaimed
+        assert t.reserve("c", 3, 5, now=0.0, lease_s=10)
+        t.drop("c", "discarded")
+        assert t.records["c"].state is S.DROPPED
+        assert t.reserve("d", 3, 5, now=0.0, lease_s=10)  # a dropped reservation holds nothing
+        assert t.reserve("e", 5, 5, now=11.0, lease_s=10)  # b and d ran out unfinished
+        assert t.reserve("a", 99, 5, now=11.0, lease_s=10)  # pulled already: not unclaimed KV
+
+
+def test_producer_record_from_hand_over_to_release():
+    t = ProducerTable()
+    t.hand_over("x")  # the scheduler side, before the worker's finish
+    assert t.state("x") is S.HANDED_OVER
+    with t.lock:
+        req = t.pulled("x", deadline=5.0)
+        assert req.state is S.HANDED_OVER and t.finish("x", deadline=9.0) is req and req.state is S.HELD
+        t.sending(req)
+        t.done_sent(req, deadline=20.0)
+        assert req.state is S.AWAITING_ACK and t.ack("x") is req and req.state is S.RELEASED
+        assert t.poll_freeable() == {"x"} and "x" not in t.records  # acknowledged: forgotten
+
+
+def test_producer_drop_while_prefill_runs_frees_the_blocks_at_finish_and_keeps_the_reason():
+    t = ProducerTable()
+    with t.lock:
+        t.pulled("x", deadline=5.0)
+        t.drop("x", "aborted by the consumer")
+        assert t.records["x"].state is S.DROPPED and t.finish("x", deadline=9.0) is None
+        assert t.poll_freeable() == {"x"}
+        assert t.records["x"].state is S.DROPPED and t.records["x"].why == "aborted by the consumer"
+        assert t.drop("x", "again") is None  # dropped once
+
+
+def test_consumer_abort_wins_over_a_landing_and_holds_until_the_link_stopped():
+    t = ConsumerTable()
+    t.plan("x")
+    t.issue("x")
+    rec = Transfer("x", [1, 2], 8)
+    assert t.start(rec, LINK) and t.state("x") is S.QUEUED
+    t.advance(rec, S.PULLED)
+    assert t.abort("x") and t.state("x") is S.ABORTING  # the scheduler side decides
+    assert t.stop("x") is LINK  # the worker issues it: the link still has to say it stopped
+    assert not t.finish(rec, S.LANDED, first_token=7)  # a landing after the abort is ignored
+    assert t.poll_finished() == ({}, {}) and t.poll_aborted() == set()
+    t.abort_stopped("x")
+    assert t.poll_aborted() == {"x"} and t.state("x") is None
+
+
+def test_consumer_landed_extras_wait_one_poll_and_pending_loads_are_dropped_at_once():
+    t = ConsumerTable()
+    rec = Transfer("x", [1], 4)
+    t.start(rec, LINK)
+    assert t.finish(rec, S.LANDED, first_token=7, cached_tokens=3)
+    assert t.poll_finished() == ({"x": 7}, {}) and t.value("x") == "unknown"
+    assert t.take_landed({"x"})["x"].cached_tokens == 3 and t.state("x") is None
+    t.plan("y")
+    assert t.unplan("y") and not t.abort("y") and t.state("y") is None
