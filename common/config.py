@@ -192,6 +192,13 @@ class NodeConfig(HttpServerOptions, EngineConfig):
         return None if value is None else check_model_dir(value)
 
     @model_validator(mode="after")
+    def _tensor_parallel_role(self) -> NodeConfig:
+        if self.tensor_parallel_size > 1 and self.role != "both":
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: a {self.role} daemon runs one rank "
+                             "only: KV transfer across tensor-parallel ranks is not built yet (pdserve serve supports it)")
+        return self
+
+    @model_validator(mode="after")
     def _role_defaults(self) -> NodeConfig:
         if self.port is None:
             self.port = ROLE_HTTP_PORTS[self.role]

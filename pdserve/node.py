@@ -52,6 +52,9 @@ def serve(config: NodeConfig) -> None:
     check_machine(config)
     config = with_model(config)
     engine = start_engine(config)
+    from common.engine.parallel import exit_on_rank_loss
+
+    exit_on_rank_loss(engine.engine.runner.leader, ENGINE_DEAD_EXIT_CODE)  # a dead worker rank ends the node
     try:
         app = node_app(engine, config, NodeMetrics(config.role))
         serve_http(app, engine, config)

@@ -61,6 +61,10 @@ class EngineConfig(BaseModel):
         "auto", description="Fused Triton kernels for RMSNorm, rotary and SiLU-and-mul: auto = on for CUDA when "
         "triton is installed and compiles at start; on = stop at start if it cannot; off = PyTorch ops"
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="Ranks the model is split over (one process each; rank 0 serves): its heads, "
+        "KV heads and MLP divided among them; CPU ranks share the cores, CUDA ranks use cuda:N..N+size-1"
+    )
     max_local_prefill_stall_ms: float | None = Field(
         None, gt=0, le=60_000,
         description="While requests decode, a step carries at most the prompt tokens this many ms of measured "

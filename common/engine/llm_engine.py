@@ -31,6 +31,7 @@ from common.engine.gpu_memory import DEFAULT_GPU_MEMORY_UTILIZATION, activation_
 from common.engine.kv_connector import KVConnector, KVConnectorMetadata, no_connector
 from common.engine.model_runner import ModelRunner
 from common.engine.outputs import RequestOutput
+from common.engine.parallel import load_model_on_ranks
 from common.engine.protocol import EngineStats
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
@@ -39,7 +40,6 @@ from common.engine.step_meter import StepMeter
 from common.kv_layout import DTYPES, KVLayout
 from common.model.attention import choose_kernels
 from common.model.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
-from common.model.loader import load_model
 
 
 class LLMEngine:
@@ -50,7 +50,7 @@ class LLMEngine:
         self.device = config.resolved_device()
         dtype = config.resolved_dtype()
         model_dir = Path(config.model) if config.model else Path(ensure_embedded_model())
-        model, self.model_config = load_model(model_dir, self.device, DTYPES[dtype])
+        model, self.model_config = load_model_on_ranks(config, model_dir, self.device, DTYPES[dtype])
         default_name = model_dir.name if config.model else EMBEDDED_MODEL_NAME
         self.model_name = config.served_model_name or default_name
         self.tokenizer = _load_tokenizer(model_dir)

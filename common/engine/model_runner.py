@@ -8,6 +8,10 @@ The step's metadata (ids, positions, slots, block tables, sequence lengths) is b
 the host and reaches the device in one copy; every layer shares it. A decode-only step on
 CUDA replays a captured graph instead (``cuda_graph``), unless ``enforce_eager``.
 
+Under tensor parallelism (``parallel``) the runner of rank 0 broadcasts each step's packed
+inputs (and block copies) to the workers before it runs them; a worker's runner replays them
+(``follow_step``). Each rank's cache holds only its KV heads; decode steps run eagerly.
+
 At start the runner warms its kernels up (on CUDA, and wherever Triton runs): Triton compiles
 each kernel on first launch, so a machine without a C compiler or the Python headers fails
 here, not under the first request. Then the runner falls back to SDPA and the PyTorch ops with
@@ -17,7 +21,7 @@ a warning, or stops with :class:`TritonStartError` when a flag asked for Triton 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import logging
 
@@ -25,6 +29,7 @@ import torch
 
 from common.engine.choices import FirstToken, expand_rows, split_choices
 from common.engine.cuda_graph import CudaGraphRunner, DecodeBuffers, graph_batch_sizes
+from common.engine.parallel import COPY, INIT, STEP, Leader
 from common.engine.sampler import Sampler, SampleRow
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
@@ -82,8 +87,15 @@ class ModelRunner:
         max_model_len: int | None = None, eos_token_ids: Iterable[int] = (),
     ):
         self.model = model
-        self.kv_layout = kv_layout
         self.device = device
+        tp = model.tp
+        self.leader = tp.comm if isinstance(tp.comm, Leader) else None  # rank 0 of several
+        if self.leader is not None:
+            self.leader.send(INIT, [num_blocks, kv_layout.block_size])
+        if tp.size > 1:  # this rank's KV heads only
+            kv_layout = replace(kv_layout, num_kv_heads=model.model.layers[0].self_attn.num_kv_heads)
+            enforce_eager = True  # no collectives inside captured graphs (yet)
+        self.kv_layout = kv_layout
         self._use(kernels)
         self.scratch_block = num_blocks
         self.kv_caches = [
@@ -168,26 +180,46 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         """Pack the step's metadata into one host tensor, copy it once, and view it as the inputs."""
         h = self.host_inputs(batch)
+        packed, sizes, width = self._pack(h, batch.num_new_tokens)
+        if self.leader is not None:
+            self.leader.send(STEP, sizes + [width], packed)
+        return self._inputs(packed, sizes, width, list(batch.num_new_tokens), h.seq_lens, h.sampled_seqs)
+
+    @torch.inference_mode()
+    def follow_step(self, packed: torch.Tensor, sizes: list[int], width: int) -> None:
+        """A worker's part of the step rank 0 packed: the same forward (and logits) on its shard."""
+        query_starts, seq_lens = packed.split(sizes)[4:6]
+        inputs = self._inputs(packed, sizes, width, query_starts.diff().tolist(), seq_lens.tolist(), [])
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        if sizes[3]:  # rows sampled on rank 0: the head's all-gather needs every rank
+            self.model.compute_logits(hidden[inputs.sample_rows])
+
+    def _pack(self, h: HostInputs, num_new_tokens: list[int]) -> tuple[torch.Tensor, list[int], int]:
+        """The step's metadata as one int64 host tensor, its parts' sizes, and the block-table width."""
         num_seqs, num_tokens = len(h.seq_lens), len(h.input_ids)
         width = max(len(t) for t in h.block_tables)
         starts = [0]
-        for n in batch.num_new_tokens:
+        for n in num_new_tokens:
             starts.append(starts[-1] + n)
         flat = h.input_ids + h.positions + h.slots + h.sample_rows + starts + h.seq_lens
         for t in h.block_tables:
             flat += t
             flat += [0] * (width - len(t))
-        packed = torch.tensor(flat, dtype=torch.int64)
+        sizes = [num_tokens] * 3 + [len(h.sample_rows), num_seqs + 1, num_seqs, num_seqs * width]
+        return torch.tensor(flat, dtype=torch.int64), sizes, width
+
+    def _inputs(self, packed: torch.Tensor, sizes: list[int], width: int, query_lens: list[int],
+                seq_lens: list[int], sampled_seqs: list[Sequence]) -> ModelInputs:
+        """Copy the packed host tensor to the device once and view it as the step's inputs."""
         if self.device.type != "cpu":
             packed = packed.pin_memory().to(self.device, non_blocking=True)
-        sizes = [num_tokens] * 3 + [len(h.sample_rows), num_seqs + 1, num_seqs, num_seqs * width]
-        ids, positions, slots, sample_rows, qsl, seq_lens, tables = packed.split(sizes)
+        ids, positions, slots, sample_rows, qsl, seq_lens_t, tables = packed.split(sizes)
         meta = AttentionMetadata(
-            slot_mapping=slots, query_lens=list(batch.num_new_tokens), seq_lens=h.seq_lens,
-            block_tables=tables.view(num_seqs, width), block_size=self.kv_layout.block_size,
-            query_start_loc=qsl, seq_lens_tensor=seq_lens,
+            slot_mapping=slots, query_lens=query_lens, seq_lens=seq_lens,
+            block_tables=tables.view(len(seq_lens), width), block_size=self.kv_layout.block_size,
+            query_start_loc=qsl, seq_lens_tensor=seq_lens_t,
         )
-        return ModelInputs(ids, positions, meta, sample_rows, h.sampled_seqs)
+        return ModelInputs(ids, positions, meta, sample_rows, sampled_seqs)
 
     def _graphable(self, batch: ScheduledBatch, save_kv_layer: LayerHook | None) -> bool:
         return (
@@ -204,6 +236,8 @@ class ModelRunner:
         ``save_kv_layer`` (the connector worker's hook, given only for a step that saves KV) is
         called after each layer.
         """
+        if self.leader is not None and save_kv_layer is not None:
+            raise NotImplementedError("KV transfer across tensor-parallel ranks is not built yet")
         if self._graphable(batch, save_kv_layer):
             h = self.host_inputs(batch)
             hidden = self.graphs.run(h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables)
@@ -223,8 +257,15 @@ class ModelRunner:
         firsts = split_choices(sampled_seqs, out.token_ids, out.logprobs, extra) if extra else {}
         return RunnerOutput(sampled_seqs, out.token_ids, out.logprobs, firsts)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing at size 1); also done at exit."""
+        if self.leader is not None:
+            self.leader.close()
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy blocks' KV (``(from, to)`` ids) in every layer: a forked choice's own prompt tail."""
+        if self.leader is not None:
+            self.leader.send(COPY, [len(pairs)], torch.tensor(pairs, dtype=torch.int64).view(-1))
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         for cache in self.kv_caches:

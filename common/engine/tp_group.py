@@ -50,7 +50,7 @@ class TPGroup:
                  host: str = "127.0.0.1") -> None:
         self.rank, self.size, self.device = rank, size, device
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.control = _gloo(dist.PrefixStore("control", store), rank, size, max(self.timeout, IDLE_WAIT), host)
+        self.control = _gloo(dist.PrefixStore("control", store), rank, size, self.timeout, host)
         if device.type == "cuda":
             self.data = _nccl(dist.PrefixStore("data", store), rank, size, self.timeout)
         else:

@@ -1,0 +1,86 @@
+"""A tensor-parallel worker: rank 1..N-1 of a node, started by rank 0 (``common.engine.parallel``).
+
+``python -m common.engine.tp_worker HOST PORT RANK``: join rank 0's store and group, load
+this rank's shard, build its KV cache when rank 0 says how many blocks (INIT), then run each
+step rank 0 broadcasts until STOP. It leaves as soon as rank 0 is gone: its stdin (a pipe
+from rank 0) reaches EOF, or a collective fails. Exit codes: 0 after STOP, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+from common.engine.model_runner import ModelRunner
+from common.engine.parallel import COPY, INIT, STEP, STOP, receive
+from common.engine.tp_group import RankLostError, TPGroup
+from common.kv_layout import DTYPES
+from common.model.attention import choose_kernels
+from common.model.loader import load_model
+from common.model.tensor_parallel import TPShard
+
+log = logging.getLogger("pdserve.tp_worker")
+
+
+def _exit_when_rank0_is_gone() -> None:
+    """Rank 0 holds our stdin's write end; EOF means its process ended, however it ended."""
+
+    def watch() -> None:
+        while os.read(0, 1):  # the raw fd: a buffered reader's lock would hold up interpreter exit
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="rank0-watch", daemon=True).start()
+
+
+def serve(host: str, port: int, rank: int) -> None:
+    store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=60))
+    setup = json.loads(store.get("setup"))
+    device = torch.device(setup["devices"][rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(setup["cpu_threads"])
+    group = TPGroup(store, rank, setup["size"], device, setup["timeout_s"])
+    dtype = setup["dtype"]
+    model, config = load_model(setup["model"], device, DTYPES[dtype], TPShard(rank, setup["size"], group))
+    op, values, _ = receive(group)
+    if op != INIT:
+        raise RuntimeError(f"expected INIT from rank 0, got command {op}")
+    kernels = choose_kernels(setup["attention_backend"], setup["fused_ops"], device)
+    runner = ModelRunner(model, config.kv_layout(values[1], dtype), values[0], device, setup["seed"], kernels,
+                         enforce_eager=True)
+    log.info("rank %d ready on %s: %d KV blocks", rank, device, values[0])
+    while True:
+        op, values, payload = receive(group)
+        if op == STEP:
+            runner.follow_step(payload, values[:7], values[7])
+        elif op == COPY:
+            runner.copy_blocks([tuple(p) for p in payload.view(-1, 2).tolist()])
+        elif op == STOP:
+            group.close()
+            return
+
+
+def main(argv: list[str] | None = None) -> None:
+    host, port, rank = (argv or sys.argv[1:])[:3]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: rank 0 drains, then stops us
+    _exit_when_rank0_is_gone()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(message)s")
+    try:
+        serve(host, int(port), int(rank))
+    except RankLostError as exc:
+        log.error("stopping: %s", exc)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

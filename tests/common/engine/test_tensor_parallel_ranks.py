@@ -1,0 +1,144 @@
+"""Tensor parallelism across real processes: an engine (and a ``pdserve serve`` node) at
+``--tensor-parallel-size 2`` gives the tokens of size 1, and leaves no process behind when it
+stops or when a worker rank dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from common.engine.config import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.engine.sampling_params import SamplingParams
+from common.engine.tp_group import RankLostError
+from helpers.cluster import Proc, start, stop_all
+
+PROMPTS = [[1, 5, 9, 200, 33, 7], [4, 8, 15, 16, 23, 42, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"  # exited, not yet reaped by its (dead) parent's reaper
+
+
+def _wait(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _generate(path: str | None, size: int) -> tuple[list[list[int]], list[list[float]]]:
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", tensor_parallel_size=size, num_kv_blocks=32,
+                                    block_size=8))
+    try:
+        ids = ["a", "b"]
+        for rid, prompt in zip(ids, PROMPTS):
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=12, temperature=0, logprobs=0))
+        tokens = {rid: [] for rid in ids}
+        logprobs = {rid: [] for rid in ids}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+                logprobs[out.request_id] += [lp[t] for lp, t in zip(out.new_logprobs, out.new_token_ids)]
+        return [tokens[r] for r in ids], [logprobs[r] for r in ids]
+    finally:
+        engine.runner.close()
+
+
+@pytest.mark.parametrize("family", ["embedded", "qwen2"])
+def test_two_ranks_give_the_tokens_of_one(checkpoint_dir, family):
+    # block_size 8: the longer prompt spans blocks; qwen2: GQA (4 heads, 2 KV heads) with q/k/v bias
+    path = None if family == "embedded" else str(checkpoint_dir(family))
+    tokens_1, logprobs_1 = _generate(path, 1)
+    tokens_2, logprobs_2 = _generate(path, 2)
+    assert tokens_2 == tokens_1
+    for a, b in zip(logprobs_1, logprobs_2):
+        assert b == pytest.approx(a, abs=1e-4)
+
+
+def test_a_dead_worker_fails_the_next_step_and_no_worker_is_left():
+    engine = LLMEngine(EngineConfig(device="cpu", tensor_parallel_size=2, num_kv_blocks=16))
+    leader = engine.runner.leader
+    try:
+        worker = leader.procs[0]
+        worker.kill()
+        _wait(lambda: leader.lost is not None, 10, "rank 0 did not notice its worker died")
+        assert f"rank 1 (pid {worker.pid}) exited" in leader.lost
+        engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=2))
+        with pytest.raises(RankLostError, match="rank 1"):
+            engine.step()
+    finally:
+        engine.runner.close()
+    assert all(p.poll() is not None for p in leader.procs)
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory) -> dict[str, Proc]:
+    """Three ``pdserve serve`` nodes, started together: size 1, size 2, and a size 2 whose worker dies."""
+    tmp = tmp_path_factory.mktemp("tp-nodes")
+    procs = {"tp1": start("both", tmp, name="tp1", wait=False)}
+    for name in ("tp2", "doomed"):
+        procs[name] = start("both", tmp, "--tensor-parallel-size", "2", name=name, wait=False)
+    try:
+        for proc in procs.values():
+            proc.wait_ready()
+        yield procs
+    finally:
+        stop_all(procs.values())
+
+
+def _complete(proc: Proc) -> dict:
+    body = {"model": "pdserve-tiny", "prompt": "def main(args):", "max_tokens": 16, "temperature": 0, "logprobs": 1}
+    reply = httpx.post(proc.url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]
+
+
+def test_serve_with_two_ranks_answers_as_one_and_sigterm_leaves_no_process(nodes):
+    one, two = _complete(nodes["tp1"]), _complete(nodes["tp2"])
+    assert two["text"] == one["text"]
+    assert two["logprobs"]["tokens"] == one["logprobs"]["tokens"]
+    assert two["logprobs"]["token_logprobs"] == pytest.approx(one["logprobs"]["token_logprobs"], abs=1e-4)
+    node = nodes["tp2"].popen
+    workers = _children(node.pid)
+    assert len(workers) == 1, workers
+    node.send_signal(signal.SIGTERM)
+    assert node.wait(timeout=30) == 0, nodes["tp2"].log_tail()
+    _wait(lambda: all(_gone(w) for w in workers), 10, f"worker {workers} outlived its node")
+
+
+def test_a_worker_that_dies_ends_its_node_with_no_process_left(nodes):
+    proc = nodes["doomed"]
+    [worker] = _children(proc.popen.pid)
+    os.kill(worker, signal.SIGKILL)
+    try:
+        code = proc.popen.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the node did not notice its dead worker:\n" + proc.log_tail())
+    assert code == 3, proc.log_tail()
+    assert "tensor-parallel rank 1" in proc.log_tail()
+    assert _children(proc.popen.pid) == []
