@@ -1,11 +1,14 @@
-"""Make shared test helpers importable as ``helpers.*`` (tests dirs have no ``__init__.py``)."""
+"""Make shared test helpers importable as ``helpers.*`` (tests dirs have no ``__init__.py``), and the
+real-process cluster every module with default flags shares."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 _TESTS_DIR = str(Path(__file__).resolve().parent)
@@ -16,3 +19,24 @@ if _TESTS_DIR not in sys.path:
 # reads this when triton is first imported, so it is set here, before any test module imports it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers.cluster import Proc, pd_cluster, wait_idle  # noqa: E402  (needs the path above)
+
+
+@pytest.fixture(scope="session")
+def session_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
+    """One proxy (the daemons' registry; default flags, but it logs at debug, where its prefill
+    decisions are) + prefill + decode + colocated node on default flags, started once for every
+    module that needs nothing else (see ``shared_cluster``). A module that needs other proxy flags
+    puts a proxy of its own in front of the same daemons (``helpers.cluster.static_nodes``)."""
+    with pd_cluster(tmp_path_factory.mktemp("shared-cluster"), ("--log-level", "debug")) as procs:
+        yield procs
+
+
+@pytest.fixture
+def shared_cluster(session_cluster: dict[str, Proc]) -> Iterator[dict[str, Proc]]:
+    """``session_cluster`` for one test, which must leave it as found: nothing running, no KV
+    block held (checked after the test), no node stopped (tests that kill nodes start their own)."""
+    yield session_cluster
+    for role in ("prefill", "decode", "both"):
+        wait_idle(session_cluster[role].url)

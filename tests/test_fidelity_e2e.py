@@ -1,8 +1,8 @@
 """Through proxy -> prefill -> decode, a client sees exactly what a colocated node shows it.
 
-One prefill and one decode daemon sit behind two proxies (``--dispatch concurrent`` and
-``--dispatch prefill_first``, both listing the daemons statically), next to a colocated
-``serve`` node on the same embedded checkpoint. Each request goes to the colocated node
+The shared prefill and decode daemons sit behind two proxies of this module (``--dispatch
+concurrent`` and ``--dispatch prefill_first``, both listing the daemons statically), next to
+the shared colocated ``serve`` node on the same embedded checkpoint. Each request goes to the colocated node
 and through each proxy; the replies must match field by field except ``id`` and
 ``created``: text (greedy and seeded), token counts, finish reasons, logprobs (within
 1e-4), usage, every chunk of a stream in order, and the status and body of bad requests.
@@ -11,12 +11,13 @@ and through each proxy; the replies must match field by field except ``id`` and
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from helpers.cluster import Proc, start
+from helpers.cluster import Proc, start, static_nodes, stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -29,25 +30,22 @@ MESSAGES = [{"role": "user", "content": "How do I read a file in Python?"}]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Proc]:
+def proxies(session_cluster: dict[str, Proc], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
+    """One proxy per dispatch order, listing the shared daemons statically."""
     tmp = tmp_path_factory.mktemp("fidelity")
-    procs: dict[str, Proc] = {}
+    procs = {order: start("proxy", tmp, "--dispatch", order, *static_nodes(session_cluster, MODEL),
+                          name=f"proxy-{order}", wait=False) for order in ORDERS}
     try:
-        for role in ("both", "prefill", "decode"):
-            procs[role] = start(role, tmp, "--log-level", "info", wait=False)
         for proc in procs.values():
             proc.wait_ready()
-        nodes = {role: f"{procs[role].url[len('http://'):]}@{procs[role].kv_addr}@{MODEL}"
-                 for role in ("prefill", "decode")}
-        for order in ORDERS:
-            procs[order] = start("proxy", tmp, "--dispatch", order, "--static-prefill", nodes["prefill"],
-                                 "--static-decode", nodes["decode"], name=f"proxy-{order}", wait=False)
-        for order in ORDERS:
-            procs[order].wait_ready()
         yield procs
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())
+
+
+@pytest.fixture
+def cluster(shared_cluster: dict[str, Proc], proxies: dict[str, Proc]) -> dict[str, Proc]:
+    return {**shared_cluster, **proxies}
 
 
 def post(proc: Proc, path: str, body: Any) -> httpx.Response:

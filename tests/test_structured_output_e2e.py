@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from helpers.cluster import Proc, pd_cluster
+from helpers.cluster import Proc, start, static_nodes
 
 pytestmark = pytest.mark.slow
 
@@ -36,10 +37,17 @@ WORDS = "file read write the with statement python loop class function value lis
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Proc]:
+def always_proxy(session_cluster: dict[str, Proc], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     # every prompt is prefilled on the prefill node: the grammar must cross the hand-over
-    with pd_cluster(tmp_path_factory.mktemp("structured"), ("--disagg-policy", "always")) as procs:
-        yield procs
+    proxy = start("proxy", tmp_path_factory.mktemp("structured"), *static_nodes(session_cluster),
+                  "--disagg-policy", "always")
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture
+def cluster(shared_cluster: dict[str, Proc], always_proxy: Proc) -> dict[str, Proc]:
+    return {**shared_cluster, "proxy": always_proxy}
 
 
 def post(proc: Proc, path: str, body: dict[str, Any]) -> httpx.Response:

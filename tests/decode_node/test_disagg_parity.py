@@ -19,7 +19,7 @@ import pytest
 from disagg_client import disaggregated, post
 
 from common.model.embedded import ensure_embedded_model
-from helpers.cluster import start, wait_idle
+from helpers.cluster import start, stop_all, wait_idle
 from helpers.hf_checkpoints import make_checkpoint
 
 # a small token budget per step forces chunked prefill on prompts past 48 tokens
@@ -42,12 +42,13 @@ def nodes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     model_args = () if request.param == "embedded" else ("--model", str(_random_qwen3(tmp)))
     started = []
     try:
-        for role in ("both", "prefill", "decode"):
-            started.append(start(role, tmp, *ENGINE_ARGS, *model_args))
+        for role in ("both", "prefill", "decode"):  # started together: model loads overlap
+            started.append(start(role, tmp, *ENGINE_ARGS, *model_args, wait=False))
+        for proc in started:
+            proc.wait_ready()
         yield {"model": request.param, **dict(zip(("both", "prefill", "decode"), started))}
     finally:
-        for proc in started:
-            proc.stop()
+        stop_all(started)
 
 
 def _prompt(n: int, seed: int) -> list[int]:

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,12 +66,21 @@ class Proc:
         self.popen.wait(timeout=10)
 
     def stop(self, timeout: float = 20.0) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_all([self], timeout)
+
+
+def stop_all(procs: Iterable[Proc], timeout: float = 20.0) -> None:
+    """SIGTERM to every process at once, then each waited for (killed after ``timeout``)."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def start(role: str, tmp: Path, *args: str, name: str | None = None, wait: bool = True) -> Proc:
@@ -103,22 +112,40 @@ def start(role: str, tmp: Path, *args: str, name: str | None = None, wait: bool 
     return proc
 
 
+def static_nodes(procs: dict[str, Proc], model: str = "pdserve-tiny") -> tuple[str, ...]:
+    """Proxy flags listing ``procs``' prefill and decode daemons statically: a second proxy, with
+    flags of its own, in front of daemons registered elsewhere."""
+    p, d = procs["prefill"], procs["decode"]
+    return ("--static-prefill", f"127.0.0.1:{p.port}@{p.kv_addr}@{model}",
+            "--static-decode", f"127.0.0.1:{d.port}@{d.kv_addr}@{model}")
+
+
+def metrics(base_url: str, *names: str) -> list[float]:
+    """The values of un-labelled-by-extra-keys series, e.g. ``pdserve:kv_cache_usage_perc``, from one
+    scrape of ``/metrics``."""
+    text = httpx.get(base_url + "/metrics", timeout=5).text
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names and name not in found:
+            found[name] = float(line.rsplit(" ", 1)[1])
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise KeyError(f"{missing} not in /metrics of {base_url}")
+    return [found[name] for name in names]
+
+
 def metric(base_url: str, name: str) -> float:
     """The value of one un-labelled-by-extra-keys series, e.g. ``pdserve:kv_cache_usage_perc``."""
-    text = httpx.get(base_url + "/metrics", timeout=5).text
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(f"{name} not in /metrics of {base_url}")
+    return metrics(base_url, name)[0]
 
 
 def wait_idle(base_url: str, timeout: float = 30.0) -> None:
     """Until the node reports no running request and no used KV block."""
     deadline = time.monotonic() + timeout
     while True:
-        usage = metric(base_url, "pdserve:kv_cache_usage_perc")
-        running = metric(base_url, "pdserve:num_requests_running")
-        waiting = metric(base_url, "pdserve:num_requests_waiting")
+        usage, running, waiting = metrics(base_url, "pdserve:kv_cache_usage_perc", "pdserve:num_requests_running",
+                                          "pdserve:num_requests_waiting")
         if usage == 0 and running == 0 and waiting == 0:
             return
         if time.monotonic() > deadline:
@@ -134,13 +161,14 @@ def pd_cluster(tmp: Path, proxy_args: tuple[str, ...] = (), node_args: tuple[str
     procs: dict[str, Proc] = {}
     try:
         proxy = procs["proxy"] = start("proxy", tmp, *proxy_args, wait=False)
-        for role in ("prefill", "decode"):
+        for role in ("prefill", "decode"):  # started together: model loads overlap
             procs[role] = start(role, tmp, "--proxy", f"127.0.0.1:{proxy.kv_port}",
-                                "--heartbeat-interval-s", "0.5", *node_args)
+                                "--heartbeat-interval-s", "0.5", *node_args, wait=False)
         if colocated_args is not None:
-            procs["both"] = start("both", tmp, *colocated_args)
+            procs["both"] = start("both", tmp, *colocated_args, wait=False)
+        for proc in [p for p in procs.values() if p is not proxy]:
+            proc.wait_ready()  # a node that dies starting fails here with its log
         proxy.wait_ready(timeout=60)  # ready = a compatible P and D registered
         yield procs
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from pydoc_data.topics import topics
 
-from helpers.cluster import Proc, pd_cluster, start
+from helpers.cluster import Proc, start, static_nodes, stop_all
 
 SHORT = "What does the with statement do?"
 LONG = " ".join(topics.values())[:9000]  # ~2,500 tokens: past the decode node's 50 ms stall bound
@@ -25,20 +25,24 @@ MEDIUM = " ".join(topics.values())[20000:21500]  # ~400 tokens: a timed prefill 
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
+def policy_proxies(session_cluster: dict[str, Proc], tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[dict[str, Proc]]:
+    """``always`` and ``never`` proxies of this module's own over the shared daemons (the shared
+    registry proxy is the ``auto`` one: it needs the heartbeats' measured rates)."""
     tmp = tmp_path_factory.mktemp("adaptive")
-    with pd_cluster(tmp, ("--log-level", "debug")) as procs:
-        p, d = procs["prefill"], procs["decode"]
-        statics = ("--static-prefill", f"127.0.0.1:{p.port}@{p.kv_addr}",
-                   "--static-decode", f"127.0.0.1:{d.port}@{d.kv_addr}")
-        others = {}
-        try:
-            for policy in ("always", "never"):
-                others[policy] = start("proxy", tmp, *statics, "--disagg-policy", policy, name=f"proxy-{policy}")
-            yield {**procs, **others}
-        finally:
-            for proc in others.values():
-                proc.stop()
+    others = {policy: start("proxy", tmp, *static_nodes(session_cluster), "--disagg-policy", policy,
+                            name=f"proxy-{policy}", wait=False) for policy in ("always", "never")}
+    try:
+        for proc in others.values():
+            proc.wait_ready()
+        yield others
+    finally:
+        stop_all(others.values())
+
+
+@pytest.fixture
+def cluster(shared_cluster: dict[str, Proc], policy_proxies: dict[str, Proc]) -> dict[str, Proc]:
+    return {**shared_cluster, **policy_proxies}
 
 
 def _complete(proc: Proc, prompt: str, **extra) -> dict:

@@ -12,13 +12,12 @@ import httpx
 import openai
 import pytest
 
-from helpers.cluster import metric, pd_cluster, start, wait_idle
+from helpers.cluster import Proc, metric, start, wait_idle
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    with pd_cluster(tmp_path_factory.mktemp("proxy-e2e"), ("--heartbeat-timeout-s", "6")) as procs:
-        yield procs
+@pytest.fixture
+def cluster(shared_cluster: dict[str, Proc]) -> dict[str, Proc]:
+    return shared_cluster  # its proxy is the daemons' registry, on default flags (a 6 s heartbeat timeout)
 
 
 def _client(proc) -> openai.OpenAI:
@@ -79,13 +78,17 @@ def test_proxy_log_lines_name_the_node_and_the_request(cluster) -> None:
     got = _client(proxy).completions.create(model="pdserve-tiny", prompt="logged", **GREEDY)
     # The same "[node] [request id]" prefix as the daemons' lines, so one grep for the id finds them all.
     marker = f"[proxy:127.0.0.1:{proxy.port}] [{got.id}]"
+
+    def finished_lines() -> list[str]:  # the request's line once it is answered (debug lines come before)
+        return [ln for ln in proxy.log.read_text(errors="replace").splitlines() if marker in ln and "status=" in ln]
+
     deadline = time.monotonic() + 30
-    while marker not in proxy.log.read_text(errors="replace"):
+    while not finished_lines():
         assert time.monotonic() < deadline, proxy.log_tail()
         time.sleep(0.1)
     first_line = proxy.log.read_text(errors="replace").splitlines()[0]  # uvicorn's own start-up lines too
     assert f" [proxy:127.0.0.1:{proxy.port}] " in first_line, first_line
-    line = next(ln for ln in proxy.log.read_text(errors="replace").splitlines() if marker in ln)
+    (line,) = finished_lines()
     assert "status=200" in line and "P=" in line and "D=" in line
 
 

@@ -15,15 +15,14 @@ from common.kv_transfer.engine import KVTransferEngine
 from common.model.config import ModelConfig
 from common.model.embedded import ensure_embedded_model
 from common.request_id import make_request_id
-from helpers.cluster import pd_cluster
+from helpers.cluster import Proc
 
 PROMPT = "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    with pd_cluster(tmp_path_factory.mktemp("stranger")) as procs:
-        yield procs
+@pytest.fixture
+def cluster(shared_cluster: dict[str, Proc]) -> dict[str, Proc]:
+    return shared_cluster  # the decode node knows the prefill node from the proxy's registry
 
 
 @pytest.fixture(scope="module")
