@@ -25,6 +25,7 @@ import pytest
 
 from common.registry_client import Heartbeater
 from helpers.cluster import Proc, pd_cluster, start, wait_idle
+from helpers.waiting import wait_until
 
 WRITE_TIMEOUT_S = 1.0
 PREFILL_TIMEOUT_S = 2.0
@@ -78,13 +79,6 @@ def _aborted(url: str) -> float:
                if line.startswith('pdserve:request_errors_total{kind="aborted"'))
 
 
-def _wait_for(what: str, condition, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
-        time.sleep(0.2)
-
-
 def _answers(url: str) -> None:
     body = {"model": "pdserve-tiny", "prompt": "The with statement", "max_tokens": 4, "temperature": 0,
             "ignore_eos": True}
@@ -97,7 +91,7 @@ def test_a_node_cuts_off_a_client_that_stopped_reading(cluster) -> None:
     before = _aborted(node.url)
     sock = _stalled_reader(node.port, STALLING_BODY, "stalled-on-node")
     try:
-        _wait_for("the node aborts the stalled request", lambda: _aborted(node.url) > before)
+        wait_until(lambda: _aborted(node.url) > before, "the node aborts the stalled request", 120)
         wait_idle(node.url)  # its blocks and running slot are free while the client still holds the socket
         rest = _rest_of(sock)
     finally:
@@ -114,7 +108,7 @@ def test_the_proxy_cuts_off_a_stalled_client_and_aborts_both_legs(cluster) -> No
     before = _aborted(decode.url)
     sock = _stalled_reader(proxy.port, STALLING_BODY, "stalled-on-proxy")
     try:
-        _wait_for("the decode node aborts the leg the proxy gave up", lambda: _aborted(decode.url) > before)
+        wait_until(lambda: _aborted(decode.url) > before, "the decode node aborts the leg the proxy gave up", 120)
         wait_idle(decode.url)
         wait_idle(prefill.url)
         rest = _rest_of(sock)
@@ -242,7 +236,7 @@ def _fails_with_504(proxy: Proc, decode: Proc, node: SilentServer, stream: bool)
     assert r.status_code == 504, r.text
     error = r.json()["error"]
     assert node.address in error["message"] and error["type"] == "timeout_error", error
-    _wait_for("the proxy hangs up on the prefill node", lambda: node.closed_by_peer > closed, 30)
+    wait_until(lambda: node.closed_by_peer > closed, "the proxy hangs up on the prefill node", 30)
     wait_idle(decode.url, timeout=30)
     return error
 

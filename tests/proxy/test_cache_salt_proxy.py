@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import httpx
-from proxy_fakes import wait_for
 
 from common.cluster_auth import ClusterKey
+from helpers.waiting import wait_for
 from proxy.cache_salt import TenantSalt
 from proxy.prefix_policy import chunk_hashes, prompt_text
 from test_proxy_routing import node, router_with

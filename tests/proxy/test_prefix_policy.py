@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import httpx
-from proxy_fakes import wait_for
 
+from helpers.waiting import wait_for
 from proxy.prefix_policy import chunk_hashes, prompt_text
 from test_proxy_routing import node, router_with
 

@@ -7,8 +7,8 @@ import json
 
 import httpx
 import pytest
-from proxy_fakes import wait_for
 
+from helpers.waiting import wait_for
 from proxy.metrics import StreamWatch
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 5}

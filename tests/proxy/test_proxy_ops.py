@@ -9,9 +9,10 @@ import httpx
 import msgpack
 import pytest
 import zmq
-from proxy_fakes import FakeNode, ServerThread, wait_for
+from proxy_fakes import FakeNode, ServerThread
 
 from common.registry_client import Heartbeater
+from helpers.waiting import wait_for
 from proxy.app import build_app
 from proxy.config import ProxyConfig
 

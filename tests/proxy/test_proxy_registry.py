@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 import zmq
-from proxy_fakes import wait_for
 
 from common.registry_client import RegistrationMessage, decode_members, encode
+from helpers.waiting import wait_for
 from helpers.zmq_peer import raw_dealer
 from proxy.registry import ServiceRegistry
 

@@ -7,9 +7,10 @@ import re
 
 import httpx
 import pytest
-from proxy_fakes import SSE_CHUNKS, wait_for
+from proxy_fakes import SSE_CHUNKS
 
 from helpers.ports import free_port
+from helpers.waiting import wait_for
 from proxy.config import parse_static_node
 
 TAGGED = re.compile(r"^___prefill_addr_(.*):(\d+)___decode_addr_(.*):(\d+)_([0-9a-f]{32})$")

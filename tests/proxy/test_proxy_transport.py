@@ -6,8 +6,9 @@ import asyncio
 import json
 
 import httpx
-from proxy_fakes import FakeNode, ServerThread, wait_for
+from proxy_fakes import FakeNode, ServerThread
 
+from helpers.waiting import wait_for
 from proxy.transport import PooledTransport
 
 BODY = {"model": "m", "prompt": "hi"}

@@ -12,12 +12,11 @@ import httpx
 import msgpack
 import pytest
 
-from proxy_fakes import wait_for
-
 from common.cluster_auth import SIGNATURE_HEADER, ClusterKey, control_sealer, registry_sealer
 from common.kv_transfer.messages import Ping, decode, encode
 from common.request_id import make_request_id
 from helpers.cluster import start
+from helpers.waiting import wait_for
 from helpers.zmq_peer import raw_dealer
 
 API_KEY = "client-secret"

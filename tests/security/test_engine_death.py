@@ -9,12 +9,11 @@ import sys
 
 import httpx
 
-from proxy_fakes import wait_for
-
 from common.request_id import LOCAL_PREFILL, make_request_id
 from helpers.cluster import ROOT, Proc
 from helpers.crashing_node import CRASH_MAX_TOKENS
 from helpers.ports import free_port
+from helpers.waiting import wait_for
 
 ENGINE_DEAD_EXIT_CODE = 3
 

@@ -13,14 +13,13 @@ import httpx
 import pytest
 import torch
 
-from proxy_fakes import wait_for
-
 from common.kv_layout import KVLayout
 from common.kv_transfer.config import TransferConfig
 from common.kv_transfer.engine import KVTransferEngine
 from common.request_id import make_request_id
 from helpers.cluster import start
 from helpers.ports import free_port
+from helpers.waiting import wait_for
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 

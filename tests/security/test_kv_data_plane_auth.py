@@ -15,8 +15,6 @@ import httpx
 import pytest
 import torch
 
-from proxy_fakes import wait_for
-
 from common.cluster_auth import SIGNATURE_HEADER, ClusterKey, control_sealer
 from common.kv_transfer.config import PairBrokenError, TransferConfig
 from common.kv_transfer.engine import KVTransferEngine
@@ -29,6 +27,7 @@ from common.model.embedded import ensure_embedded_model
 from common.request_id import make_request_id
 from helpers.cluster import start
 from helpers.kv_pull import pull_into_blocks
+from helpers.waiting import wait_for
 from helpers.zmq_peer import raw_dealer
 
 PROMPT = list(range(40, 60))  # 20 tokens: 2 blocks of 16

@@ -12,8 +12,6 @@ import httpx
 import pytest
 import torch
 
-from proxy_fakes import wait_for
-
 from common.kv_transfer.config import TransferConfig
 from common.kv_transfer.engine import KVTransferEngine
 from common.kv_transfer.messages import Error, Handshake, HandshakeOk, decode, encode
@@ -23,6 +21,7 @@ from common.model.embedded import ensure_embedded_model
 from common.request_id import make_request_id
 from helpers.cluster import start
 from helpers.kv_pull import pull_into_blocks
+from helpers.waiting import wait_for
 from helpers.zmq_peer import raw_dealer
 
 MAX_PAIRS = 8

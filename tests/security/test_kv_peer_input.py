@@ -14,14 +14,13 @@ import httpx
 import pytest
 import torch
 
-from proxy_fakes import wait_for
-
 from common.kv_transfer.config import TransferConfig
 from common.kv_transfer.engine import KVTransferEngine
 from common.model.config import ModelConfig
 from common.model.embedded import ensure_embedded_model
 from common.request_id import make_request_id
 from helpers.cluster import Proc, start
+from helpers.waiting import wait_for
 
 _COUNT = iter(range(1, 10**6))  # each request its own id and prompt: nothing comes from the prefix cache
 

@@ -12,6 +12,7 @@ from common.engine.async_engine import AsyncLLMEngine
 from common.engine.config import EngineConfig
 from common.engine.sampling_params import SamplingParams
 from helpers.fake_kv_worker import RecordingWorker, consumer
+from helpers.waiting import wait_until
 
 
 FROM_P = {"prefill_addr": "127.0.0.1:2"}  # a decode leg's tag
@@ -150,13 +151,6 @@ def count_looks(monkeypatch, async_engine) -> list[int]:
 
     monkeypatch.setattr(async_engine.engine, "has_schedulable_work", counted)
     return looks
-
-
-def wait_until(condition, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def test_idle_engine_thread_sleeps(engine, monkeypatch):

@@ -15,6 +15,7 @@ from common.engine.async_engine import AsyncLLMEngine
 from common.engine.config import EngineConfig
 from common.engine.kv_connector import FinishedTransfers, KVConnector, KVConnectorScheduler, KVConnectorWorker
 from common.engine.sampling_params import SamplingParams
+from helpers.waiting import wait_until
 
 
 class HangingPoll(KVConnectorWorker):
@@ -32,20 +33,13 @@ class HangingPoll(KVConnectorWorker):
         return FinishedTransfers()
 
 
-def _wait_until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 def test_a_hung_step_shows_as_a_growing_stall_and_clears_when_it_returns() -> None:
     connector = HangingPoll()
     config = EngineConfig(device="cpu", num_kv_blocks=64, max_num_batched_tokens=64)
     engine = AsyncLLMEngine(config, KVConnector(KVConnectorScheduler(), connector))
     engine.start()
     try:
-        _wait_until(lambda: engine.stalled_for() == 0.0)  # started and asleep: idle is not a stall
+        wait_until(lambda: engine.stalled_for() == 0.0, "started and asleep: idle is not a stall")
         connector.hang.set()
 
         async def one_request() -> list[int]:
@@ -67,7 +61,7 @@ def test_a_hung_step_shows_as_a_growing_stall_and_clears_when_it_returns() -> No
             return await task
 
         assert len(asyncio.run(run())) == 3
-        _wait_until(lambda: engine.stalled_for() == 0.0)  # idle again
+        wait_until(lambda: engine.stalled_for() == 0.0, "idle again")
     finally:
         connector.release.set()
         engine.shutdown()
