@@ -51,20 +51,23 @@ def _wait(condition, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _generate(path: str | None, size: int) -> tuple[list[list[int]], list[list[float]]]:
+def _generate(path: str | None, size: int) -> tuple[dict, dict]:
+    """Two greedy requests (with their logprobs) and one seeded n=3 request, whose choices fork
+    from a half-full prompt block (a block copy every rank makes), run together."""
     engine = LLMEngine(EngineConfig(model=path, device="cpu", tensor_parallel_size=size, num_kv_blocks=32,
                                     block_size=8))
     try:
-        ids = ["a", "b"]
-        for rid, prompt in zip(ids, PROMPTS):
+        for rid, prompt in zip("ab", PROMPTS):
             engine.add_request(rid, prompt, SamplingParams(max_tokens=12, temperature=0, logprobs=0))
-        tokens = {rid: [] for rid in ids}
-        logprobs = {rid: [] for rid in ids}
+        engine.add_request("c", PROMPTS[0], SamplingParams(n=3, temperature=0.9, seed=3, max_tokens=8))
+        tokens, logprobs = {}, {}
         while engine.has_unfinished_requests():
             for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-                logprobs[out.request_id] += [lp[t] for lp, t in zip(out.new_logprobs, out.new_token_ids)]
-        return [tokens[r] for r in ids], [logprobs[r] for r in ids]
+                key = (out.request_id, out.index)
+                tokens.setdefault(key, []).extend(out.new_token_ids)
+                if out.new_logprobs is not None:
+                    logprobs.setdefault(key, []).extend(lp[t] for lp, t in zip(out.new_logprobs, out.new_token_ids))
+        return tokens, logprobs
     finally:
         engine.runner.close()
 
@@ -75,9 +78,10 @@ def test_two_ranks_give_the_tokens_of_one(checkpoint_dir, family):
     path = None if family == "embedded" else str(checkpoint_dir(family))
     tokens_1, logprobs_1 = _generate(path, 1)
     tokens_2, logprobs_2 = _generate(path, 2)
-    assert tokens_2 == tokens_1
-    for a, b in zip(logprobs_1, logprobs_2):
-        assert b == pytest.approx(a, abs=1e-4)
+    assert len(tokens_1) == 5 and tokens_2 == tokens_1
+    assert logprobs_2.keys() == logprobs_1.keys() == {("a", 0), ("b", 0)}
+    for key, values in logprobs_1.items():
+        assert logprobs_2[key] == pytest.approx(values, abs=1e-4)
 
 
 def test_a_dead_worker_fails_the_next_step_and_no_worker_is_left():
