@@ -34,7 +34,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -138,7 +138,7 @@ class Leader(TPGroup):
         _kill(self.procs)
         self.on_lost(self.lost)
 
-    def send(self, op: int, values: list[int] = (), payload: torch.Tensor | None = None) -> None:
+    def send(self, op: int, values: Sequence[int] = (), payload: torch.Tensor | None = None) -> None:
         """Broadcast one command (``values`` in its header, then ``payload``, an int64 CPU tensor)."""
         if self.lost is not None:
             raise RankLostError(self.lost)
