@@ -51,6 +51,7 @@ class Transfer:
     link: PairReceiver | None = None  # the thread that receives it
     started: float = field(default_factory=time.monotonic)
     first_byte: float | None = None  # its first layer arrived: the transfer rate runs from here to DONE
+    last_landed: float | None = None  # its latest layer landed: the link's deadline runs from here
     layers: set[int] = field(default_factory=set)
     nbytes: int = 0
     retried: bool = False  # asked again on a new pair after the producer forgot the old one

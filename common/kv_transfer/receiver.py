@@ -1,5 +1,4 @@
-"""The consumer's receiver for one producer: everything it does with that producer, on
-one thread.
+"""The consumer's receiver for one producer: everything it does with that producer, on one thread.
 
 Events arrive in order on a queue: a new transfer (handshake and pair build if needed,
 then PULL), layer notices (gloo/nccl: receive, two staging buffers deep, then scatter
@@ -7,13 +6,13 @@ into the blocks), DONE (report, ACK), errors and aborts. On a ``tcp`` pair the t
 also wakes when the socket is readable: each message's header is in-band, so the bytes
 go straight into the blocks the moment they arrive. A failed receive or an unanswered ping
 fails every transfer on the link and drops the pair; the next transfer builds a new one.
+Every state change of a transfer's record is a call to its owner, the KVConsumer.
 
 On a ``cuda_ipc`` pair the producer writes into our blocks from its own process, so no
 transfer there is failed (its blocks handed back for reuse) before the producer confirmed
 that it writes no more into them: the link asks it with ABORT, which it answers once its
 streams drained, and fails the transfer on the answer or at the answer's deadline
-(``_fail_fenced``). That holds on every failure path, a broken link included.
-"""
+(``_fail_fenced``). That holds on every failure path, a broken link included."""
 
 from __future__ import annotations
 
@@ -83,10 +82,10 @@ class PairReceiver:
                     break  # nothing to do with this producer for a while: the thread goes
             if event is None:
                 break
-            if event[0] != "tick":
-                self._last_active = time.monotonic()
             try:
-                getattr(self, "_on_" + event[0])(*event[1:])
+                if event[0] != "tick":  # a tick (a quiet queue) only runs the heartbeat
+                    self._last_active = time.monotonic()
+                    getattr(self, "_on_" + event[0])(*event[1:])
                 self._heartbeat()
             except Exception as e:  # TransferError, or a bad notice: fail what waits, rebuild later
                 logger.warning("consumer: link to %s failed: %s", self.address, e,
@@ -103,9 +102,6 @@ class PairReceiver:
         return 0.0 if busy else time.monotonic() - self._last_active
 
     # ---- events --------------------------------------------------------------------
-    def _on_tick(self) -> None:
-        pass
-
     def _on_data(self) -> None:
         """tcp: the next in-band message (or the producer's close) is readable."""
         assert self.pair is not None
@@ -159,6 +155,7 @@ class PairReceiver:
             return
         t.layers.update(frame.layers)
         t.nbytes += frame.nbytes
+        t.last_landed = time.monotonic()
         self.owner.advance(t, ConnectorState.RECEIVING)
 
     def _on_new(self, t: Transfer) -> None:
@@ -325,6 +322,7 @@ class PairReceiver:
                 scatter_blocks(t.kv_caches[layer], ids, buf[j])
         t.layers.update(msg.layers)
         t.nbytes += nbytes
+        t.last_landed = time.monotonic()
         self.owner.advance(t, ConnectorState.RECEIVING)
 
     def _finish(self, msg: Done) -> None:
@@ -377,7 +375,10 @@ class PairReceiver:
             if fut.exception() is not None:
                 raise TransferError(f"producer {self.address} stopped answering: {fut.exception()}")
         now = time.monotonic()
-        for t in [t for t in self.transfers.values() if now - t.started > cfg.lease_s + cfg.timeout_s]:
+        # lease + timeout with no layer landing (since the request or its latest layer: a slow link
+        # that keeps moving is not cut off) means the producer is gone
+        limit = cfg.lease_s + cfg.timeout_s
+        for t in [t for t in self.transfers.values() if now - (t.last_landed or t.started) > limit]:
             self._fail_fenced(self.transfers.pop(t.request_id), "timed out waiting for the producer")
         # a built pair is pinged even when idle: its control connection stays in use (the control
         # plane closes idle ones) and a producer that died meanwhile is noticed before the next request

@@ -173,3 +173,17 @@ def test_producer_restarted_while_the_pair_idled_next_request_builds_a_new_pair(
             p.stop()
     finally:
         p.kill()
+
+
+def test_a_slow_transfer_that_keeps_landing_layers_is_not_cut_off(no_thread_leak):
+    """The consumer's give-up deadline (lease + timeout without a byte) runs from the latest
+    landed layer, not from the request: a slow link or a slow prefill whose layers keep coming
+    (here 4 layers 0.8 s apart, 3.2 s against a 2 s deadline) finishes."""
+    short = TransferConfig(**dict(FAST, lease_s=1.0, timeout_s=1.0))
+    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, short) as d:
+        kv = d_cache()
+        d.consumer.request("slow", p.address, [0, 1, 2], 12, kv)
+        assert p.call("wait_state", "slow", "pulled", 10) == "pulled"
+        assert p.call("prefill", "slow", 3, P_BLOCKS, [3, 4, 5], 12, 9, True, 0.8) == "ok"
+        assert wait_finished(d, {"slow"}) == ({"slow": 9}, {})
+        assert_landed(kv, [0, 1, 2], 3, [3, 4, 5], 12)
