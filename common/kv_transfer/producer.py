@@ -215,9 +215,9 @@ class KVProducer:
         rendezvous = listen(transport, self._host, self.config.connect_timeout_s)
         assert self.control is not None
         link = PairSender(msg.pair_id, identity, config=self.config, stats=self.stats, budget=self._budget,
-                          control=self.control, device=self.device, on_done_sent=self._on_done_sent,
-                          on_failed=self._link_failed, on_message=self.handle, streams=self.streams,
-                          in_use=self._link_in_use)
+                          control=self.control, device=self.device, on_done_sent=self.done_sent,
+                          on_failed=self.link_failed, on_message=self.handle, streams=self.streams,
+                          in_use=self.link_in_use)
         link.checksum = use_checksum(msg.checksum, self.config.checksum)
         with self._lock:
             if self._closed:
@@ -329,11 +329,14 @@ class KVProducer:
                     self.control.reply(req.link.identity, Error(reason=reason, request_id=req.request_id))
                 self._drop(req.request_id, reason)
 
-    def _on_done_sent(self, req: ProducerRequest) -> None:
+    # ---- sender threads: what a pair's sender reports ------------------------------------
+    def done_sent(self, req: ProducerRequest) -> None:
+        """DONE is out: the lease runs again until the consumer's ACK."""
         with self._lock:
             self.table.done_sent(req, time.monotonic() + self.config.lease_s)
 
-    def _link_failed(self, link: PairSender, reason: str) -> None:
+    def link_failed(self, link: PairSender, reason: str) -> None:
+        """The pair broke (or closed idle): every request on it fails, its queued jobs go."""
         with self._lock:
             self._links.pop(link.pair_id, None)
             for req in [r for r in self.table.records.values() if r.link is link and not r.dropped
@@ -341,11 +344,13 @@ class KVProducer:
                 self._fail_request(req, f"transfer failed: {reason}")
             link.drain()  # under the lock: nothing can be queued to this pair any more
 
-    def _link_in_use(self, link: PairSender) -> bool:
+    def link_in_use(self, link: PairSender) -> bool:
+        """Whether a live request still uses the pair (an idle one may be closed)."""
         with self._lock:
             return any(r.link is link and not r.dropped and r.state is not ConnectorState.RELEASED
                        for r in self.table.records.values())
 
+    # ---- metrics and shutdown ------------------------------------------------------------
     def pair_transports(self) -> list[str]:
         with self._lock:
             return [link.transport for link in self._links.values() if not link.broken]
