@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,7 @@ from common.engine.llm_engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
 from common.engine.tp_group import RankLostError
 from helpers.cluster import Proc, start, stop_all
+from helpers.waiting import wait_until
 
 PROMPTS = [[1, 5, 9, 200, 33, 7], [4, 8, 15, 16, 23, 42, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
 
@@ -42,13 +42,6 @@ def _gone(pid: int) -> bool:
     except OSError:
         return True
     return state == "Z"  # exited, not yet reaped by its (dead) parent's reaper
-
-
-def _wait(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def _generate(path: str | None, size: int) -> tuple[dict, dict]:
@@ -90,7 +83,7 @@ def test_a_dead_worker_fails_the_next_step_and_no_worker_is_left():
     try:
         worker = leader.procs[0]
         worker.kill()
-        _wait(lambda: leader.lost is not None, 10, "rank 0 did not notice its worker died")
+        wait_until(lambda: leader.lost is not None, "rank 0 notices its worker died", timeout=10)
         assert f"rank 1 (pid {worker.pid}) exited" in leader.lost
         engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=2))
         with pytest.raises(RankLostError, match="rank 1"):
@@ -132,7 +125,7 @@ def test_serve_with_two_ranks_answers_as_one_and_sigterm_leaves_no_process(nodes
     assert len(workers) == 1, workers
     node.send_signal(signal.SIGTERM)
     assert node.wait(timeout=30) == 0, nodes["tp2"].log_tail()
-    _wait(lambda: all(_gone(w) for w in workers), 10, f"worker {workers} outlived its node")
+    wait_until(lambda: all(_gone(w) for w in workers), f"worker {workers} ends with its node", timeout=10)
 
 
 def test_a_worker_that_dies_ends_its_node_with_no_process_left(nodes):
