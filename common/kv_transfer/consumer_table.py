@@ -12,11 +12,11 @@ references to the records it works on, never copies of their state.
 | QUEUED       | ``start``: ``KVConsumer.request`` (engine, worker)   | PULLED, FAILED; ABORTING        |
 | PULLED       | ``advance``: PULL sent (link)                        | RECEIVING, LANDED, FAILED; ABORTING |
 | RECEIVING    | ``advance``: a layer landed (link)                   | LANDED, FAILED; ABORTING        |
-| LANDED       | ``landed``: DONE checked (link)                      | REPORTED (``poll_finished``); STOPPED |
+| LANDED       | ``finish``: DONE checked (link)                      | REPORTED (``poll_finished``); STOPPED (``stop``) |
 | REPORTED     | ``poll_finished`` (engine)                           | gone (``take_landed``, next poll) |
-| FAILED       | ``failed`` (link, or a refused request)              | gone (``poll_finished``); STOPPED |
-| ABORTING     | ``abort`` of a load that may still land (engine)     | STOPPED (``abort_stopped``, link) |
-| STOPPED      | ``abort_stopped`` (link); ``abort`` of one that cannot land | gone (``poll_aborted``)  |
+| FAILED       | ``finish`` (link), or ``start`` of a refused request | gone (``poll_finished``); STOPPED (``stop``) |
+| ABORTING     | ``abort`` (scheduler) or ``stop`` (worker) of a load that may still land (engine) | STOPPED (``abort_stopped``, link) |
+| STOPPED      | ``abort_stopped`` (link); ``stop`` of one nothing writes into | gone (``poll_aborted``)  |
 
 ABORTING wins every race: a landing or a failure after it is ignored, and the blocks stay
 held until the link says it stopped.

@@ -8,12 +8,12 @@ table's ``lock`` (KVProducer holds it while it also queues the sends a change ca
 | state        | entered by (thread)                                       | next                          |
 |--------------|-----------------------------------------------------------|-------------------------------|
 | RESERVED     | ``reserve``: admitted, nobody asked yet (HTTP)            | PULLED, HANDED_OVER, HELD, DROPPED; gone at its deadline |
-| PULLED       | ``pull``: the consumer asked before prefill finished (control, sender) | HANDED_OVER, HELD→SENDING, DROPPED |
-| HANDED_OVER  | ``hand_over``: first token sampled, blocks held (engine, scheduler) | HELD or SENDING (``finish``), DROPPED |
-| HELD         | ``finish``: prefill done, nobody asked; lease runs (engine, worker) | SENDING (``pull``), RELEASED |
-| SENDING      | ``finish``/``pull`` once both are in: every layer and DONE queued | AWAITING_ACK (``done_sent``, sender), RELEASED |
-| AWAITING_ACK | ``done_sent``; lease runs again                           | RELEASED (``ack``, abort, failure, lease) |
-| RELEASED     | ``ack`` or ``drop`` of a finished request: blocks freeable | gone (``poll_freeable``), DROPPED if dropped |
+| PULLED       | ``pulled``: the consumer asked before prefill finished (control, sender) | HANDED_OVER, HELD, DROPPED |
+| HANDED_OVER  | ``hand_over``: first token sampled, blocks held (engine, scheduler) | HELD (``finish``), DROPPED |
+| HELD         | ``finish``: prefill done; the lease runs (engine, worker) | SENDING, RELEASED             |
+| SENDING      | ``sending``: pulled and finished, every layer and DONE queued | AWAITING_ACK (``done_sent``, sender), RELEASED |
+| AWAITING_ACK | ``done_sent``; the lease runs again                       | RELEASED (``ack``, abort, failure, lease) |
+| RELEASED     | ``ack``, or ``drop`` of a finished request: blocks freeable | gone (``poll_freeable``), DROPPED if dropped |
 | DROPPED      | ``drop`` (abort, failure, lease, discard): ``why`` kept to answer a late PULL | RELEASED (``finish``: its blocks) |
 
 A dropped record stays (the newest ``MAX_DROPPED``) so a PULL that comes late is told why.
