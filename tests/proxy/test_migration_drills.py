@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from helpers.cluster import Proc, metric, start, wait_idle
+from helpers.cluster import Proc, metric, start, stop_all, wait_idle
 
 MAX_TOKENS = 400
 IDLE_S = 3.0
@@ -30,15 +30,17 @@ class Cluster:
                            "--disagg-policy", "always", "--migration-limit", "2", wait=False)
         self.nodes: list[Proc] = []
         self.serial = 0
-        for role in ("prefill", "prefill", "decode", "decode"):
-            self.add(role)
+        for role in ("prefill", "prefill", "decode", "decode"):  # started together: model loads overlap
+            self.add(role, wait=False)
+        for node in self.nodes:
+            node.wait_ready()
         self.proxy.wait_ready(timeout=60)
         self.wait_registered()
 
-    def add(self, role: str) -> Proc:
+    def add(self, role: str, wait: bool = True) -> Proc:
         self.serial += 1
         node = start(role, self.tmp, "--proxy", f"127.0.0.1:{self.proxy.kv_port}", "--heartbeat-interval-s",
-                     "0.5", name=f"{role}{self.serial}")
+                     "0.5", name=f"{role}{self.serial}", wait=wait)
         self.nodes.append(node)
         return node
 
@@ -82,7 +84,7 @@ class Cluster:
                     node.popen.send_signal(signal.SIGCONT)
                 except ProcessLookupError:
                     pass
-            node.stop()
+        stop_all([*self.nodes, self.proxy])
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +270,13 @@ def test_prefill_killed_mid_transfer(cluster: Cluster) -> None:
         readers = [StreamReader(cluster.proxy.url, COMPLETIONS, _body(COMPLETIONS, True, prompt=p)) for p in prompts]
         for reader in readers:
             reader.start()
-        time.sleep(0.5)  # the moment of the kill; no assertion rests on it
+        # the moment meant: one answer streams (from the live prefill node) while the other waits on
+        # a decode node for the frozen node's KV
+        deadline = time.monotonic() + 60
+        while not (any(r.first_content.is_set() for r in readers) and
+                   sum(metric(d.url, "pdserve:num_requests_waiting") for d in cluster.live("decode")) >= 1):
+            assert time.monotonic() < deadline, "no request waited on a decode node for the frozen node's KV"
+            time.sleep(0.02)
         victim.kill()
         answers = [r.answer() for r in readers]
     finally:
