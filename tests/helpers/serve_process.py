@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
+from helpers.cluster import Proc
 from helpers.ports import free_port  # noqa: F401  (test_cli_pdserve imports it from here)
 
 
@@ -22,19 +20,10 @@ def serving(argv: list[str], port: int, log: Path, *, cwd: Path, env: Mapping[st
     with status 0 (a graceful stop)."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    served = Proc("serve", proc, port, log)
     try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "not ready in time:\n" + log.read_text()
-            time.sleep(0.2)
-        yield url
+        served.wait_ready(ready_timeout)
+        yield served.url
     finally:
         proc.terminate()
         try:
