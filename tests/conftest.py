@@ -33,10 +33,15 @@ def session_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[s
         yield procs
 
 
+# A request the decode node refuses can leave its KV on the prefill node until the KV lease
+# (--kv-lease-s, 30 s) ends it, so idleness is awaited a while longer than that.
+IDLE_TIMEOUT_S = 60.0
+
+
 @pytest.fixture
 def shared_cluster(session_cluster: dict[str, Proc]) -> Iterator[dict[str, Proc]]:
     """``session_cluster`` for one test, which must leave it as found: nothing running, no KV
     block held (checked after the test), no node stopped (tests that kill nodes start their own)."""
     yield session_cluster
     for role in ("prefill", "decode", "both"):
-        wait_idle(session_cluster[role].url)
+        wait_idle(session_cluster[role].url, timeout=IDLE_TIMEOUT_S)

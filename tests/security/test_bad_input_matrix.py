@@ -197,9 +197,14 @@ def internal_before(session_cluster: dict[str, Proc]) -> dict[str, list[str]]:
     return {role: internal_errors(session_cluster[role].url) for role in ("prefill", "decode", "both")}
 
 
-@pytest.fixture
-def cluster(shared_cluster: dict[str, Proc], own_proxy: Proc, internal_before) -> dict[str, Proc]:
-    return shared_cluster | {"proxy": own_proxy, "node": shared_cluster["both"]}
+@pytest.fixture(scope="module")
+def cluster(session_cluster: dict[str, Proc], own_proxy: Proc, internal_before) -> Iterator[dict[str, Proc]]:
+    """The shared daemons, left idle once the whole matrix has run rather than after each case: a
+    refused case can leave KV on the prefill node until its 30 s lease, and the leases of one
+    module run out together."""
+    yield session_cluster | {"proxy": own_proxy, "node": session_cluster["both"]}
+    for role in ("prefill", "decode", "both"):
+        wait_idle(session_cluster[role].url, timeout=60)
 
 
 def test_the_matrix_is_large_enough() -> None:
@@ -231,7 +236,7 @@ def test_the_cluster_still_serves_and_no_5xx_was_answered(cluster, internal_befo
         assert reply.json()["usage"]["completion_tokens"] == 2
         assert httpx.post(url + "/v1/chat/completions", json=OK_CHAT, timeout=60).status_code == 200
     for role in ("prefill", "decode", "node"):
-        wait_idle(cluster[role].url)
+        wait_idle(cluster[role].url, timeout=60)  # past the KV lease a refused case may have started
     proxy_metrics = httpx.get(cluster["proxy"].url + "/metrics").text
     assert not [ln for ln in proxy_metrics.splitlines()
                 if ln.startswith("pdserve:proxy_requests_total") and 'status="5' in ln]
