@@ -98,7 +98,8 @@ def test_abort_and_concurrent_requests(engine):
 
         async def run(rid, n, max_tokens):
             outs = []
-            async for out in engine.generate(rid, [5, 6, 7, 8][:n], SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            async for out in engine.generate(rid, [5, 6, 7, 8][:n], params):
                 outs.append(out)
                 if rid == "victim":
                     victim_started.set()
