@@ -11,8 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
-from helpers.serve_process import free_port, serving
+from helpers.ports import free_port
+from helpers.serve_process import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,7 +99,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def test_openai_client_against_a_real_node(served: str) -> None:
-    openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=served + "/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     assert model == "pdserve-tiny"
@@ -128,7 +129,6 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_closing_a_stream_early_frees_the_request(served: str) -> None:
-    openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=served + "/v1", api_key="unused", max_retries=0)
     before = _metric(httpx.get(served + "/metrics").text, "generation_tokens_total")
     stream = client.completions.create(
