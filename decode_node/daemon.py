@@ -50,8 +50,10 @@ def add_release_on_refusal(app: FastAPI, daemon: Daemon) -> None:
     consumer = daemon.transfer.consumer
 
     def release(request_id: str, prefill_addr: str) -> None:
-        # keyless, the id is unverified and may name any address: only an open connection is used
-        consumer.release_remote(request_id, prefill_addr, connect=daemon.key is not None)
+        # keyless, the id is unverified and may name any address: a connection is opened only to a
+        # prefill node --kv-peers or the registry named; to any other, only one already open is used
+        connect = daemon.key is not None or daemon.vouched_prefill(prefill_addr)
+        consumer.release_remote(request_id, prefill_addr, connect=connect)
 
     app.add_middleware(ReleaseRefusedKV, release=release)
 

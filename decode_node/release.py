@@ -10,8 +10,9 @@ request: a prefill timeout, the client gone): nobody will ask for that KV either
 
 A refused id must cost nothing: with a cluster key the signature check sits outside this
 middleware, so an unsigned id is refused (403) before it gets here and no connection is
-opened for it; without a key the id is unverified, and ``release`` only uses a connection
-to the prefill node that is already open (see decode_node.daemon).
+opened for it; without a key the id is unverified, and ``release`` opens a connection only
+to a prefill node that ``--kv-peers`` or the registry's member list names (to any other it uses
+one already open, see decode_node.daemon).
 """
 
 from __future__ import annotations

@@ -139,12 +139,16 @@ class Daemon:
         """May this node pull KV from ``kv_addr``? With a cluster key the id naming it was signed by
         the proxy; else it must be in --kv-peers or in the registry's last member list; with neither
         (keyless behind vLLM's proxy or none), any address, as vLLM does (trusted networks only)."""
-        if self.key is not None or kv_addr in self.config.kv_peer_list:
+        if self.key is not None or self.vouched_prefill(kv_addr):
             return True
         members = self.heartbeater.members if self.heartbeater is not None else None
-        if members is not None:
-            return kv_addr in members
-        return not self.config.kv_peer_list
+        return members is None and not self.config.kv_peer_list
+
+    def vouched_prefill(self, kv_addr: str) -> bool:
+        """Is ``kv_addr`` named by --kv-peers or by the registry's last member list (not merely
+        allowed because this node was told nothing)?"""
+        members = self.heartbeater.members if self.heartbeater is not None else None
+        return kv_addr in self.config.kv_peer_list or (members is not None and kv_addr in members)
 
     def ready(self) -> bool:
         return self.transfer is not None and (self.heartbeater is None or self.heartbeater.beats_sent > 0)
