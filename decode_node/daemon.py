@@ -8,15 +8,18 @@ A request's life here, as queues (SGLang's picture):
 2. **prealloc** — the scheduler allocates blocks for the whole prompt and parks the
    request: it holds blocks but no running slot, so other requests keep decoding.
 3. **transfer** — the consumer connector asks the prefill daemon named in the id for
-   the KV (block ids, token count, KV layout fingerprint over ZMQ); each layer lands
-   straight in the parked request's blocks over the pair's gloo/NCCL group.
+   the KV (block ids, token count, a nonce over ZMQ; the layout was checked when the pair
+   was built); each layer lands straight in the parked request's blocks over the pair's
+   data plane (tcp on CPU, cuda_ipc between GPUs of one host, nccl across hosts, gloo on
+   request), and DONE is checked (nonce, layers, bytes) before the request runs.
 4. **running** — DONE carries the prefill daemon's first token: it is appended and
    streamed, and decoding goes on from there (the last prompt token is not recomputed).
 5. **failure** — a dead or unreachable prefill daemon, a refused layout or a timeout
    (``--kv-timeout-s``) ends the request with an error and frees its blocks; a client
    that disconnects mid-transfer aborts it (blocks held until the receive has stopped).
    A request refused here (a 4xx: bad input, prompt too long) never asks for its KV, so
-   the prefill node is told to drop it at once instead of holding it until its lease ends.
+   the prefill node is told to drop it at once instead of holding it until its lease ends
+   (decode_node.release).
 6. **override** — a prompt this node has all but one stall-bounded step of cached is computed
    here instead of pulled, and the prefill node is told to drop its KV (decode_node.connector).
 """
