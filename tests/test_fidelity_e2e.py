@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers.cluster import Proc, start, static_nodes, stop_all
+from helpers.cluster import Proc, all_ready, start, static_nodes
 
 pytestmark = pytest.mark.slow
 
@@ -35,12 +35,8 @@ def proxies(session_cluster: dict[str, Proc], tmp_path_factory: pytest.TempPathF
     tmp = tmp_path_factory.mktemp("fidelity")
     procs = {order: start("proxy", tmp, "--dispatch", order, *static_nodes(session_cluster, MODEL),
                           name=f"proxy-{order}", wait=False) for order in ORDERS}
-    try:
-        for proc in procs.values():
-            proc.wait_ready()
+    with all_ready(procs):
         yield procs
-    finally:
-        stop_all(procs.values())
 
 
 @pytest.fixture

@@ -69,6 +69,18 @@ class Proc:
         stop_all([self], timeout)
 
 
+@contextlib.contextmanager
+def all_ready(procs: dict[str, Proc]) -> Iterator[dict[str, Proc]]:
+    """``procs`` (started with ``wait=False``, so their start-ups overlap) once every one is ready;
+    all stopped on the way out, a start that failed included."""
+    try:
+        for proc in procs.values():
+            proc.wait_ready()
+        yield procs
+    finally:
+        stop_all(procs.values())
+
+
 def stop_all(procs: Iterable[Proc], timeout: float = 20.0) -> None:
     """SIGTERM to every process at once, then each waited for (killed after ``timeout``)."""
     procs = list(procs)

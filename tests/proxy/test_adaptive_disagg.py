@@ -17,7 +17,7 @@ import httpx
 import pytest
 from pydoc_data.topics import topics
 
-from helpers.cluster import Proc, start, static_nodes, stop_all
+from helpers.cluster import Proc, all_ready, start, static_nodes
 
 SHORT = "What does the with statement do?"
 LONG = " ".join(topics.values())[:9000]  # ~2,500 tokens: past the decode node's 50 ms stall bound
@@ -32,12 +32,8 @@ def policy_proxies(session_cluster: dict[str, Proc], tmp_path_factory: pytest.Te
     tmp = tmp_path_factory.mktemp("adaptive")
     others = {policy: start("proxy", tmp, *static_nodes(session_cluster), "--disagg-policy", policy,
                             name=f"proxy-{policy}", wait=False) for policy in ("always", "never")}
-    try:
-        for proc in others.values():
-            proc.wait_ready()
+    with all_ready(others):
         yield others
-    finally:
-        stop_all(others.values())
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from common.engine.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
 from common.engine.tp_group import RankLostError
-from helpers.cluster import Proc, start, stop_all
+from helpers.cluster import Proc, all_ready, start
 from helpers.waiting import wait_until
 
 PROMPTS = [[1, 5, 9, 200, 33, 7], [4, 8, 15, 16, 23, 42, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
@@ -100,12 +100,8 @@ def nodes(tmp_path_factory) -> dict[str, Proc]:
     procs = {"tp1": start("both", tmp, name="tp1", wait=False)}
     for name in ("tp2", "doomed"):
         procs[name] = start("both", tmp, "--tensor-parallel-size", "2", name=name, wait=False)
-    try:
-        for proc in procs.values():
-            proc.wait_ready()
+    with all_ready(procs):
         yield procs
-    finally:
-        stop_all(procs.values())
 
 
 def _complete(proc: Proc) -> dict:
