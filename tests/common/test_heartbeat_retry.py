@@ -3,21 +3,14 @@ interval later: a daemon started before its proxy registers as soon as the proxy
 
 from __future__ import annotations
 
-import socket
-
 import zmq
 
 from common.registry_client import Heartbeater, decode
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers.ports import free_port
 
 
 def test_a_dropped_first_beat_is_sent_again_long_before_the_interval() -> None:
-    port = _free_port()
+    port = free_port()
     calls: list[int] = []
 
     def info() -> dict:
