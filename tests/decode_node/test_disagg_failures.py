@@ -133,6 +133,7 @@ def test_client_disconnect_while_waiting_for_kv_frees_decode_blocks(pair) -> Non
     rid = make_request_id(prefill.kv_addr, decode.kv_addr)  # prefill leg never sent: D waits
     with httpx.stream("POST", decode.url + "/v1/completions", json={**BODY, "stream": True},
                       headers={"X-Request-Id": rid}, timeout=30) as r:
+        assert r.status_code == 200  # the stream opened: the node is waiting for the KV
         _wait_until_allocated(decode)
     # the client is gone: D aborts, tells P, and frees the blocks once the receive stopped
     wait_idle(decode.url, timeout=TIMEOUT_S + 5)
