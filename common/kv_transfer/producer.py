@@ -169,6 +169,11 @@ class KVProducer:
                     # connection was opened anew since the handshake has a new ZMQ identity, and
                     # an error sent to the old one is dropped (its transfer would wait out its deadline).
                     link.identity = identity
+                    # DONE left this side's socket, not yet the wire: on a slow link the bytes queued
+                    # before it can take longer than the lease to arrive. The consumer that pings is
+                    # alive and bounds its own wait (no layer landing for timeout_s fails the request
+                    # and ABORTs here), so its pair's ACK leases run on from now.
+                    self.table.renew_acks(link, time.monotonic() + self.config.lease_s)
         self._reply(identity, Ok(id=msg.id))
 
     def _on_handshake(self, identity: bytes, msg: Handshake) -> None:

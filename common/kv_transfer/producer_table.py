@@ -12,7 +12,7 @@ table's ``lock`` (KVProducer holds it while it also queues the sends a change ca
 | HANDED_OVER  | ``hand_over``: first token sampled, blocks held (engine, scheduler) | HELD (``finish``), DROPPED |
 | HELD         | ``finish``: prefill done; the lease runs (engine, worker) | SENDING, RELEASED             |
 | SENDING      | ``sending``: pulled and finished, every layer and DONE queued | AWAITING_ACK (``done_sent``, sender), RELEASED |
-| AWAITING_ACK | ``done_sent``; the lease runs again                       | RELEASED (``ack``, abort, failure, lease) |
+| AWAITING_ACK | ``done_sent``; the lease runs again (``renew_acks``: while the consumer pings) | RELEASED (``ack``, abort, failure, lease) |
 | RELEASED     | ``ack``, or ``drop`` of a finished request: blocks freeable | gone (``poll_freeable``), DROPPED if dropped |
 | DROPPED      | ``drop`` (abort, failure, lease, discard): ``why`` kept to answer a late PULL | RELEASED (``finish``: its blocks) |
 
@@ -154,6 +154,12 @@ class ProducerTable:
     def done_sent(self, req: ProducerRequest, deadline: float) -> None:
         if req.state is S.SENDING:  # not dropped meanwhile
             req.state, req.deadline = S.AWAITING_ACK, deadline
+
+    def renew_acks(self, link: PairSender, deadline: float) -> None:
+        """The consumer on ``link`` pinged: its AWAITING_ACK records' leases run until ``deadline``."""
+        for req in self.records.values():
+            if req.link is link and req.state is S.AWAITING_ACK:
+                req.deadline = max(req.deadline or 0.0, deadline)
 
     def ack(self, request_id: str) -> ProducerRequest | None:
         req = self.records.get(request_id)

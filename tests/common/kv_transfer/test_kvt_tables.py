@@ -37,6 +37,25 @@ def test_producer_record_from_hand_over_to_release():
         assert t.poll_freeable() == {"x"} and "x" not in t.records  # acknowledged: forgotten
 
 
+def test_a_pinging_consumer_renews_only_its_pairs_ack_leases():
+    """DONE is out but its bytes may still be on a slow wire: the consumer's ping (it is alive and
+    bounds its own wait) moves the ACK lease of its pair's records on, and no other record's."""
+    t = ProducerTable()
+    mine, other = object(), object()
+    with t.lock:
+        for rid, link, state in (("a", mine, "awaiting"), ("b", other, "awaiting"), ("c", mine, "held")):
+            req = t.pulled(rid, deadline=5.0)
+            req.link = link
+            t.finish(rid, deadline=9.0)
+            if state == "awaiting":
+                t.sending(req)
+                t.done_sent(req, deadline=20.0)
+        t.renew_acks(mine, deadline=50.0)
+        assert [t.records[r].deadline for r in ("a", "b", "c")] == [50.0, 20.0, 9.0]
+        t.renew_acks(mine, deadline=30.0)  # never shortened
+        assert t.records["a"].deadline == 50.0
+
+
 def test_producer_drop_while_prefill_runs_frees_the_blocks_at_finish_and_keeps_the_reason():
     t = ProducerTable()
     with t.lock:

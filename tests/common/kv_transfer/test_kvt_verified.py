@@ -56,7 +56,10 @@ def test_done_for_a_request_never_asked_for_is_dropped_and_counted(no_thread_lea
 def test_transfer_landing_after_its_blocks_were_reused_does_not_touch_them(no_thread_leak):
     """r1 landed and its blocks went to r2; r1's layers and DONE arrive again in front of r2's:
     they are dropped, not written into r2's blocks, and r2's KV is r2's."""
-    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+    # no deadline is under test here: a 2 s one could break the pair on a loaded machine and lose
+    # the replay with it (the test would then see no rejection)
+    patient = {**FAST, "timeout_s": 15.0, "lease_s": 30.0}
+    with peer(LAYOUT, patient) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**patient)) as d:
         p.call("fault", "replay")
         kv = d_cache()
         _request(p, d, kv, "r1", 1, [0, 1, 2], [3, 4, 5])
