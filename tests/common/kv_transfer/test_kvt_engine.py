@@ -9,6 +9,7 @@ import torch
 
 from common.kv_transfer.config import TransferConfig, TransferStats
 from common.kv_transfer.engine import KVTransferEngine
+from helpers.waiting import wait_for
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
 from kvt_peers import make_kv, peer, same_bytes
 
@@ -31,6 +32,15 @@ def wait_finished(engine: KVTransferEngine, ids: set[str], timeout: float = 15.0
 def d_cache() -> list[torch.Tensor]:
     return [torch.zeros(LAYOUT.layer_shape(D_BLOCKS), dtype=LAYOUT.torch_dtype)
             for _ in range(LAYOUT.num_layers)]
+
+
+def slow_transfer_under_way(p, d: KVTransferEngine, kv: list[torch.Tensor]) -> None:
+    """``d`` asks ``p`` for r1 (blocks 0..2), ``p`` sends it at 0.4 s a layer; returns once bytes landed
+    (the moment a test kills or restarts the producer)."""
+    d.consumer.request("r1", p.address, [0, 1, 2], 12, kv)
+    assert p.call("wait_state", "r1", "pulled", 10) == "pulled"
+    p.conn.send(("prefill", "r1", 1, P_BLOCKS, [3, 4, 5], 12, 7, True, 0.4))
+    assert wait_for(lambda: d.stats.bytes_received > 0, 10)
 
 
 def assert_landed(d_kv, d_ids, seed, p_ids, num_tokens):

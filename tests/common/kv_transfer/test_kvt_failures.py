@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -11,18 +10,10 @@ import zmq
 
 from common.kv_transfer.config import TransferConfig
 from common.kv_transfer.engine import KVTransferEngine
+from helpers.waiting import wait_for
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
 from kvt_peers import Peer, make_kv, peer, same_bytes
-from test_kvt_engine import P_BLOCKS, assert_landed, d_cache, wait_finished
-
-
-def _wait(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
+from test_kvt_engine import P_BLOCKS, assert_landed, d_cache, slow_transfer_under_way, wait_finished
 
 
 def test_producer_killed_mid_transfer_fails_fast_then_restarted_producer_works(no_thread_leak):
@@ -30,10 +21,7 @@ def test_producer_killed_mid_transfer_fails_fast_then_restarted_producer_works(n
     try:
         with KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
             kv = d_cache()
-            d.consumer.request("r1", p.address, [0, 1, 2], 12, kv)
-            assert p.call("wait_state", "r1", "pulled", 10) == "pulled"
-            p.conn.send(("prefill", "r1", 1, P_BLOCKS, [3, 4, 5], 12, 7, True, 0.4))  # 0.4 s a layer
-            assert _wait(lambda: d.stats.bytes_received > 0, 10)
+            slow_transfer_under_way(p, d, kv)
             p.kill()
             done, failed = wait_finished(d, {"r1"}, timeout=30)
             assert done == {} and "r1" in failed
@@ -56,15 +44,15 @@ def test_consumer_killed_mid_transfer_frees_producer_blocks(no_thread_leak):
         p_kv = make_kv(LAYOUT, P_BLOCKS, 3)
         with peer(LAYOUT, FAST) as d:
             d.call("request", "r1", prod.address, [0, 1], 8, 4)
-            assert _wait(lambda: "r1" in prod.producer.table.records, 5)
+            assert wait_for(lambda: "r1" in prod.producer.table.records, 5)
             prod.producer.save_layer("r1", 0, p_kv[0], [1, 2])
-            assert _wait(lambda: prod.stats.bytes_sent > 0, 5)
+            assert wait_for(lambda: prod.stats.bytes_sent > 0, 5)
             d.kill()
             for layer in range(1, LAYOUT.num_layers):
                 prod.producer.save_layer("r1", layer, p_kv[layer], [1, 2])
             prod.producer.finish("r1", 5, p_kv, [1, 2], 8)
             freed: set[str] = set()
-            assert _wait(lambda: "r1" in (freed.update(prod.producer.poll_freeable()) or freed), 30)
+            assert wait_for(lambda: "r1" in (freed.update(prod.producer.poll_freeable()) or freed), 30)
             # freed because the send failed, not because the lease ran out
             assert prod.stats.failures == 1 and prod.stats.leases_expired == 0
             assert prod.producer._budget.in_flight == 0
@@ -95,7 +83,7 @@ def test_pull_for_a_request_the_producer_never_runs_expires(no_thread_leak):
         d.consumer.request("ghost", p.address, [0, 1], 8, d_cache())
         assert p.call("wait_state", "ghost", "pulled", 10) == "pulled"
         # the producer's engine loop polls, which enforces leases: poll until this one expired
-        assert _wait(lambda: p.call("freeable", 0.05, []) is not None and p.call("stats")["leases_expired"],
+        assert wait_for(lambda: p.call("freeable", 0.05, []) is not None and p.call("stats")["leases_expired"],
                      15)
         done, failed = wait_finished(d, {"ghost"})
         assert done == {} and "lease expired" in failed["ghost"]
@@ -108,7 +96,7 @@ def test_consumer_abort_drops_request_at_producer(no_thread_leak):
         assert p.call("wait_state", "ab", "pulled", 10) == "pulled"
         d.consumer.abort("ab")
         assert p.call("wait_state", "ab", "gone", 10) == "gone"  # the ABORT reached P
-        assert _wait(lambda: "ab" in d.consumer.poll_aborted(), 10)  # D may reuse the blocks
+        assert wait_for(lambda: "ab" in d.consumer.poll_aborted(), 10)  # D may reuse the blocks
         p.call("prefill", "ab", 1, P_BLOCKS, [0, 1], 8, 3, True, 0.0)
         assert p.call("freeable", 5, ["ab"]) == ["ab"]  # freed at finish, nothing sent
         assert d.consumer.poll_finished() == ({}, {})

@@ -4,7 +4,6 @@ and count it; a clean transfer after the fault still lands."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -13,7 +12,7 @@ from common.kv_transfer.engine import KVTransferEngine
 from common.kv_transfer.verify import BYTES, CHECKSUM, NOT_REQUESTED, STALE
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
 from kvt_peers import Peer, peer
-from test_kvt_engine import P_BLOCKS, assert_landed, d_cache, wait_finished
+from test_kvt_engine import P_BLOCKS, assert_landed, d_cache, slow_transfer_under_way, wait_finished
 
 
 def _request(p, d, kv, rid: str, seed: int, d_ids: list[int], p_ids: list[int], tokens: int = 12) -> None:
@@ -89,10 +88,7 @@ def test_prefill_restarted_mid_transfer_never_lands_partial_kv(no_thread_leak):
     try:
         with KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
             kv = d_cache()
-            d.consumer.request("r1", p.address, [0, 1, 2], 12, kv)
-            assert p.call("wait_state", "r1", "pulled", 10) == "pulled"
-            p.conn.send(("prefill", "r1", 1, P_BLOCKS, [3, 4, 5], 12, 7, True, 0.4))  # 0.4 s a layer
-            assert _wait(lambda: d.stats.bytes_received > 0, 10)
+            slow_transfer_under_way(p, d, kv)
             p.kill()
             p = Peer(LAYOUT, FAST, address=p.address)  # restarted while the consumer waits
             done, failed = wait_finished(d, {"r1"}, timeout=30)
@@ -104,12 +100,3 @@ def test_prefill_restarted_mid_transfer_never_lands_partial_kv(no_thread_leak):
             p.stop()
     finally:
         p.kill()
-
-
-def _wait(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
