@@ -125,3 +125,13 @@ def test_device_takes_a_cuda_index() -> None:
     proc = _pdserve("decode", "--device", "gpu0")
     assert proc.returncode == 2
     assert proc.stderr == "pdserve decode: error: --device: must be auto, cpu, cuda or cuda:N (got gpu0)\n"
+
+
+def test_a_worker_rank_lost_during_start_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from common.engine.tp_group import RankLostError
+    from pdserve.startup import START_FAILED_EXIT_CODE, one_line_failures
+
+    with pytest.raises(SystemExit) as exit_info, one_line_failures("pdserve serve"):
+        raise RankLostError("tensor-parallel rank 1 (pid 7)\nexited with code 1")
+    assert exit_info.value.code == START_FAILED_EXIT_CODE
+    assert capsys.readouterr().err == "pdserve serve: error: tensor-parallel rank 1 (pid 7) exited with code 1\n"
