@@ -67,13 +67,14 @@ class NoNodeAvailable(ProxyError):
 
 
 class UpstreamError(ProxyError):
-    """A node answered with an error status; its body is relayed when it is OpenAI-style."""
+    """A node answered with an error status; its body is relayed when it is OpenAI-style, with
+    the ``type`` and ``code`` words filled in where the node left them out or null (vLLM does)."""
 
     code, kind = "upstream_error", "upstream_status"
 
     def __init__(self, role: str, node: str, status: int, body: bytes):
         message = f"{role} node {node} answered {status}: {_short(body)}"
-        super().__init__(message, status=status, body=body if _is_openai_error(body) else None)
+        super().__init__(message, status=status, body=_completed(body, status, self.code))
         self.role, self.node = role, node
 
 
@@ -134,12 +135,23 @@ def is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, UpstreamUnreachable) or (isinstance(exc, UpstreamError) and exc.status == 503)
 
 
-def _is_openai_error(body: bytes) -> bool:
+def _completed(body: bytes, status: int, code: str) -> bytes | None:
+    """A node's OpenAI-style error body, relayed unchanged when its ``type`` and ``code`` are
+    words, else with them filled in (``error_type(status)``, ``code``); None for any other body."""
     try:
         data = json.loads(body)
     except ValueError:
-        return False
-    return isinstance(data, dict) and isinstance(data.get("error"), dict) and "message" in data["error"]
+        return None
+    error = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(error, dict) or "message" not in error:
+        return None
+    missing = {key: word for key, word in (("type", error_type(status)), ("code", code))
+               if not (isinstance(error.get(key), str) and error[key])}
+    if not missing:
+        return body
+    error.update(missing)
+    error.setdefault("param", None)
+    return json.dumps(data, separators=(",", ":")).encode()
 
 
 def _short(body: bytes, limit: int = 300) -> str:
