@@ -86,7 +86,10 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.theta = theta
         self.scaling = scaling
-        self.register_buffer("cos_sin", self._table(), persistent=False)
+        table = torch.empty(max_positions, head_dim)
+        self.register_buffer("cos_sin", table, persistent=False)
+        if table.device.type != "meta":  # built on meta, ``materialize`` computes it on the real device:
+            self.reset_table(table.device)  # the maths on meta would import torch._dynamo (seconds of CPU)
 
     def _table(self, device: torch.device | None = None) -> torch.Tensor:
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)

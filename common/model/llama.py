@@ -96,7 +96,10 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPShard) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(shard_sizes(config, tp).vocab_rows, config.hidden_size)
+        # the table given, not initialised: normal_ on the meta device goes through torch._refs, whose
+        # first use imports torch._dynamo (2.7 s of CPU at every node's start, for values the loader overwrites)
+        rows = shard_sizes(config, tp).vocab_rows
+        self.embed_tokens = nn.Embedding(rows, config.hidden_size, _weight=torch.empty(rows, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
@@ -131,7 +134,9 @@ class CausalLM(nn.Module):
 
     def materialize(self, device: torch.device) -> None:
         """Turn a ``meta``-built model into uninitialised tensors on ``device``, ready to load."""
-        self.to_empty(device=device)
+        # to_empty's empty_like on meta tensors goes through torch._refs, whose first use imports
+        # torch.fx's symbolic shapes (1.6 s of CPU at every start); torch.empty takes the direct path
+        self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
         if self.config.tie_word_embeddings:
             self.tie_weights()  # to_empty gives each module its own tensor; share it again
         for layer in self.model.layers:
