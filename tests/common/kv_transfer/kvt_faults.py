@@ -6,7 +6,7 @@ bytes agree, so the stream stays in step: a partial layer). ``flip``: one byte o
 KV message differs on the wire from the blocks the checksum was taken over. ``ghost``: a DONE
 for a request the consumer never asked for follows each KV message. ``stale``: DONE echoes
 another transfer's nonce. ``replay``: the first request's layers and DONE are sent again in
-front of every later request's (a transfer landing after its blocks were freed and reused).
+front of each later request's first message (a transfer landing after its blocks were freed and reused).
 """
 
 from __future__ import annotations
@@ -59,17 +59,29 @@ def _corrupt_first_message(kind: str) -> None:
 
 
 def _replay_first_request() -> None:
-    original = PairSender._send_tcp
-    first: list = []  # [(request id, kv copies, layers, block ids, DONE frame)]
+    """Record the first request's layer messages and its DONE as they are sent, however they
+    are grouped (one job or several, DONE riding with the last layer or alone), and put them on
+    the wire again in front of each later request's first message."""
+    original_send, original_done = PairSender._send_tcp, PairSender._done
+    first: dict = {"rid": None, "sent": [], "done": None}  # sent: [(kv copies, layers, block ids)]
+    replayed: set[str] = set()
+
+    def done(self, req):
+        msg = original_done(self, req)
+        if req.request_id == first["rid"] and first["done"] is None:
+            first["done"] = self.pair.message_frame(encode(msg))
+        return msg
 
     def send_tcp(self, job, ahead):
-        kv_caches, ids = self._source(job)
-        if first and first[0][0] != job.req.request_id:
-            rid, kv, layers, old_ids, done = first[0]
-            self.pair.send_kv(rid, kv, layers, old_ids, done)
-        original(self, job, ahead)
-        if not first and ahead is not None and ahead.kind == "done" and ahead.req is job.req:
-            kv = {x: kv_caches[x].clone() for x in job.layers}
-            done = self.pair.message_frame(encode(self._done(job.req)))
-            first.append((job.req.request_id, kv, list(job.layers), list(ids), done))
+        rid = job.req.request_id
+        first["rid"] = first["rid"] or rid
+        if rid == first["rid"] and first["done"] is None:
+            kv_caches, ids = self._source(job)
+            first["sent"].append(({x: kv_caches[x].clone() for x in job.layers}, list(job.layers), list(ids)))
+        elif rid != first["rid"] and rid not in replayed and first["done"] is not None:
+            replayed.add(rid)
+            for i, (kv, layers, ids) in enumerate(first["sent"]):
+                self.pair.send_kv(first["rid"], kv, layers, ids, first["done"] if i == len(first["sent"]) - 1 else b"")
+        original_send(self, job, ahead)
     PairSender._send_tcp = send_tcp
+    PairSender._done = done
