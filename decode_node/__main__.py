@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from pdserve.node import parse_config
+from pdserve.node import check_ports, parse_config
 from pdserve.startup import one_line_failures
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse the flags first, so ``--help`` and bad flags answer before torch is imported."""
+    """Parse the flags and check the ports first, so ``--help``, bad flags and a taken port
+    answer before torch is imported."""
     config = parse_config(argv, "decode")
-    from decode_node.daemon import serve
-
     with one_line_failures("pdserve decode"):
+        check_ports(config)  # a taken port answers at once, before seconds of imports
+        from decode_node.daemon import serve
+
         serve(config)
 
 

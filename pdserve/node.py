@@ -76,12 +76,18 @@ def start_logging(config: NodeConfig) -> None:
     configure_logging(config.log_level, f"{config.role}:{config.kv_host}:{config.port}", config.log_file)
 
 
-def check_machine(config: NodeConfig) -> None:
-    """What this machine must offer before a model is loaded: the HTTP port (and a daemon's KV
-    port) free, and the device there (StartupError, EngineConfigError)."""
+def check_ports(config: NodeConfig) -> None:
+    """The HTTP port (and a daemon's KV port) free (StartupError); needs no torch, so a daemon's
+    ``__main__`` asks it before it imports the daemon's modules."""
     check_port_free(config.host, config.port or 0, "--port")
     if config.role != "both":
         check_port_free(config.host, config.kv_port or 0, "--kv-port")
+
+
+def check_machine(config: NodeConfig) -> None:
+    """What this machine must offer before a model is loaded: the ports free, and the device
+    there (StartupError, EngineConfigError)."""
+    check_ports(config)
     device = config.resolved_device()
     if device.type == "cuda" and device.index is not None:
         import torch
