@@ -32,7 +32,7 @@ down:
 # two workers (pytest-xdist), a test file each at a time: most of the suite waits on the processes
 # it starts, so two files at once take ~7 min on 2 cores where one at a time took ~12
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: install
 	$(PY) bench/engine_throughput.py
