@@ -24,7 +24,7 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120
 class NodeMetrics:
     """The request, queue and KV-transfer metrics one node exports."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, tensor_parallel_size: int = 1) -> None:
         self.role = role
         self.registry = CollectorRegistry(auto_describe=True)
         self._stats_source: Callable[[], EngineStats] | None = None
@@ -62,6 +62,8 @@ class NodeMetrics:
             "num_requests_waiting", "Requests waiting to be scheduled (including those awaiting remote KV)"
         )
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
+        gauge("tensor_parallel_size", "Ranks (processes) this node's model runs on: --tensor-parallel-size").labels(
+            role).set(tensor_parallel_size)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.request_success = counter("request_success", "Requests that finished", ("finish_reason",))

@@ -66,7 +66,7 @@ def started_daemon(config: NodeConfig, connector: KVConnector) -> Iterator[Daemo
     check_machine(config)
     config = with_model(config)
     engine = start_engine(config, connector)
-    daemon = Daemon(config, engine, NodeMetrics(config.role))
+    daemon = Daemon(config, engine, NodeMetrics(config.role, config.tensor_parallel_size))
     try:
         daemon.start(connector)  # type: ignore[arg-type]
         yield daemon

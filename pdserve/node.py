@@ -56,7 +56,7 @@ def serve(config: NodeConfig) -> None:
 
     exit_on_rank_loss(engine.engine.runner.leader, ENGINE_DEAD_EXIT_CODE)  # a dead worker rank ends the node
     try:
-        app = node_app(engine, config, NodeMetrics(config.role))
+        app = node_app(engine, config, NodeMetrics(config.role, config.tensor_parallel_size))
         serve_http(app, engine, config)
     finally:
         engine.shutdown()

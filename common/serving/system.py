@@ -27,7 +27,8 @@ async def health(ctx: ServingContext = Depends(get_context)) -> Response:
 async def ready(ctx: ServingContext = Depends(get_context)) -> Response:
     """200 once the engine is loaded and the role's own condition (e.g. registered) holds."""
     if ctx.ready():
-        return JSONResponse({"status": "ready", "role": ctx.config.role, "model": ctx.model_name})
+        return JSONResponse({"status": "ready", "role": ctx.config.role, "model": ctx.model_name,
+                             "tensor_parallel_size": ctx.config.tensor_parallel_size})
     return JSONResponse({"status": "not ready", "role": ctx.config.role}, status_code=503)
 
 

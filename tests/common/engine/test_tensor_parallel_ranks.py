@@ -111,6 +111,14 @@ def _complete(proc: Proc) -> dict:
     return reply.json()["choices"][0]
 
 
+def test_ready_and_metrics_say_how_many_ranks_a_node_runs(nodes):
+    for name, size in (("tp1", 1), ("tp2", 2)):
+        ready = httpx.get(nodes[name].url + "/ready", timeout=10).json()
+        assert ready["status"] == "ready" and ready["tensor_parallel_size"] == size
+        text = httpx.get(nodes[name].url + "/metrics", timeout=10).text
+        assert f'pdserve:tensor_parallel_size{{role="both"}} {float(size)}' in text
+
+
 def test_serve_with_two_ranks_answers_as_one_and_sigterm_leaves_no_process(nodes):
     one, two = _complete(nodes["tp1"]), _complete(nodes["tp2"])
     assert two["text"] == one["text"]
