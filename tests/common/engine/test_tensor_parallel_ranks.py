@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from common.engine.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
@@ -44,11 +45,11 @@ def _gone(pid: int) -> bool:
     return state == "Z"  # exited, not yet reaped by its (dead) parent's reaper
 
 
-def _generate(path: str | None, size: int) -> tuple[dict, dict]:
+def _generate(path: str | None, size: int, device: str = "cpu", dtype: str = "auto") -> tuple[dict, dict]:
     """Two greedy requests (with their logprobs) and one seeded n=3 request, whose choices fork
     from a half-full prompt block (a block copy every rank makes), run together."""
-    engine = LLMEngine(EngineConfig(model=path, device="cpu", tensor_parallel_size=size, num_kv_blocks=32,
-                                    block_size=8))
+    engine = LLMEngine(EngineConfig(model=path, device=device, dtype=dtype, tensor_parallel_size=size,
+                                    num_kv_blocks=32, block_size=8))
     try:
         for rid, prompt in zip("ab", PROMPTS):
             engine.add_request(rid, prompt, SamplingParams(max_tokens=12, temperature=0, logprobs=0))
@@ -75,6 +76,20 @@ def test_two_ranks_give_the_tokens_of_one(checkpoint_dir, family):
     assert logprobs_2.keys() == logprobs_1.keys() == {("a", 0), ("b", 0)}
     for key, values in logprobs_1.items():
         assert logprobs_2[key] == pytest.approx(values, abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL tensor parallelism needs two CUDA devices")
+def test_two_gpu_ranks_over_nccl_give_the_tokens_of_one():
+    """Ranks on cuda:0 and cuda:1: the step broadcast over gloo, the model's all-reduces and the
+    logits' all-gather over NCCL. float32 for exact greedy parity; bf16 must at least run whole."""
+    tokens_1, logprobs_1 = _generate(None, 1, "cuda", "float32")
+    tokens_2, logprobs_2 = _generate(None, 2, "cuda", "float32")
+    assert len(tokens_1) == 5 and tokens_2 == tokens_1
+    for key, values in logprobs_1.items():
+        assert logprobs_2[key] == pytest.approx(values, abs=1e-3)
+    tokens_bf16, _ = _generate(None, 2, "cuda", "bfloat16")
+    assert {k: len(v) for k, v in tokens_bf16.items()} == {k: len(v) for k, v in tokens_1.items()}
 
 
 def test_a_dead_worker_fails_the_next_step_and_no_worker_is_left():
