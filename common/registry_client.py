@@ -91,7 +91,9 @@ class RegistrationMessage:
     http_address: _ADDRESS  # "host:port" of the node's OpenAI HTTP server
     zmq_address: _ADDRESS  # "host:port" of the node's KV transfer ROUTER
     model: _NAME | None = None  # served model name; None for vLLM-format nodes
-    kv_fingerprint: _NAME | None = None  # KVLayout.fingerprint()
+    kv_fingerprint: _NAME | None = None  # KVLayout.fingerprint(): the whole model's layout, whatever its TP
+    tp_size: Annotated[int, Field(strict=True, ge=1, le=64)] | None = None  # --tensor-parallel-size
+    kv_heads: Annotated[int, Field(strict=True, ge=1, le=1 << 16)] | None = None  # the model's KV heads, all ranks
     version: _COUNT | None = None  # PROTOCOL_VERSION of the sender
     node_id: _NAME | None = None
     num_running: _COUNT = 0

@@ -164,6 +164,8 @@ class Daemon:
             "zmq_address": self.config.kv_addr,
             "model": engine.model_name,
             "kv_fingerprint": engine.kv_layout.fingerprint(),
+            "tp_size": self.config.tensor_parallel_size,
+            "kv_heads": engine.kv_layout.num_kv_heads,
             "node_id": self.node_id,
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,

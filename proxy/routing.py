@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from common.kv_topology import KVTopology, plan
 from common.registry_client import RegistrationMessage
 from common.serving.errors import model_not_served
 from proxy.errors import ModelNotFound, NoNodeAvailable, ProxyError
@@ -23,8 +24,17 @@ from proxy.prefix_policy import PrefixAware
 from proxy.registry import Group, GroupKey, Node, ServiceRegistry
 
 
-def compatible(p: RegistrationMessage, d: RegistrationMessage) -> bool:
-    return p.model == d.model and p.kv_fingerprint == d.kv_fingerprint
+def heads_route(p: RegistrationMessage, d: RegistrationMessage) -> bool:
+    """P's KV heads route to D's ranks (``kv_topology.plan``), whatever their two TP sizes; a node
+    that does not say its TP size (vLLM-format, or older) counts as one rank. The model and the
+    whole model's KV layout (``kv_fingerprint``) are matched by the registry's groups."""
+    if p.kv_heads is None or d.kv_heads is None:
+        return True
+    try:
+        plan(KVTopology(p.tp_size or 1, p.kv_heads), KVTopology(d.tp_size or 1, d.kv_heads))
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -110,7 +120,7 @@ class Router:
                 raise type(c.error)(c.error.message)  # a fresh one each time: no traceback pile-up
             raise NoNodeAvailable("no prefill node is registered (besides ones that just failed)")
         p = self._choose(self._prefill_policy, prefills, prompt, "prefill")
-        decodes = c.decodes_of[p.group]
+        decodes = c.decodes_of[p.group, p.info.tp_size]
         if exclude_decode:
             decodes = [n for n in decodes if n.info.http_address not in exclude_decode]
             if not decodes:
@@ -157,7 +167,7 @@ class Router:
 
     def has_pair(self) -> bool:
         """True when at least one compatible (P, D) pair is registered (readiness)."""
-        return any(g.prefills and g.decodes for g in self.registry.groups())
+        return bool(self._candidates(None).prefills)
 
     def models(self) -> list[str]:
         return sorted({g.model for g in self.registry.groups() if g.model})
@@ -191,10 +201,11 @@ class Router:
 
 @dataclass
 class _Candidates:
-    """For one requested model: prefills that have a partner, each group's decodes, or the error."""
+    """For one requested model: prefills that have a partner, the decodes each can pair with
+    (by its group and TP size: ``heads_route``), or the error."""
 
     prefills: list[Node]  # sorted by address; policies read, never change, these lists
-    decodes_of: dict[GroupKey, list[Node]]
+    decodes_of: dict[tuple[GroupKey, int | None], list[Node]]
     error: ProxyError | None
 
     @classmethod
@@ -202,7 +213,13 @@ class _Candidates:
         all_p = [n for g in groups for n in g.prefills]
         all_d = [n for g in groups for n in g.decodes]
         serving = [g for g in groups if model is None or g.model is None or g.model == model]
-        usable = [g for g in serving if g.prefills and g.decodes]
+        decodes_of: dict[tuple[GroupKey, int | None], list[Node]] = {}
+        for g in serving:
+            for p in g.prefills:
+                key = ((g.model, g.kv_fingerprint), p.info.tp_size)
+                if key not in decodes_of:
+                    decodes_of[key] = [d for d in g.decodes if heads_route(p.info, d.info)]
+        decodes_of = {key: ds for key, ds in decodes_of.items() if ds}
         error: ProxyError | None = None
         if not all_p:
             error = NoNodeAvailable("no prefill node is registered")
@@ -210,13 +227,15 @@ class _Candidates:
             error = NoNodeAvailable("no decode node is registered")
         elif not any(g.prefills for g in serving) or not any(g.decodes for g in serving):
             error = ModelNotFound(model_not_served(model, sorted({g.model for g in groups if g.model})))
-        elif not usable:
+        elif not decodes_of:
             ps = [n for g in serving for n in g.prefills]
             ds = [n for g in serving for n in g.decodes]
             error = NoNodeAvailable(f"no compatible prefill/decode pair: {_describe(ps)} vs {_describe(ds)}"
-                                    " (model and KV layout fingerprint must match)")
-        prefills = sorted((n for g in usable for n in g.prefills), key=lambda n: n.info.http_address)
-        return cls(prefills, {(g.model, g.kv_fingerprint): list(g.decodes) for g in usable}, error)
+                                    " (model and KV layout fingerprint must match, and the KV heads must"
+                                    " split over both TP sizes)")
+        prefills = sorted((p for g in serving for p in g.prefills if (p.group, p.info.tp_size) in decodes_of),
+                          key=lambda n: n.info.http_address)
+        return cls(prefills, decodes_of, error)
 
 
 def _leg_keys(pair: Pair, local: bool) -> list[tuple[str, str]]:
@@ -225,4 +244,6 @@ def _leg_keys(pair: Pair, local: bool) -> list[tuple[str, str]]:
 
 
 def _describe(nodes: list[Node]) -> str:
-    return ", ".join(f"{n.info.http_address}({n.info.model}, {n.info.kv_fingerprint})" for n in nodes)
+    return ", ".join(f"{n.info.http_address}({n.info.model}, {n.info.kv_fingerprint}"
+                     + (f", TP {n.info.tp_size or 1} over {n.info.kv_heads} KV heads" if n.info.kv_heads else "")
+                     + ")" for n in nodes)

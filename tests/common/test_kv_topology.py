@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from common.kv_transfer.topology import (
+from common.kv_topology import (
     KVTopology,
     Route,
     TopologyMismatch,
