@@ -28,12 +28,13 @@ tag for a prompt it has cached (decode_node.connector), and the engine bounds th
 estimate that is off costs time, never a wrong answer.
 
 The decision, each with its reason label: no prefill rate measured anywhere -> remote
-(``no_figures``); remote no slower for this request's first token -> remote (``cheaper_remote``);
+(``no_figures``); remote faster for this request's first token -> remote (``cheaper_remote``; a tie
+goes on to the local checks: no transfer, and the prefill node stays free for long prompts);
 its uncached prefill does not fit one step of D's ``--max-local-prefill-stall-ms`` (reported in
 its heartbeat) -> remote (``stall_bound``): decodes there, or arriving meanwhile, see at most one
 bounded hiccup (a longer local prefill would be cheaper for its own first token on an idle decode
 node, and then hold every request arriving during it to bounded-but-slow steps; the decode node
-is the 1P1D bottleneck, so it is kept for short work); ``local + stall`` not below ``remote`` ->
+is the 1P1D bottleneck, so it is kept for short work); ``local + stall`` above ``remote`` ->
 remote (``busy_decode``): the time the running batch would lose outweighs what the request gains;
 else local (``cheaper_local``).
 """
@@ -106,12 +107,12 @@ class DisaggPolicy:
         est_local = compute_local + self._local_overhead.get(decode.http_address, 0.0)
         stall = (decode.num_decoding or 0) * compute_d
         figures = dict(est_local_s=est_local, est_remote_s=est_remote, stall_s=stall)
-        if est_remote <= est_local:
+        if est_remote < est_local:
             return Decision("remote", "cheaper_remote", compute_s=before_handoff, **figures)
         bound_ms = decode.max_local_prefill_stall_ms
         if bound_ms is not None and compute_d * 1000 > bound_ms:
             return Decision("remote", "stall_bound", compute_s=before_handoff, **figures)
-        if est_local + stall >= est_remote:
+        if est_local + stall > est_remote:
             return Decision("remote", "busy_decode", compute_s=before_handoff, **figures)
         return Decision("local", "cheaper_local", compute_s=compute_local, **figures)
 

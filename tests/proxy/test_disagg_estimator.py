@@ -64,6 +64,19 @@ def test_auto_decides_by_the_reported_figures(case: str) -> None:
     assert (decision.path, decision.reason) == (path, reason), decision
 
 
+def test_a_tie_goes_local_on_an_idle_decode_node_and_remote_on_a_busy_one() -> None:
+    """Equal estimates (both hand-offs learned as free, the decode node borrowing the prefill
+    node's rate): local costs no transfer and leaves the prefill node to long prompts, unless
+    running decodes would wait for it."""
+    policy, p, d = DisaggPolicy("auto"), _prefill(), _decode()
+    policy.observe_ttft(Decision("remote", "cheaper_remote", compute_s=1.0), p, d, 0.5)  # learned: 0 s
+    tie = policy.decide(p, d, SHORT)
+    assert tie.est_local_s == pytest.approx(tie.est_remote_s)
+    assert (tie.path, tie.reason) == ("local", "cheaper_local")
+    busy = policy.decide(p, _decode(num_decoding=1), SHORT)
+    assert (busy.path, busy.reason) == ("remote", "busy_decode")
+
+
 def test_a_long_prompt_the_decode_node_has_cached_is_prefilled_there() -> None:
     policy, p, d = DisaggPolicy("auto"), _prefill(), _decode()
     first = policy.decide(p, d, LONG)
