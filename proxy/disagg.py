@@ -21,7 +21,8 @@ PULL, which would count P's queue and prefill as transfer). D asks only for the 
 so ``uncached_D`` tokens move; layers travel while P computes the next, so only what outlasts
 ``compute_P`` adds. The hand-off (the prefill leg, the PULL, DONE, the first decode step) is the
 fixed cost the proxy measures itself: each streamed request's time to first token beyond the
-other terms (EWMA per pair; the local path's likewise per decode node). The uncached parts come
+other terms (EWMA per pair; the local path's likewise per decode node; only first tokens not
+mostly spent computing). The uncached parts come
 from the text of the prompts this proxy sent each node (64-character chunks, the tokens
 estimated at ``CHARS_PER_TOKEN``); the decode node knows its cache exactly and overrides a remote
 tag for a prompt it has cached (decode_node.connector), and the engine bounds the stall, so an
@@ -129,9 +130,13 @@ class DisaggPolicy:
     def observe_ttft(self, decision: Decision, prefill: RegistrationMessage, decode: RegistrationMessage,
                      ttft_s: float) -> None:
         """A streamed request's time to first token: what its path took beyond its predicted compute."""
-        if decision.compute_s is None:
+        if decision.compute_s is None or decision.compute_s > ttft_s / 2:
+            # a first token mostly spent computing measures the rate's error more than the
+            # hand-off: a long prompt's prefill runs faster per token than the rate from short
+            # steps says, its residual comes out <= 0, and learning it would price every
+            # hand-off at nothing (then a short prompt's two estimates tie)
             return
-        overhead = max(ttft_s - decision.compute_s, 0.0)
+        overhead = ttft_s - decision.compute_s
         if decision.local:
             table, key = self._local_overhead, decode.http_address
         else:

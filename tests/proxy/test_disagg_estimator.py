@@ -65,11 +65,12 @@ def test_auto_decides_by_the_reported_figures(case: str) -> None:
 
 
 def test_a_tie_goes_local_on_an_idle_decode_node_and_remote_on_a_busy_one() -> None:
-    """Equal estimates (both hand-offs learned as free, the decode node borrowing the prefill
-    node's rate): local costs no transfer and leaves the prefill node to long prompts, unless
-    running decodes would wait for it."""
+    """Equal estimates (both hand-offs measured at 20 ms, the same rate on both nodes): local
+    costs no transfer and leaves the prefill node to long prompts, unless running decodes
+    would wait for it."""
     policy, p, d = DisaggPolicy("auto"), _prefill(), _decode()
-    policy.observe_ttft(Decision("remote", "cheaper_remote", compute_s=1.0), p, d, 0.5)  # learned: 0 s
+    for path in ("remote", "local"):  # first tokens 20 ms after their predicted 14 ms of compute
+        policy.observe_ttft(Decision(path, "cheaper_" + path, compute_s=0.014), p, d, 0.034)
     tie = policy.decide(p, d, SHORT)
     assert tie.est_local_s == pytest.approx(tie.est_remote_s)
     assert (tie.path, tie.reason) == ("local", "cheaper_local")
@@ -97,6 +98,22 @@ def test_the_hand_off_cost_is_learned_from_measured_first_tokens() -> None:
     later = policy.decide(p, d, prompt)
     assert (later.path, later.reason) == ("local", "cheaper_local")
     assert later.est_remote_s == pytest.approx(0.3, rel=0.05)
+
+
+def test_a_first_token_mostly_spent_computing_does_not_price_the_hand_off() -> None:
+    """A long prompt came back faster than its predicted compute (the rate from short steps
+    undersells long ones): the hand-off learned from short prompts stays, so a short prompt
+    still sees that local saves it."""
+    policy, p, d = DisaggPolicy("auto"), _prefill(), _decode()
+    for _ in range(10):  # short remote prompts: 14 ms predicted, first token at 74 ms
+        policy.observe_ttft(Decision("remote", "cheaper_remote", compute_s=0.014), p, d, 0.074)
+    for _ in range(10):  # long remote prompts: 1.25 s predicted, first token at 1.0 s
+        policy.observe_ttft(Decision("remote", "stall_bound", compute_s=1.25), p, d, 1.0)
+    short = policy.decide(p, d, SHORT)
+    assert short.est_remote_s == pytest.approx(short.est_local_s + 0.06, abs=0.005)
+    assert (short.path, short.reason) == ("local", "cheaper_local")
+    busy = policy.decide(p, _decode(num_decoding=1), SHORT)  # 14 ms of one decode's time for 60 ms saved
+    assert (busy.path, busy.reason) == ("local", "cheaper_local")
 
 
 @pytest.mark.parametrize(("mode", "path"), [("always", "remote"), ("never", "local")])
