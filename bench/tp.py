@@ -36,6 +36,7 @@ from common.model.embedded import ensure_embedded_model  # noqa: E402
 from common.model.loader import load_model  # noqa: E402
 from common.model.tensor_parallel import TPShard  # noqa: E402
 from helpers.cluster import start  # noqa: E402
+from helpers.procs import children  # noqa: E402
 from helpers.stats import pct  # noqa: E402
 
 MiB = 2**20
@@ -57,19 +58,6 @@ def peak_rss(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return sorted(found)
 
 
 def timings(url: str, model: str, requests: int) -> tuple[float, float]:

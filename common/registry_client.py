@@ -33,6 +33,7 @@ from pydantic.dataclasses import dataclass
 
 from common.cluster_auth import ClusterKey, registry_sealer
 from common.engine.protocol import EngineStats
+from common.kv_topology import MAX_KV_HEADS, MAX_TP_SIZE
 
 if TYPE_CHECKING:  # the proxy reads heartbeats without importing torch
     from common.kv_layout import KVLayout
@@ -92,8 +93,8 @@ class RegistrationMessage:
     zmq_address: _ADDRESS  # "host:port" of the node's KV transfer ROUTER
     model: _NAME | None = None  # served model name; None for vLLM-format nodes
     kv_fingerprint: _NAME | None = None  # KVLayout.fingerprint(): the whole model's layout, whatever its TP
-    tp_size: Annotated[int, Field(strict=True, ge=1, le=64)] | None = None  # --tensor-parallel-size
-    kv_heads: Annotated[int, Field(strict=True, ge=1, le=1 << 16)] | None = None  # the model's KV heads, all ranks
+    tp_size: Annotated[int, Field(strict=True, ge=1, le=MAX_TP_SIZE)] | None = None  # --tensor-parallel-size
+    kv_heads: Annotated[int, Field(strict=True, ge=1, le=MAX_KV_HEADS)] | None = None  # the model's, all ranks
     version: _COUNT | None = None  # PROTOCOL_VERSION of the sender
     node_id: _NAME | None = None
     num_running: _COUNT = 0

@@ -216,7 +216,7 @@ class _Candidates:
         decodes_of: dict[tuple[GroupKey, int | None], list[Node]] = {}
         for g in serving:
             for p in g.prefills:
-                key = ((g.model, g.kv_fingerprint), p.info.tp_size)
+                key = (p.group, p.info.tp_size)
                 if key not in decodes_of:
                     decodes_of[key] = [d for d in g.decodes if heads_route(p.info, d.info)]
         decodes_of = {key: ds for key, ds in decodes_of.items() if ds}

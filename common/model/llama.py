@@ -138,7 +138,7 @@ class CausalLM(nn.Module):
         # torch.fx's symbolic shapes (1.6 s of CPU at every start); torch.empty takes the direct path
         self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
         if self.config.tie_word_embeddings:
-            self.tie_weights()  # to_empty gives each module its own tensor; share it again
+            self.tie_weights()  # the fresh tensors are separate; share the table again
         for layer in self.model.layers:
             layer.self_attn.bind_weight_loaders()
             layer.mlp.bind_weight_loaders()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,31 +17,10 @@ from common.engine.llm_engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
 from common.engine.tp_group import RankLostError
 from helpers.cluster import Proc, all_ready, start
+from helpers.procs import children, gone
 from helpers.waiting import wait_until
 
 PROMPTS = [[1, 5, 9, 200, 33, 7], [4, 8, 15, 16, 23, 42, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
-
-
-def _children(pid: int) -> list[int]:
-    """The live processes whose parent is ``pid``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state == "Z"  # exited, not yet reaped by its (dead) parent's reaper
 
 
 def _generate(path: str | None, size: int, device: str = "cpu", dtype: str = "auto") -> tuple[dict, dict]:
@@ -140,16 +118,16 @@ def test_serve_with_two_ranks_answers_as_one_and_sigterm_leaves_no_process(nodes
     assert two["logprobs"]["tokens"] == one["logprobs"]["tokens"]
     assert two["logprobs"]["token_logprobs"] == pytest.approx(one["logprobs"]["token_logprobs"], abs=1e-4)
     node = nodes["tp2"].popen
-    workers = _children(node.pid)
+    workers = children(node.pid)
     assert len(workers) == 1, workers
     node.send_signal(signal.SIGTERM)
     assert node.wait(timeout=30) == 0, nodes["tp2"].log_tail()
-    wait_until(lambda: all(_gone(w) for w in workers), f"worker {workers} ends with its node", timeout=10)
+    wait_until(lambda: all(gone(w) for w in workers), f"worker {workers} ends with its node", timeout=10)
 
 
 def test_a_worker_that_dies_ends_its_node_with_no_process_left(nodes):
     proc = nodes["doomed"]
-    [worker] = _children(proc.popen.pid)
+    [worker] = children(proc.popen.pid)
     os.kill(worker, signal.SIGKILL)
     try:
         code = proc.popen.wait(timeout=30)
@@ -157,4 +135,4 @@ def test_a_worker_that_dies_ends_its_node_with_no_process_left(nodes):
         pytest.fail("the node did not notice its dead worker:\n" + proc.log_tail())
     assert code == 3, proc.log_tail()
     assert "tensor-parallel rank 1" in proc.log_tail()
-    assert _children(proc.popen.pid) == []
+    assert children(proc.popen.pid) == []
