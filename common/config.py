@@ -193,9 +193,9 @@ class NodeConfig(HttpServerOptions, EngineConfig):
 
     @model_validator(mode="after")
     def _tensor_parallel_role(self) -> NodeConfig:
-        if self.tensor_parallel_size > 1 and self.role != "both":
-            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: a {self.role} daemon runs one rank "
-                             "only: KV transfer across tensor-parallel ranks is not built yet (pdserve serve supports it)")
+        if self.tensor_parallel_size > 1 and self.role != "both" and self.kv_port == 0:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} needs a --kv-port other than 0: "
+                             "rank r's KV endpoint is at --kv-port + r, where peers find it")
         return self
 
     @model_validator(mode="after")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from common.engine.kv_connector import (ConnectorState, FinishedTransfers, KVConnector, KVConnectorMetadata,
@@ -62,6 +63,8 @@ class ConsumerScheduler(KVConnectorScheduler):
         super().__init__()
         self.overrides: collections.Counter[str] = collections.Counter()  # reason -> remote tags computed here
         self.table = ConsumerTable()  # until bind: then the transfer engine's (one table a side)
+        # tensor parallelism: another rank may still write into a request's blocks (tp_kv)
+        self.still_landing: Callable[[str], bool] = lambda request_id: False
 
     def state(self, request_id: str) -> ConnectorState | None:
         return self.table.state(request_id)
@@ -95,7 +98,7 @@ class ConsumerScheduler(KVConnectorScheduler):
         if self.table.unplan(rid):  # the worker never heard of it: nothing writes there
             self._loads = [load for load in self._loads if load.request_id != rid]
             return False
-        if not self.table.abort(rid):  # landed, failed or never loaded: nothing more lands there
+        if not (self.table.abort(rid) or self.still_landing(rid)):  # landed, failed or never loaded: nothing lands
             return False
         self._aborts.append(rid)
         logger.info("request %s: aborted while its KV was arriving; blocks held until the receive stops", rid)
@@ -124,6 +127,11 @@ class ConsumerWorker(TransferWorker):
     def __init__(self) -> None:
         super().__init__()
         self._refused: dict[str, str] = {}  # loads the transfer engine refused; reported as failed
+
+    @property
+    def refused(self) -> set[str]:
+        """Loads of the last ``issue`` refused at once (reported failed at the next poll)."""
+        return set(self._refused)
 
     def issue(self, meta: KVConnectorMetadata) -> None:
         if self.transfer is None:

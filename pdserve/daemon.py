@@ -65,10 +65,11 @@ def started_daemon(config: NodeConfig, connector: KVConnector) -> Iterator[Daemo
     start_logging(config)
     check_machine(config)
     config = with_model(config)
-    engine = start_engine(config, connector)
+    engine = start_engine(config, connector, start=False)
     daemon = Daemon(config, engine, NodeMetrics(config.role, config.tensor_parallel_size))
     try:
         daemon.start(connector)  # type: ignore[arg-type]
+        engine.start()  # after the KV endpoints: the tensor-parallel group is the engine thread's from here
         yield daemon
     finally:
         engine.shutdown()
@@ -87,6 +88,7 @@ class Daemon:
         self.heartbeater: Heartbeater | None = None
         self._exported: dict[str, float] = {}  # transfer counters already turned into metrics
         self._kv_pairs: Gauge | None = None  # pdserve:kv_pairs{role, transport}
+        self.rank_stats: list[dict] = []  # tensor parallelism: each rank's transfer counters (rank 0's empty)
 
     # ---- start ----------------------------------------------------------------------
     def start(self, connector: TransferConnector) -> None:
@@ -101,8 +103,9 @@ class Daemon:
             logger.info("bound to %s without --kv-host: peers and the proxy are told %s, this host's "
                         "routable address (set --kv-host to choose another)", cfg.host, cfg.kv_host)
         stats = TransferStats(on_transfer=metrics.observe_transfer)
+        # this rank's heads: under tensor parallelism each rank has its own endpoint (tp_kv)
         self.transfer = KVTransferEngine(
-            f"{cfg.host}:{cfg.kv_port}", engine.kv_layout, transfer_config(cfg), stats,
+            f"{cfg.host}:{cfg.kv_port}", engine.engine.runner.kv_layout, transfer_config(cfg), stats,
             device=str(engine.engine.device), advertise_host=cfg.kv_host, transport=cfg.kv_transport,
             key=self.key, on_progress=engine.wake, vocab_size=engine.engine.model_config.vocab_size,
         )
@@ -110,6 +113,8 @@ class Daemon:
                      "get completions past the proxy's API key, make this node connect to any address, "
                      "and pull or drop other requests' KV")
         connector.bind(self.transfer, engine.engine.kv_caches)
+        if engine.engine.runner.leader is not None:
+            self._start_ranks(connector)
         self._kv_pairs = Gauge(PREFIX + "kv_pairs", "Live KV data-plane pairs by transport (cuda_ipc, nccl, tcp, "
                                "gloo)", ["role", "transport"], registry=metrics.registry)
         for reason in REASONS:  # a fresh node exports zeros, not nothing
@@ -123,6 +128,26 @@ class Daemon:
             self.heartbeater.start()
             logger.info("registering with the proxy at %s as %s", cfg.proxy, self.node_id)
         self.transfer.consumer.known_peer = self.known_prefill
+
+    def _start_ranks(self, connector: TransferConnector) -> None:
+        """Tensor parallelism: every worker rank opens its KV endpoint at kv-port + rank, and rank 0's
+        connector worker tells them each decision and combines their reports (``tp_kv``). Runs
+        before the engine thread starts: the group's collectives are that thread's afterwards."""
+        from common.engine.tp_kv import LeaderKVWorker, endpoint_spec, start_rank_endpoints
+
+        cfg, llm = self.config, self.engine.engine
+        assert self.transfer is not None and llm.runner.leader is not None
+        port = int(self.transfer.address.rpartition(":")[2])
+        start_rank_endpoints(llm.runner.leader, endpoint_spec(
+            cfg.role, cfg.host, port, cfg.kv_host, cfg.kv_transport, cfg.cluster_key_file, self.transfer.config,
+            llm.model_config.vocab_size))
+        worker = LeaderKVWorker(llm.kv_worker, llm.runner.leader, cfg.role)
+        llm.kv_worker = connector.worker = worker  # type: ignore[attr-defined]
+        if hasattr(connector.scheduler, "still_landing"):  # type: ignore[attr-defined]
+            connector.scheduler.still_landing = worker.outcomes.landing  # type: ignore[attr-defined]
+        self.rank_stats = worker.rank_stats
+        logger.info("tensor-parallel KV endpoints: ranks 1..%d at %s:%d..%d", llm.runner.leader.size - 1, cfg.host,
+                    port + 1, port + llm.runner.leader.size - 1)
 
     def build_app(self, prepare_request: PrepareHook | None = None) -> FastAPI:
         """The node's OpenAI app, ready once the KV endpoint is up and the proxy has heard from us."""

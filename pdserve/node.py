@@ -82,6 +82,8 @@ def check_ports(config: NodeConfig) -> None:
     check_port_free(config.host, config.port or 0, "--port")
     if config.role != "both":
         check_port_free(config.host, config.kv_port or 0, "--kv-port")
+        for rank in range(1, config.tensor_parallel_size):  # each rank's KV endpoint (tp_kv)
+            check_port_free(config.host, (config.kv_port or 0) + rank, f"--kv-port + {rank} (tensor-parallel rank {rank})")
 
 
 def check_machine(config: NodeConfig) -> None:
@@ -107,13 +109,15 @@ def with_model(config: NodeConfig) -> NodeConfig:
                                      "served_model_name": config.served_model_name or EMBEDDED_MODEL_NAME})
 
 
-def start_engine(config: NodeConfig, connector: KVConnector | None = None) -> AsyncLLMEngine:
-    """Load the model and start the engine thread (the node's config is the engine's)."""
+def start_engine(config: NodeConfig, connector: KVConnector | None = None, start: bool = True) -> AsyncLLMEngine:
+    """Load the model and start the engine thread (the node's config is the engine's); ``start``
+    False: the caller starts it."""
     from common.engine.async_engine import AsyncLLMEngine
 
     logger.info("loading %s on %s", config.model, config.resolved_device())
     engine = AsyncLLMEngine(config, connector)
-    engine.start()
+    if start:
+        engine.start()
     return engine
 
 

@@ -25,9 +25,12 @@ from proxy.registry import Group, GroupKey, Node, ServiceRegistry
 
 
 def heads_route(p: RegistrationMessage, d: RegistrationMessage) -> bool:
-    """P's KV heads route to D's ranks (``kv_topology.plan``), whatever their two TP sizes; a node
-    that does not say its TP size (vLLM-format, or older) counts as one rank. The model and the
-    whole model's KV layout (``kv_fingerprint``) are matched by the registry's groups."""
+    """P's KV heads route to D's ranks (``kv_topology.plan``) and the daemons can move them: rank r
+    to rank r (``common/engine/tp_kv.py``), so the two TP sizes are equal. A node that does not say
+    its TP size (vLLM-format, or older) counts as one rank. The model and the whole model's KV
+    layout (``kv_fingerprint``) are matched by the registry's groups."""
+    if (p.tp_size or 1) != (d.tp_size or 1):
+        return False  # the plan exists, the daemons' per-route head slices do not (yet)
     if p.kv_heads is None or d.kv_heads is None:
         return True
     try:

@@ -186,11 +186,14 @@ class ModelRunner:
         return self._inputs(packed, sizes, width, list(batch.num_new_tokens), h.seq_lens, h.sampled_seqs)
 
     @torch.inference_mode()
-    def follow_step(self, packed: torch.Tensor, sizes: list[int], width: int) -> None:
-        """A worker's part of the step rank 0 packed: the same forward (and logits) on its shard."""
+    def follow_step(self, packed: torch.Tensor, sizes: list[int], width: int,
+                    save_kv_layer: LayerHook | None = None) -> None:
+        """A worker's part of the step rank 0 packed: the same forward (and logits) on its shard;
+        ``save_kv_layer``: this rank's KV saves (``tp_kv.RankFollower``)."""
         query_starts, seq_lens = packed.split(sizes)[4:6]
         inputs = self._inputs(packed, sizes, width, query_starts.diff().tolist(), seq_lens.tolist(), [])
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata,
+                                    save_kv_layer)
         if sizes[3]:  # rows sampled on rank 0: the head's all-gather needs every rank
             self.model.compute_logits(hidden[inputs.sample_rows])
 
@@ -236,8 +239,6 @@ class ModelRunner:
         ``save_kv_layer`` (the connector worker's hook, given only for a step that saves KV) is
         called after each layer.
         """
-        if self.leader is not None and save_kv_layer is not None:
-            raise NotImplementedError("KV transfer across tensor-parallel ranks is not built yet")
         if self._graphable(batch, save_kv_layer):
             h = self.host_inputs(batch)
             hidden = self.graphs.run(h.input_ids, h.positions, h.slots, h.seq_lens, h.block_tables)

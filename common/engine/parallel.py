@@ -15,7 +15,8 @@ the step's packed inputs) and then the packed int64 inputs the runner already bu
 ids, positions, slot mapping, sample rows, query starts, sequence lengths, block tables). The
 workers run the same forward on their shard; rank 0 samples from the all-gathered logits.
 Other commands: INIT (the cache's block count, once), COPY (block copies of a forked
-choice), STOP.
+choice), STOP, and the KV transfer's (``tp_kv``): KV_START (open this rank's KV endpoint),
+KV_ISSUE (a step's connector metadata), KV_POLL (each rank's finished transfers, gathered).
 
 A worker that dies is noticed at once by a thread waiting on its process: the other workers
 are stopped and the group is marked lost, so the next step raises :class:`RankLostError`
@@ -52,7 +53,8 @@ log = logging.getLogger(__name__)
 TP_TIMEOUT_S = 60.0  # a collective (or the group's start) that takes longer means a rank hung
 STOP_WAIT_S = 10.0  # how long close() waits for a worker to exit before it kills it
 HEADER = 10  # int64s: [op, 7 packed sizes, block-table width, 0]
-INIT, STEP, COPY, STOP = 1, 2, 3, 4
+INIT, STEP, COPY, STOP, KV_START, KV_ISSUE, KV_POLL = 1, 2, 3, 4, 5, 6, 7
+BYTES_OPS = (KV_START, KV_ISSUE)  # their payload: ``values[0]`` bytes
 
 
 def rank_devices(device: torch.device, size: int) -> list[str]:
@@ -149,6 +151,10 @@ class Leader(TPGroup):
         if payload is not None:
             self.broadcast(payload)
 
+    def send_bytes(self, op: int, data: bytes) -> None:
+        """Broadcast one command whose payload is ``data`` (KV_START, KV_ISSUE)."""
+        self.send(op, [len(data)], torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None)
+
     def close(self) -> None:
         """Stop the workers (STOP, then a kill after ``STOP_WAIT_S``) and drop the group; idempotent."""
         with self._lock:
@@ -179,6 +185,8 @@ def receive(group: TPGroup) -> tuple[int, list[int], torch.Tensor | None]:
         payload = group.broadcast(torch.empty(sum(values[:7]), dtype=torch.int64))
     elif op == COPY:
         payload = group.broadcast(torch.empty(2 * values[0], dtype=torch.int64))
+    elif op in BYTES_OPS and values[0]:
+        payload = group.broadcast(torch.empty(values[0], dtype=torch.uint8))
     return op, values, payload
 
 

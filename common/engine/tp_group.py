@@ -84,6 +84,21 @@ class TPGroup:
         self._wait(self.control.broadcast([tensor], opts), opts.timeout)
         return tensor
 
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, in rank order, on every rank (over the control group: a worker's
+        report to rank 0 is a few ids, not device data)."""
+        opts = AllgatherOptions()
+        opts.timeout = self.timeout
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.empty_like(size) for _ in range(self.size)]
+        self._wait(self.control.allgather([sizes], [size], opts))
+        lengths = [int(s) for s in sizes]
+        mine = torch.zeros(max(1, *lengths), dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        self._wait(self.control.allgather([parts], [mine], opts))
+        return [bytes(p[:n].numpy()) for p, n in zip(parts, lengths)]
+
     def close(self) -> None:
         """Drop the groups; a peer's pending operation fails."""
         for pg in {id(self.control): self.control, id(self.data): self.data}.values():

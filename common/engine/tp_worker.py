@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from common.engine.model_runner import ModelRunner
-from common.engine.parallel import COPY, INIT, STEP, STOP, receive
+from common.engine.parallel import COPY, INIT, KV_ISSUE, KV_POLL, KV_START, STEP, STOP, receive
+from common.engine.tp_kv import open_rank_endpoint, serve_kv_command
 from common.engine.tp_group import RankLostError, TPGroup
 from common.kv_layout import DTYPES
 from common.model.attention import choose_kernels
@@ -59,13 +60,22 @@ def serve(host: str, port: int, rank: int) -> None:
     runner = ModelRunner(model, config.kv_layout(values[1], dtype), values[0], device, setup["seed"], kernels,
                          enforce_eager=True)
     log.info("rank %d ready on %s: %d KV blocks", rank, device, values[0])
+    follower = None  # this rank's KV endpoint, on a prefill or decode node (KV_START)
+
+    def open_endpoint(spec: bytes):
+        return open_rank_endpoint(spec, rank, runner.kv_layout, str(device), runner.kv_caches)
+
     while True:
         op, values, payload = receive(group)
         if op == STEP:
-            runner.follow_step(payload, values[:7], values[7])
+            runner.follow_step(payload, values[:7], values[7], follower.step_hook() if follower else None)
         elif op == COPY:
             runner.copy_blocks([tuple(p) for p in payload.view(-1, 2).tolist()])
+        elif op in (KV_START, KV_ISSUE, KV_POLL):
+            follower = serve_kv_command(group, op, payload, follower, open_endpoint)
         elif op == STOP:
+            if follower is not None:
+                follower.close()
             group.close()
             return
 

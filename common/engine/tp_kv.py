@@ -1,0 +1,356 @@
+"""KV transfer under tensor parallelism: every rank moves its own heads, rank 0 gives one outcome.
+
+A prefill or decode node of ``N`` ranks opens one KV endpoint per rank: rank 0's at
+``--kv-port`` (the one the proxy and the request ids name), rank r's at ``kv-port + r``
+(``KV_START``, sent once by rank 0 when its own endpoint is up). Rank r of a decode node
+pulls from rank r of the prefill node: both hold the same KV heads when both sides have the
+same TP size (the proxy pairs only those, ``proxy/routing.heads_route``), so each rank
+pair is an ordinary one-rank transfer of that rank's slice of the heads, over its own
+data-plane pair. No rank gathers another rank's KV.
+
+Rank 0 keeps the scheduler and the connector's scheduler side: one record per request in
+its table. Block ids are the same on every rank (rank 0 decides and broadcasts them). The
+worker side of rank 0 is a :class:`LeaderKVWorker`:
+
+* ``issue(meta)``: carried out on rank 0's endpoint and broadcast to the workers
+  (``KV_ISSUE``), whose :class:`RankFollower` carries it out on theirs, with the table calls
+  rank 0's scheduler side makes, at the addresses of the peer's same rank.
+* ``save_kv_layer``: each rank saves its own layers in its own forward.
+* ``get_finished()``: rank 0 polls its endpoint and gathers every worker's report
+  (``KV_POLL``); :class:`RankOutcomes` turns them into one outcome per request.
+
+One outcome (in the spirit of vLLM's ``KVOutputAggregator``):
+
+* decode: a request landed when every rank's part landed (the first token is rank 0's).
+  The first rank that fails makes it fail once, with that rank's reason; every other rank
+  still receiving is aborted, and the failure is reported only when no rank can write into
+  the blocks any more, so the scheduler frees them once for all ranks. While any rank may
+  still write, rank 0's table counts the load as receiving (an abort holds the blocks).
+* prefill: the blocks are freeable when every rank released its part (acknowledged,
+  aborted, failed or its lease ended: each rank's own lease bounds the wait).
+
+A rank that dies stops its node (``parallel.Leader``): its peers' transfers fail by their
+timeouts, and the proxy stops routing to a node that no longer heartbeats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgpack
+
+from common.engine.kv_connector import (EMPTY_METADATA, DiscardSpec, FinishedTransfers, HandoverSpec,
+                                        KVConnectorMetadata, KVConnectorWorker, LoadSpec, SaveSpec)
+from common.engine.parallel import KV_ISSUE, KV_POLL, KV_START, Leader
+
+if TYPE_CHECKING:
+    import torch
+
+    from common.engine.tp_group import TPGroup
+    from common.kv_transfer.engine import KVTransferEngine
+
+log = logging.getLogger(__name__)
+
+STOPPED = object()  # a rank's part ended by an abort
+
+
+# ---- what crosses the tensor-parallel group --------------------------------------------------
+def encode_meta(meta: KVConnectorMetadata) -> bytes:
+    return msgpack.packb([[dataclasses.astuple(s) for s in meta.loads], [dataclasses.astuple(s) for s in meta.saves],
+                          [dataclasses.astuple(s) for s in meta.handovers],
+                          [dataclasses.astuple(s) for s in meta.discards], list(meta.aborts),
+                          [list(r) for r in meta.releases]])
+
+
+def decode_meta(data: bytes) -> KVConnectorMetadata:
+    loads, saves, handovers, discards, aborts, releases = msgpack.unpackb(data)
+    return KVConnectorMetadata(
+        tuple(LoadSpec(*s) for s in loads), tuple(SaveSpec(*s) for s in saves),
+        tuple(HandoverSpec(*s) for s in handovers), tuple(DiscardSpec(*s) for s in discards),
+        tuple(aborts), tuple((rid, addr) for rid, addr in releases))
+
+
+def encode_report(f: FinishedTransfers) -> bytes:
+    """A worker's part of a poll: which of its transfers ended, and how."""
+    return msgpack.packb({"freeable": sorted(f.freeable), "stopped": sorted(f.stopped),
+                          "done": sorted(f.done_recving), "failed": f.failed_recving})
+
+
+def decode_report(data: bytes) -> FinishedTransfers:
+    r = msgpack.unpackb(data)
+    return FinishedTransfers(freeable=set(r["freeable"]), stopped=set(r["stopped"]),
+                             done_recving=dict.fromkeys(r["done"], 0), failed_recving=dict(r["failed"]))
+
+
+def rank_address(address: str, rank: int) -> str:
+    """``host:port`` of the same peer's rank ``rank``: ``host:(port + rank)``."""
+    host, _, port = address.rpartition(":")
+    return f"{host}:{int(port) + rank}"
+
+
+def for_rank(meta: KVConnectorMetadata, rank: int) -> KVConnectorMetadata:
+    """``meta`` with each peer address moved to that peer's rank ``rank``."""
+    if rank == 0:
+        return meta
+    return dataclasses.replace(
+        meta,
+        loads=tuple(dataclasses.replace(s, prefill_addr=rank_address(s.prefill_addr, rank)) for s in meta.loads),
+        saves=tuple(dataclasses.replace(s, decode_addr=rank_address(s.decode_addr, rank)) for s in meta.saves),
+        handovers=tuple(dataclasses.replace(s, decode_addr=rank_address(s.decode_addr, rank))
+                        for s in meta.handovers),
+        releases=tuple((rid, rank_address(addr, rank)) for rid, addr in meta.releases))
+
+
+# ---- rank 0: one outcome from N reports ----------------------------------------------------
+@dataclass
+class _Load:
+    ranks: frozenset[int]  # the ranks whose part this load waits for
+    ended: dict[int, object] = field(default_factory=dict)  # rank -> None (landed), its error, or STOPPED
+    aborted: bool = False  # by the scheduler: the outcome is "stopped"
+    aborting: bool = False  # a rank failed: the others were told to stop
+    error: str = ""  # the first rank's failure
+    landed: FinishedTransfers | None = None  # rank 0's report of its landing (first token, extras)
+
+    @property
+    def complete(self) -> bool:
+        return self.ranks <= self.ended.keys()
+
+
+class RankOutcomes:
+    """Rank 0's view of every multi-rank transfer still in progress (decode: loads; prefill:
+    blocks held for a hand-over), and the one outcome each gets."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.loads: dict[str, _Load] = {}
+        self.held: dict[str, set[int]] = {}  # prefill: request id -> ranks that released it
+
+    def expect_load(self, request_id: str, ranks: frozenset[int] | None = None) -> None:
+        self.loads[request_id] = _Load(ranks if ranks is not None else frozenset(range(self.size)))
+
+    def expect_release(self, request_id: str) -> None:
+        self.held[request_id] = set()
+
+    def aborted(self, request_id: str) -> None:
+        """The scheduler aborted the load: once no rank writes into its blocks, it is "stopped"."""
+        if (load := self.loads.get(request_id)) is not None:
+            load.aborted = True
+
+    def landing(self, request_id: str) -> bool:
+        """May a rank still write into this request's blocks?"""
+        return request_id in self.loads
+
+    def combine(self, reports: list[FinishedTransfers]) -> tuple[FinishedTransfers, list[str]]:
+        """Every rank's report (rank 0's first) -> the one report the scheduler applies, and the
+        loads whose other ranks must now be told to stop (a rank failed)."""
+        out = FinishedTransfers()
+        touched: list[str] = []
+        for rank, rep in enumerate(reports):
+            for rid in rep.freeable:
+                if (released := self.held.get(rid)) is None:
+                    if rank == 0:
+                        out.freeable.add(rid)  # not a held hand-over: the scheduler knows what it holds
+                    continue
+                released.add(rank)
+                if len(released) == self.size:
+                    del self.held[rid]
+                    out.freeable.add(rid)
+            ends = [(rid, None) for rid in rep.done_recving] + list(rep.failed_recving.items()) + \
+                   [(rid, STOPPED) for rid in rep.stopped]
+            for rid, end in ends:
+                load = self.loads.get(rid)
+                if load is None or rank not in load.ranks:
+                    if rank == 0:
+                        _pass_on(out, rep, rid, end)  # not a load of ours (never issued to the workers)
+                    continue
+                load.ended[rank] = end
+                if rank == 0 and end is None:
+                    load.landed = rep
+                if isinstance(end, str) and not load.error:
+                    load.error = f"tensor-parallel rank {rank}: {end}" if self.size > 1 else end
+                touched.append(rid)
+        to_stop = []
+        for rid in dict.fromkeys(touched):
+            load = self.loads[rid]
+            if load.complete:
+                del self.loads[rid]
+                if load.aborted:
+                    out.stopped.add(rid)
+                elif load.error:
+                    out.failed_recving[rid] = load.error
+                else:
+                    _pass_on(out, load.landed, rid, None)
+            elif load.error and not (load.aborting or load.aborted):
+                load.aborting = True
+                to_stop.append(rid)
+        return out, to_stop
+
+
+def _pass_on(out: FinishedTransfers, rep: FinishedTransfers, rid: str, end: object) -> None:
+    """Copy ``rid``'s ending from rank 0's report ``rep`` into ``out``."""
+    if end is STOPPED:
+        out.stopped.add(rid)
+    elif isinstance(end, str):
+        out.failed_recving[rid] = end
+    else:
+        out.done_recving[rid] = rep.done_recving[rid]
+        for name in ("first_logprobs", "choice_firsts", "cached_tokens"):
+            if rid in (extras := getattr(rep, name)):
+                getattr(out, name)[rid] = extras[rid]
+
+
+class LeaderKVWorker(KVConnectorWorker):
+    """Rank 0's connector worker under tensor parallelism: its own endpoint's worker
+    (``inner``), the workers told every decision, and their reports combined."""
+
+    def __init__(self, inner: KVConnectorWorker, leader: Leader, role: str) -> None:
+        self.inner, self.leader, self.role = inner, leader, role
+        self.outcomes = RankOutcomes(leader.size)
+        self.rank_stats: list[dict] = [{} for _ in range(leader.size)]  # each worker's transfer counters
+
+    def issue(self, meta: KVConnectorMetadata) -> None:
+        for rid in meta.aborts:
+            self.outcomes.aborted(rid)
+        self.inner.issue(meta)
+        refused = getattr(self.inner, "refused", set())
+        for load in meta.loads:  # refused at once on rank 0 (unknown peer, bad request): no worker asks
+            self.outcomes.expect_load(load.request_id, frozenset({0}) if load.request_id in refused else None)
+        for h in meta.handovers:
+            self.outcomes.expect_release(h.request_id)
+        if refused and meta.loads:
+            meta = dataclasses.replace(meta, loads=tuple(s for s in meta.loads if s.request_id not in refused))
+        if meta:
+            self.leader.send_bytes(KV_ISSUE, encode_meta(meta))
+
+    def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, meta: KVConnectorMetadata) -> None:
+        self.inner.save_kv_layer(layer_idx, kv_layer, meta)
+
+    def get_finished(self) -> FinishedTransfers:
+        own = self.inner.get_finished()
+        self.leader.send(KV_POLL)
+        parts = self.leader.gather_bytes(b"")[1:]
+        reports = [own]
+        for rank, part in enumerate(parts, start=1):
+            stats, report = msgpack.unpackb(part)
+            self.rank_stats[rank] = stats
+            reports.append(decode_report(report))
+        out, to_stop = self.outcomes.combine(reports)
+        if to_stop:
+            log.warning("stopping the other ranks' parts of %d transfer(s) a rank failed: %s", len(to_stop), to_stop)
+            stop = KVConnectorMetadata(aborts=tuple(to_stop))
+            self.inner.issue(_held_aborts(stop, self.inner))
+            self.leader.send_bytes(KV_ISSUE, encode_meta(stop))
+        return out
+
+
+def _held_aborts(meta: KVConnectorMetadata, worker: KVConnectorWorker) -> KVConnectorMetadata:
+    """Of ``meta.aborts``, those that may still receive on this rank (the table moves them to ABORTING),
+    as the scheduler side keeps only those."""
+    table = worker.transfer.consumer.table  # type: ignore[attr-defined]
+    return dataclasses.replace(meta, aborts=tuple(rid for rid in meta.aborts if table.abort(rid)))
+
+
+# ---- a worker rank ------------------------------------------------------------------------------
+class RankFollower:
+    """A worker rank's part: rank 0's decisions carried out on this rank's own KV endpoint and
+    cache, with the table calls rank 0's scheduler side makes there."""
+
+    def __init__(self, role: str, rank: int, transfer: KVTransferEngine, kv_caches: list[torch.Tensor]) -> None:
+        from decode_node.connector import ConsumerWorker
+        from prefill_node.connector import ProducerWorker
+
+        self.role, self.rank, self.transfer = role, rank, transfer
+        self.worker = ProducerWorker() if role == "prefill" else ConsumerWorker()
+        self.worker.bind(transfer, kv_caches)
+        self._saves = EMPTY_METADATA  # the metadata whose saves the next step makes
+
+    def issue(self, meta: KVConnectorMetadata) -> None:
+        meta = for_rank(meta, self.rank)
+        if self.role == "decode":
+            table = self.transfer.consumer.table
+            for load in meta.loads:
+                table.plan(load.request_id)
+                table.issue(load.request_id)
+            meta = _held_aborts(meta, self.worker)
+        else:
+            for h in meta.handovers:
+                self.transfer.producer.table.hand_over(h.request_id)
+        self.worker.issue(meta)
+        if meta.saves:
+            self._saves = meta
+
+    def step_hook(self):
+        """The per-layer save hook of the step about to run (None: it saves nothing)."""
+        meta, self._saves = self._saves, EMPTY_METADATA
+        if not meta.saves:
+            return None
+        return lambda layer_idx, kv_layer: self.worker.save_kv_layer(layer_idx, kv_layer, meta)
+
+    def poll(self) -> bytes:
+        """This rank's report for rank 0: its transfer counters and what ended since the last poll."""
+        finished = self.worker.get_finished()
+        if self.role == "decode":
+            self.transfer.consumer.table.forget((*finished.done_recving, *finished.failed_recving), finished.stopped)
+        else:
+            self.transfer.producer.table.forget(finished.freeable)
+        stats = self.transfer.stats.snapshot()
+        return msgpack.packb([stats, encode_report(finished)])
+
+    def close(self) -> None:
+        self.transfer.close()
+
+
+def endpoint_spec(role: str, host: str, port: int, advertise_host: str | None, transport: str,
+                  key_file: str | None, config: object, vocab_size: int) -> bytes:
+    """What a worker needs to open its rank's endpoint (KV_START's payload)."""
+    return json.dumps({"role": role, "host": host, "port": port, "advertise_host": advertise_host,
+                       "transport": transport, "key_file": key_file, "config": dataclasses.asdict(config),
+                       "vocab_size": vocab_size}).encode()
+
+
+def open_rank_endpoint(spec: bytes, rank: int, layout, device: str,
+                       kv_caches: list[torch.Tensor]) -> RankFollower:
+    """A worker's side of KV_START: its endpoint at ``port + rank``, with its own heads' layout."""
+    from common.cluster_auth import ClusterKey
+    from common.kv_transfer.config import TransferConfig, TransferStats
+    from common.kv_transfer.engine import KVTransferEngine
+
+    s = json.loads(spec)
+    transfer = KVTransferEngine(f"{s['host']}:{s['port'] + rank}", layout, TransferConfig(**s["config"]),
+                                TransferStats(), device=device, advertise_host=s["advertise_host"],
+                                transport=s["transport"], key=ClusterKey.optional(s["key_file"]),
+                                vocab_size=s["vocab_size"])
+    return RankFollower(s["role"], rank, transfer, kv_caches)
+
+
+def start_rank_endpoints(leader: Leader, spec: bytes) -> None:
+    """Rank 0: every worker opens its rank's KV endpoint; raises RuntimeError naming the ranks that
+    could not (a port taken, say)."""
+    leader.send_bytes(KV_START, spec)
+    replies = leader.gather_bytes(b"")[1:]
+    errors = [f"rank {rank}: {r.decode()}" for rank, r in enumerate(replies, start=1) if r]
+    if errors:
+        raise RuntimeError("a tensor-parallel rank could not open its KV endpoint: " + "; ".join(errors))
+
+
+def serve_kv_command(group: TPGroup, op: int, payload, follower: RankFollower | None,
+                     open_endpoint) -> RankFollower | None:
+    """A worker's handling of KV_START, KV_ISSUE and KV_POLL; returns its follower (new after KV_START)."""
+    if op == KV_START:
+        try:
+            follower = open_endpoint(bytes(payload.numpy()))
+            reply = b""
+        except Exception as exc:  # reported to rank 0, which fails its start with it
+            log.exception("could not open this rank's KV endpoint")
+            reply = f"{type(exc).__name__}: {exc}".encode()
+        group.gather_bytes(reply)
+    elif op == KV_ISSUE and follower is not None:
+        follower.issue(decode_meta(bytes(payload.numpy())))
+    elif op == KV_POLL:
+        group.gather_bytes(follower.poll() if follower is not None else msgpack.packb([{}, encode_report(
+            FinishedTransfers())]))
+    return follower
