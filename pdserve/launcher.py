@@ -5,6 +5,9 @@ embedded model once (so the two daemons do not race to write it), starts proxy, 
 and decode as detached process groups logging to ``<run-dir>/logs/<name>.log``, records
 them in ``<run-dir>/pids.json`` and waits until each answers ``GET /ready`` with 200.
 Any exception (a signal turned into one included) before that stops whatever had started.
+With ``--tensor-parallel-size N`` each daemon runs N processes (itself, rank 0, and N - 1
+``common.engine.tp_worker`` children in its process group) and binds KV ports kv-port ..
+kv-port + N - 1; ``up`` checks all of them, and ``down`` stops the whole group.
 ``down`` is in :mod:`pdserve.run_dir`; the command line in :mod:`pdserve.launcher_cli`. Both
 are plain functions (``up(options)``, ``down(run_dir)``) so tests can call them in-process.
 """
@@ -25,10 +28,12 @@ from common.cluster_auth import ClusterKey
 from common.config import (
     EMBEDDED_MODEL_NAME, PROXY_HTTP_PORT, PROXY_REGISTRY_PORT, ROLE_HTTP_PORTS, ROLE_KV_PORTS,
 )
+from common.kv_topology import MAX_TP_SIZE
 from pdserve.run_dir import PIDS_FILE, down, is_alive, is_ours, read_pids, write_pids
 
 # down / is_alive / read_pids are re-exported: callers of `up` and `down` need only this module
-__all__ = ["LaunchError", "ProcessSpec", "UpOptions", "down", "is_alive", "process_specs", "read_pids", "up"]
+__all__ = ["LaunchError", "ProcessSpec", "UpOptions", "auto_decode_kv_port", "down", "is_alive",
+           "process_specs", "read_pids", "tp_mismatch", "up"]
 
 LOOPBACK = "127.0.0.1"
 CLUSTER_KEY_FILE = "cluster.key"  # a fresh one per `up`, mode 0600, given to all three
@@ -51,10 +56,38 @@ class UpOptions:
     decode_kv_port: int = ROLE_KV_PORTS["decode"]
     model: str | None = None
     timeout: float = 120.0
+    prefill_tp: int = 1  # --tensor-parallel-size of each daemon: equal for now (tp_mismatch)
+    decode_tp: int = 1
 
 
 PORT_FLAGS = ("proxy_port", "prefill_port", "decode_port", "registry_port", "prefill_kv_port",
               "decode_kv_port")
+
+
+def tp_mismatch(prefill_tp: int, decode_tp: int) -> str | None:
+    """Why these TP sizes cannot run together, or None. Rank r of the decode node pulls its heads
+    from rank r of the prefill node, so the proxy pairs only equal sizes (``heads_route``)."""
+    for name, size in (("prefill", prefill_tp), ("decode", decode_tp)):
+        if not 1 <= size <= MAX_TP_SIZE:
+            return f"the {name} tensor-parallel size must be between 1 and {MAX_TP_SIZE} (got {size})"
+    if prefill_tp != decode_tp:
+        return (f"prefill and decode tensor-parallel sizes must be equal for now (got {prefill_tp} and "
+                f"{decode_tp}): rank r of the decode node pulls from rank r of the prefill node")
+    return None
+
+
+def auto_decode_kv_port(prefill_kv_port: int, prefill_tp: int, decode_tp: int) -> int:
+    """Decode's first KV port when none was chosen: its default, or the port after prefill's KV
+    ports (kv-port + rank) when the two ranges would overlap (the defaults are adjacent)."""
+    default = ROLE_KV_PORTS["decode"]
+    if prefill_kv_port < default + decode_tp and default < prefill_kv_port + prefill_tp:
+        return prefill_kv_port + prefill_tp
+    return default
+
+
+def kv_ports(first: int, tp: int) -> tuple[int, ...]:
+    """A daemon's KV endpoints: one per rank, at kv-port + rank."""
+    return tuple(range(first, first + tp))
 
 
 @dataclass(frozen=True)
@@ -80,15 +113,15 @@ def process_specs(options: UpOptions, model_args: tuple[str, ...]) -> list[Proce
         ),
         ProcessSpec(
             "prefill", "prefill_node", options.prefill_port,
-            (options.prefill_port, options.prefill_kv_port),
+            (options.prefill_port, *kv_ports(options.prefill_kv_port, options.prefill_tp)),
             ("--port", str(options.prefill_port), "--kv-port", str(options.prefill_kv_port),
-             "--proxy", registry, *model_args),
+             "--tensor-parallel-size", str(options.prefill_tp), "--proxy", registry, *model_args),
         ),
         ProcessSpec(
             "decode", "decode_node", options.decode_port,
-            (options.decode_port, options.decode_kv_port),
+            (options.decode_port, *kv_ports(options.decode_kv_port, options.decode_tp)),
             ("--port", str(options.decode_port), "--kv-port", str(options.decode_kv_port),
-             "--proxy", registry, *model_args),
+             "--tensor-parallel-size", str(options.decode_tp), "--proxy", registry, *model_args),
         ),
     ]
 
@@ -116,7 +149,9 @@ def check_can_start(run_dir: Path, specs: list[ProcessSpec]) -> None:
     (run_dir / PIDS_FILE).unlink(missing_ok=True)  # stale: nothing in it is alive
     ports = [p for spec in specs for p in spec.ports]
     if len(set(ports)) != len(ports):
-        raise LaunchError(f"two processes were given the same port: {ports}")
+        named = ", ".join(f"{spec.name} {list(spec.ports)}" for spec in specs)
+        raise LaunchError(f"two processes were given the same port (a daemon's KV ports are "
+                          f"kv-port .. kv-port + tensor-parallel-size - 1): {named}")
     taken = [f"{p} ({spec.name})" for spec in specs for p in spec.ports if port_in_use(p)]
     if taken:
         raise LaunchError(f"port already in use: {', '.join(taken)}; stop what holds it "
@@ -191,14 +226,18 @@ def model_args(options: UpOptions) -> tuple[str, ...]:
     return ("--model", str(ensure_embedded_model()), "--served-model-name", EMBEDDED_MODEL_NAME)
 
 
-def memory_args() -> tuple[str, ...]:
-    """Both daemons land on the first GPU when there is one: each gets half the default share."""
+def memory_args(tp: int = 1) -> tuple[str, ...]:
+    """Both daemons land on the first GPU when there is one (rank r of each on cuda:r with
+    tensor parallelism): each gets half the default share of every device it uses."""
     import torch  # lazy: `pdserve down` and the CPU path need no torch here
 
     from common.engine.gpu_memory import split_share
 
     if not torch.cuda.is_available():
         return ()
+    if torch.cuda.device_count() < tp:
+        raise LaunchError(f"--tensor-parallel-size {tp} needs {tp} CUDA devices (one per rank); "
+                          f"this machine has {torch.cuda.device_count()}")
     return ("--gpu-memory-utilization", str(split_share(2)))
 
 
@@ -208,13 +247,16 @@ def up(options: UpOptions) -> dict:
     Returns ``{"proxy_url": str, "processes": [{"name", "pid", "port", "module", "log"}]}``.
     Raises LaunchError (after stopping whatever it started) when anything fails.
     """
+    why = tp_mismatch(options.prefill_tp, options.decode_tp)
+    if why:
+        raise LaunchError(why)
     run_dir = Path(options.run_dir)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     check_can_start(run_dir, process_specs(options, ()))
     key_args = ("--cluster-key-file", str(ClusterKey.generate(run_dir / CLUSTER_KEY_FILE).resolve()))
     specs = [replace(s, args=(*s.args, *key_args))
-             for s in process_specs(options, model_args(options) + memory_args())]
+             for s in process_specs(options, model_args(options) + memory_args(options.prefill_tp))]
     entries: list[dict] = []
     procs: list[subprocess.Popen] = []
     try:
@@ -233,5 +275,5 @@ def up(options: UpOptions) -> dict:
 
 
 def _pids_entry(spec: ProcessSpec, proc: subprocess.Popen, log_dir: Path) -> dict:
-    return {"name": spec.name, "pid": proc.pid, "port": spec.port, "module": spec.module,
-            "log": str(log_dir / f"{spec.name}.log")}
+    return {"name": spec.name, "pid": proc.pid, "port": spec.port, "ports": list(spec.ports),
+            "module": spec.module, "log": str(log_dir / f"{spec.name}.log")}

@@ -2,8 +2,9 @@
 
 ``up`` prints each process with its pid, port and log, a curl to try and a stop command
 that works from this shell. SIGINT, SIGTERM or SIGHUP while it waits stops whatever had
-started (exit 128 + the signal). Ports must be fixed (1..65535) and ``--model`` must be a
-model directory: anything else is one line and exit 2, before anything starts.
+started (exit 128 + the signal). Ports must be fixed (1..65535), ``--model`` must be a
+model directory and the tensor-parallel sizes 1..64 and equal on both sides: anything else is
+one line and exit 2, before anything starts.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pathlib import Path
 
 from pdserve import launcher
 from common.config import EMBEDDED_MODEL_NAME, check_model_dir
-from pdserve.launcher import PORT_FLAGS, LaunchError, UpOptions
+from common.kv_topology import MAX_TP_SIZE
+from pdserve.launcher import PORT_FLAGS, LaunchError, UpOptions, auto_decode_kv_port, tp_mismatch
 from common.options import OneLineParser
 from pdserve.run_dir import down
 
@@ -34,6 +36,16 @@ def port_number(text: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be between 1 and 65535 (got {port})")
     return port
+
+
+def tp_size(text: str) -> int:
+    try:
+        size = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 1 <= size <= MAX_TP_SIZE:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_TP_SIZE} (got {size})")
+    return size
 
 
 def model_dir(text: str) -> str:
@@ -52,8 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where pids.json and logs/ go (default: .pdserve)")
     for name in PORT_FLAGS:
         default = getattr(UpOptions, name)
-        up_p.add_argument("--" + name.replace("_", "-"), type=port_number, default=default,
-                          metavar="PORT", help=f"default: {default}")
+        shown = f"{default}" if name != "decode_kv_port" else (
+            f"{default}, or the port after prefill's KV ports when those reach it")
+        up_p.add_argument("--" + name.replace("_", "-"), type=port_number,
+                          default=None if name == "decode_kv_port" else default,
+                          metavar="PORT", help=f"default: {shown}")
+    up_p.add_argument("--tensor-parallel-size", type=tp_size, default=1, metavar="N",
+                      help="ranks per daemon (N processes each, KV ports kv-port .. kv-port + N - 1; "
+                           "on a GPU rank r uses cuda:r) (default: 1)")
+    up_p.add_argument("--prefill-tp", type=tp_size, default=None, metavar="N",
+                      help="the prefill daemon's ranks (default: --tensor-parallel-size)")
+    up_p.add_argument("--decode-tp", type=tp_size, default=None, metavar="N",
+                      help="the decode daemon's ranks (default: --tensor-parallel-size); "
+                           "must equal prefill's for now")
     up_p.add_argument("--model", type=model_dir, default=None, metavar="PATH",
                       help="model directory (default: the embedded pdserve-tiny model)")
     up_p.add_argument("--timeout", type=float, default=120.0,
@@ -116,12 +139,21 @@ def _raise_interrupted(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for `pdserve up|down ...`; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "down":
         down(args.run_dir)
         return 0
+    prefill_tp = args.prefill_tp or args.tensor_parallel_size
+    decode_tp = args.decode_tp or args.tensor_parallel_size
+    why = tp_mismatch(prefill_tp, decode_tp)
+    if why:
+        parser.exit(2, f"pdserve up: error: {why} (see --help)\n")
+    if args.decode_kv_port is None:
+        args.decode_kv_port = auto_decode_kv_port(args.prefill_kv_port, prefill_tp, decode_tp)
     options = UpOptions(
         run_dir=args.run_dir, model=args.model, timeout=args.timeout,
+        prefill_tp=prefill_tp, decode_tp=decode_tp,
         **{name: getattr(args, name) for name in PORT_FLAGS},
     )
     # Ctrl-C arrives as KeyboardInterrupt; SIGTERM / SIGHUP (a supervisor, a closed terminal) the same way.

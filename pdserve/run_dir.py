@@ -1,9 +1,12 @@
 """What `pdserve up` leaves in its run directory, and `pdserve down`, which reads it.
 
-``<run-dir>/pids.json`` lists the process groups ``up`` started (name, pid, port, module,
-log). ``down`` sends SIGTERM to each group, SIGKILLs what is left after a grace period
-and removes the file. A pid is only signalled while it still runs the module we started,
-so a stale file never kills a stranger that reused the pid.
+``<run-dir>/pids.json`` lists the process groups ``up`` started (name, pid, port, ports,
+module, log). ``down`` sends SIGTERM to each group's leader (a tensor-parallel daemon then
+stops its ``tp_worker`` ranks itself, which share its group), then to whatever is left in a
+group whose leader has exited, SIGKILLs each group still not empty after a grace period and
+removes the file. It returns once no process of any group is left. A pid is only signalled
+while it still runs the module we started, so a stale file never kills a stranger that
+reused the pid.
 """
 
 from __future__ import annotations
@@ -84,6 +87,38 @@ def signal_group(pid: int, sig: signal.Signals) -> None:
         pass
 
 
+def group_alive(pgid: int) -> bool:
+    """Does any live (not zombie) process remain in group ``pgid`` (its leader or a child)?"""
+    if is_alive(pgid):
+        return True  # also reaps the leader when it is our child and has exited
+    proc = Path("/proc")
+    if not proc.is_dir():  # no /proc (macOS): a zombie left in the group counts as alive
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone this instant
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def down(run_dir: Path, grace: float = 10.0, quiet: bool = False) -> list[dict]:
     """Stop what ``pids.json`` names (SIGTERM, then SIGKILL after `grace` s).
 
@@ -92,15 +127,25 @@ def down(run_dir: Path, grace: float = 10.0, quiet: bool = False) -> list[dict]:
     run_dir = Path(run_dir)
     running = [e for e in read_pids(run_dir) if is_ours(e)]
     for entry in running:
-        signal_group(entry["pid"], signal.SIGTERM)
+        # The leader only: a TP daemon drains and stops its workers (a SIGTERM to them first
+        # would read as a lost rank); what its group still holds once it has exited is next.
+        _signal(entry["pid"], signal.SIGTERM)
+    orphans_signalled: set[int] = set()
     deadline = time.monotonic() + grace
-    while any(is_alive(e["pid"]) for e in running) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        alive = [e for e in running if group_alive(e["pid"])]
+        if not alive:
+            break
+        for entry in alive:
+            if not is_alive(entry["pid"]) and entry["pid"] not in orphans_signalled:
+                signal_group(entry["pid"], signal.SIGTERM)
+                orphans_signalled.add(entry["pid"])
         time.sleep(0.1)
     for entry in running:
-        if is_alive(entry["pid"]):
+        if group_alive(entry["pid"]):
             signal_group(entry["pid"], signal.SIGKILL)
             entry["killed"] = True
-    while any(is_alive(e["pid"]) for e in running) and time.monotonic() < deadline + 5:
+    while any(group_alive(e["pid"]) for e in running) and time.monotonic() < deadline + 5:
         time.sleep(0.05)
     (run_dir / PIDS_FILE).unlink(missing_ok=True)
     if not quiet:
