@@ -75,6 +75,12 @@ class NodeMetrics:
             "kv_transfer_seconds", "Duration of one request's KV transfer", _LATENCY_BUCKETS
         )
         self.kv_transfer_bytes = counter("kv_transfer_bytes", "KV cache bytes moved between nodes")
+        self.kv_rank_transfer_bytes = counter(
+            "kv_rank_transfer_bytes", "KV cache bytes this tensor-parallel rank sent (prefill) or received (decode)",
+            ("rank",))
+        self.kv_rank_transfer_seconds = counter(
+            "kv_rank_transfer_seconds", "Seconds this tensor-parallel rank's finished transfers took, summed",
+            ("rank",))
         self.kv_transfer_failures = counter("kv_transfer_failures", "KV transfers that failed or timed out")
         self.kv_transfer_rejected = counter(
             "kv_transfer_rejected", "Landed KV refused before use: partial, stale, damaged or not asked for",

@@ -149,6 +149,23 @@ class Daemon:
         logger.info("tensor-parallel KV endpoints: ranks 1..%d at %s:%d..%d", llm.runner.leader.size - 1, cfg.host,
                     port + 1, port + llm.runner.leader.size - 1)
 
+    def _export_rank_stats(self, metrics: NodeMetrics, own: dict) -> None:
+        """Each rank's bytes and transfer seconds (``rank`` label; rank 0's own counters, the
+        workers' from their last poll report). The workers' bytes count in kv_transfer_bytes too:
+        that one is the node's."""
+        direction = "bytes_sent" if self.config.role == "prefill" else "bytes_received"
+        ranks = [own] + self.rank_stats[1:]
+        for rank, stats in enumerate(ranks):
+            for name, counter in ((direction, metrics.kv_rank_transfer_bytes),
+                                  ("transfer_seconds_sum", metrics.kv_rank_transfer_seconds)):
+                key, value = f"rank{rank}:{name}", stats.get(name, 0)
+                delta = value - self._exported.get(key, 0)
+                if delta > 0:
+                    counter.labels(metrics.role, str(rank)).inc(delta)
+                    if rank > 0 and name == direction:
+                        metrics.kv_transfer_bytes.labels(metrics.role).inc(delta)
+                self._exported[key] = value
+
     def build_app(self, prepare_request: PrepareHook | None = None) -> FastAPI:
         """The node's OpenAI app, ready once the KV endpoint is up and the proxy has heard from us."""
         return node_app(self.engine, self.config, self.metrics, ready=self.ready, prepare_request=prepare_request)
@@ -218,6 +235,7 @@ class Daemon:
             if count > self._exported.get(key, 0):
                 metrics.kv_transfer_rejected.labels(metrics.role, reason).inc(count - self._exported.get(key, 0))
             self._exported[key] = count
+        self._export_rank_stats(metrics, snap)
         counts = self.transfer.pair_counts()
         assert self._kv_pairs is not None
         for transport in ("cuda_ipc", "nccl", "tcp", "gloo"):

@@ -52,9 +52,6 @@ def serve(config: NodeConfig) -> None:
     check_machine(config)
     config = with_model(config)
     engine = start_engine(config)
-    from common.engine.parallel import exit_on_rank_loss
-
-    exit_on_rank_loss(engine.engine.runner.leader, ENGINE_DEAD_EXIT_CODE)  # a dead worker rank ends the node
     try:
         app = node_app(engine, config, NodeMetrics(config.role, config.tensor_parallel_size))
         serve_http(app, engine, config)
@@ -111,11 +108,13 @@ def with_model(config: NodeConfig) -> NodeConfig:
 
 def start_engine(config: NodeConfig, connector: KVConnector | None = None, start: bool = True) -> AsyncLLMEngine:
     """Load the model and start the engine thread (the node's config is the engine's); ``start``
-    False: the caller starts it."""
+    False: the caller starts it. A tensor-parallel worker rank that dies ends the process."""
     from common.engine.async_engine import AsyncLLMEngine
+    from common.engine.parallel import exit_on_rank_loss
 
     logger.info("loading %s on %s", config.model, config.resolved_device())
     engine = AsyncLLMEngine(config, connector)
+    exit_on_rank_loss(engine.engine.runner.leader, ENGINE_DEAD_EXIT_CODE)
     if start:
         engine.start()
     return engine

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from common.engine.kv_connector import (EMPTY_METADATA, DiscardSpec, FinishedTransfers, HandoverSpec,
+from common.engine.kv_connector import (EMPTY_METADATA, ConnectorState, DiscardSpec, FinishedTransfers, HandoverSpec,
                                         KVConnectorMetadata, KVConnectorWorker, LoadSpec, SaveSpec)
 from common.engine.parallel import KV_ISSUE, KV_POLL, KV_START, Leader
 
@@ -180,8 +180,8 @@ class RankOutcomes:
                 del self.loads[rid]
                 if load.aborted:
                     out.stopped.add(rid)
-                elif load.error:
-                    out.failed_recving[rid] = load.error
+                elif load.error or load.landed is None or STOPPED in load.ended.values():
+                    out.failed_recving[rid] = load.error or "a tensor-parallel rank's part stopped unasked"
                 else:
                     _pass_on(out, load.landed, rid, None)
             elif load.error and not (load.aborting or load.aborted):
@@ -216,7 +216,7 @@ class LeaderKVWorker(KVConnectorWorker):
         for rid in meta.aborts:
             self.outcomes.aborted(rid)
         self.inner.issue(meta)
-        refused = getattr(self.inner, "refused", set())
+        refused = self._refused(meta)
         for load in meta.loads:  # refused at once on rank 0 (unknown peer, bad request): no worker asks
             self.outcomes.expect_load(load.request_id, frozenset({0}) if load.request_id in refused else None)
         for h in meta.handovers:
@@ -225,6 +225,18 @@ class LeaderKVWorker(KVConnectorWorker):
             meta = dataclasses.replace(meta, loads=tuple(s for s in meta.loads if s.request_id not in refused))
         if meta:
             self.leader.send_bytes(KV_ISSUE, encode_meta(meta))
+
+    def _refused(self, meta: KVConnectorMetadata) -> set[str]:
+        """The loads rank 0 refused as it issued them (a bad request, an unknown peer): the workers
+        must not ask that peer either."""
+        if not meta.loads:
+            return set()
+        refused = set(getattr(self.inner, "refused", ()))
+        transfer = getattr(self.inner, "transfer", None)
+        if transfer is not None:
+            table = transfer.consumer.table
+            refused |= {s.request_id for s in meta.loads if table.state(s.request_id) is ConnectorState.FAILED}
+        return refused
 
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, meta: KVConnectorMetadata) -> None:
         self.inner.save_kv_layer(layer_idx, kv_layer, meta)

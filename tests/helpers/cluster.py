@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from helpers.ports import free_port
+from helpers.ports import free_port, free_port_run
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = {"both": "pdserve.cli", "prefill": "prefill_node", "decode": "decode_node", "proxy": "proxy"}
@@ -106,7 +106,8 @@ def start(role: str, tmp: Path, *args: str, name: str | None = None, wait: bool 
         cmd.append("serve")
     cmd += ["--port", str(port)]
     if role in ("prefill", "decode"):
-        kv_port = free_port()
+        ranks = int(args[args.index("--tensor-parallel-size") + 1]) if "--tensor-parallel-size" in args else 1
+        kv_port = free_port_run(ranks)  # rank r's KV endpoint is at kv_port + r
         cmd += ["--kv-port", str(kv_port)]
     if role == "proxy":
         cmd += ["--registry-port", str(kv_port := free_port())]

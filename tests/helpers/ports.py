@@ -43,3 +43,22 @@ def free_ports(count: int) -> list[int]:
 
 def free_port() -> int:
     return free_ports(1)[0]
+
+
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive ports that were free a moment ago (a tensor-parallel
+    daemon's KV endpoints: ``--kv-port`` + rank)."""
+    while True:
+        first = free_port()
+        socks: list[socket.socket] = []
+        try:
+            for port in range(first + 1, first + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue  # one of the next ports is taken: another draw
+        finally:
+            for sock in socks:
+                sock.close()

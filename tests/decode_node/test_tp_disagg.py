@@ -1,0 +1,135 @@
+"""Prefill and decode daemons of tensor-parallel size 2: each rank moves its own KV heads to the
+peer's same rank, and the answers are the colocated node's; a rank killed mid-transfer ends
+the request once, and every surviving rank's blocks are freed.
+
+The embedded model has 2 KV heads: at TP 2 each rank holds one, so rank 1's bytes are half the
+KV and an answer that lost them would not be the colocated node's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from disagg_client import disaggregated, post, prefill_body, read_stream
+
+from common.request_id import make_request_id
+from helpers.cluster import metric, pd_cluster, start, wait_idle
+from helpers.procs import children, gone
+from helpers.waiting import wait_until
+
+TP = ("--tensor-parallel-size", "2")
+TIMEOUT_S = 2.0
+LEASE_S = 3.0
+ARGS = ("--kv-timeout-s", str(TIMEOUT_S), "--kv-lease-s", str(LEASE_S), "--block-size", "16")
+# a short prompt, one over several blocks, and one whose blocks end exactly at the prompt's end
+PROMPTS = ["The quick brown fox", "def main():\n    import os\n    print(os.getcwd())\n" * 6, "x " * 64]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("tp-disagg")
+    # no prefix cache on D: every request must pull its KV (a cached prompt is computed there)
+    with pd_cluster(tmp, node_args=(*TP, *ARGS, "--no-enable-prefix-caching"),
+                    colocated_args=("--block-size", "16")) as procs:
+        yield tmp, procs
+
+
+def _rank_bytes(url: str) -> dict[str, float]:
+    """``pdserve:kv_rank_transfer_bytes_total`` by rank."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith("pdserve:kv_rank_transfer_bytes_total{"):
+            rank = line.split('rank="', 1)[1].split('"', 1)[0]
+            out[rank] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _complete(url: str, prompt: str, **extra) -> dict:
+    body = {"model": "pdserve-tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1, **extra}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_tp2_to_tp2_through_the_proxy_gives_the_colocated_answers(cluster) -> None:
+    _, procs = cluster
+    before = {name: _rank_bytes(procs[name].url) for name in ("prefill", "decode")}
+    for prompt in PROMPTS:
+        got, want = _complete(procs["proxy"].url, prompt), _complete(procs["both"].url, prompt)
+        assert got["text"] == want["text"]
+        assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
+    for name in ("prefill", "decode"):
+        wait_idle(procs[name].url)
+    # every rank moved its own half of the KV: the same bytes on each rank, on both sides
+    moved = {name: {rank: v - before[name].get(rank, 0) for rank, v in _rank_bytes(procs[name].url).items()}
+             for name in ("prefill", "decode")}
+    assert moved["prefill"]["0"] > 0 and moved["prefill"]["0"] == moved["prefill"]["1"]
+    assert moved["decode"] == moved["prefill"]
+
+
+def test_tp2_to_tp2_streamed_gives_the_colocated_text(cluster) -> None:
+    _, procs = cluster
+    body = {"model": "pdserve-tiny", "prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0, "stream": True}
+    text, events = read_stream(procs["proxy"].url, "/v1/completions", body, "tp-stream")
+    want = _complete(procs["both"].url, PROMPTS[1], max_tokens=16)["text"]
+    assert text == want and len(events) > 1
+
+
+def test_a_prefill_rank_killed_mid_transfer_fails_the_request_once_and_frees_decode_blocks(cluster) -> None:
+    tmp, procs = cluster
+    # a decode node that knows no registry (it pulls from any prefill node, as behind vLLM's proxy)
+    decode = start("decode", tmp, *TP, *ARGS, "--no-enable-prefix-caching", name="decode-survivor")
+    victim = start("prefill", tmp, *TP, *ARGS, name="prefill-victim")
+    try:
+        (rank1,) = children(victim.popen.pid)
+        os.kill(rank1, signal.SIGSTOP)  # rank 1 answers nothing: decode's rank 1 waits on it
+        rid = make_request_id(victim.kv_addr, decode.kv_addr)
+        body = {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+        with ThreadPoolExecutor(1) as pool:
+            leg = pool.submit(post, decode.url, "/v1/completions", body, rid)
+            wait_until(lambda: metric(decode.url, "pdserve:kv_cache_usage_perc") > 0, "decode allocated", 20)
+            os.kill(rank1, signal.SIGKILL)  # mid-transfer: decode's ranks have asked, nothing landed
+            r = leg.result()
+        assert r.status_code >= 500
+        message = r.json()["error"]["message"]
+        assert message.startswith("tensor-parallel rank "), message  # one error: the rank that failed first
+        wait_until(lambda: victim.popen.poll() is not None, "the victim's rank 0 left", 10)
+        assert victim.popen.returncode == 3
+        wait_idle(decode.url, timeout=TIMEOUT_S + LEASE_S + 5)  # both decode ranks' blocks: one block manager
+        (d_rank1,) = children(decode.popen.pid)
+        assert not gone(d_rank1)  # the decode node's ranks survive and serve on
+        text, n = disaggregated(procs["prefill"], decode, "/v1/completions", body)
+        assert n == 8 and text == _complete(procs["both"].url, PROMPTS[1], max_tokens=8)["text"]
+        assert len([line for line in decode.log.read_text().splitlines() if "KV transfer failed" in line]) == 1
+    finally:
+        victim.kill()
+        decode.stop()
+
+
+def test_a_decode_rank_killed_mid_transfer_frees_the_prefill_blocks(cluster) -> None:
+    tmp, procs = cluster
+    prefill = procs["prefill"]
+    victim = start("decode", tmp, *TP, *ARGS, "--no-enable-prefix-caching", name="decode-victim")
+    try:
+        (rank1,) = children(victim.popen.pid)
+        rid = make_request_id(prefill.kv_addr, victim.kv_addr)
+        body = {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(post, victim.url, "/v1/completions", body, rid, 30)
+            # both decode ranks asked both prefill ranks; the prefill leg has not come yet
+            wait_until(lambda: metric(victim.url, "pdserve:kv_cache_usage_perc") > 0, "decode allocated", 20)
+            os.kill(rank1, signal.SIGKILL)
+            wait_until(lambda: victim.popen.poll() is not None, "the victim's rank 0 left", 10)
+            p = post(prefill.url, "/v1/completions", prefill_body(body), rid)
+            assert p.status_code == 200, p.text  # the prefill itself succeeds; its KV has nowhere to go
+    finally:
+        victim.kill()
+    assert victim.popen.returncode == 3
+    wait_idle(prefill.url, timeout=TIMEOUT_S + LEASE_S + 5)  # every prefill rank released its part
+    got = _complete(procs["proxy"].url, PROMPTS[0])  # and the prefill node serves on
+    assert got["text"] == _complete(procs["both"].url, PROMPTS[0])["text"]
