@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 from disagg_client import disaggregated, post, prefill_body, read_stream
 
 from common.request_id import make_request_id
@@ -133,3 +134,19 @@ def test_a_decode_rank_killed_mid_transfer_frees_the_prefill_blocks(cluster) -> 
     wait_idle(prefill.url, timeout=TIMEOUT_S + LEASE_S + 5)  # every prefill rank released its part
     got = _complete(procs["proxy"].url, PROMPTS[0])  # and the prefill node serves on
     assert got["text"] == _complete(procs["both"].url, PROMPTS[0])["text"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="a TP 2 prefill and decode pair needs two CUDA devices")
+def test_tp2_to_tp2_on_two_gpus_gives_the_colocated_answers(tmp_path) -> None:
+    """Rank r of both nodes on cuda:r: each rank pair moves its heads on its own device (cuda_ipc
+    under --kv-transport auto); float32, so greedy tokens match the single-GPU colocated node."""
+    gpu = ("--device", "cuda:0", "--dtype", "float32")
+    with pd_cluster(tmp_path, node_args=(*TP, *ARGS, *gpu, "--no-enable-prefix-caching"),
+                    colocated_args=("--block-size", "16", *gpu)) as procs:
+        for prompt in PROMPTS:
+            got, want = _complete(procs["proxy"].url, prompt), _complete(procs["both"].url, prompt)
+            assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        for name in ("prefill", "decode"):  # (cuda_ipc counts no bytes on the receiving side)
+            assert set(_rank_bytes(procs[name].url)) == {"0", "1"}
