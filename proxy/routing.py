@@ -234,8 +234,8 @@ class _Candidates:
             ps = [n for g in serving for n in g.prefills]
             ds = [n for g in serving for n in g.decodes]
             error = NoNodeAvailable(f"no compatible prefill/decode pair: {_describe(ps)} vs {_describe(ds)}"
-                                    " (model and KV layout fingerprint must match, and the KV heads must"
-                                    " split over both TP sizes)")
+                                    " (model and KV layout fingerprint must match, and the TP sizes must be"
+                                    " equal and split the KV heads: rank r pulls from rank r)")
         prefills = sorted((p for g in serving for p in g.prefills if (p.group, p.info.tp_size) in decodes_of),
                           key=lambda n: n.info.http_address)
         return cls(prefills, decodes_of, error)

@@ -56,24 +56,25 @@ def test_incompatible_fingerprints_are_never_paired():
 
 
 @pytest.mark.parametrize("p_tp, d_tp, kv_heads, pairs", [
-    (1, 1, 8, True), (2, 1, 8, True), (1, 4, 8, True), (4, 2, 8, True),  # a = b, a > b, a < b
-    (8, 2, 2, True),  # P replicates its 2 KV heads over 8 ranks
-    (3, 1, 8, False), (1, 3, 8, False),  # 8 heads do not split over 3 ranks
+    (1, 1, 8, True), (2, 2, 8, True), (4, 4, 8, True),  # a = b: rank r pulls from rank r
+    (8, 8, 2, True),  # both replicate their 2 KV heads over 8 ranks, the same way
+    (2, 1, 8, False), (1, 4, 8, False), (4, 2, 8, False),  # mapped (kv_topology) but not moved yet
+    (3, 3, 8, False),  # 8 heads do not split over 3 ranks
 ])
-def test_tp_sizes_pair_when_the_heads_route(p_tp: int, d_tp: int, kv_heads: int, pairs: bool):
+def test_tp_sizes_pair_when_the_daemons_can_move_the_heads(p_tp: int, d_tp: int, kv_heads: int, pairs: bool):
     """The pairing rule compares the model and the whole model's layout (the fingerprint), and the
-    head mapping between the two TP sizes, never a node's own head count."""
+    two TP sizes, never a node's own head count; the refusal names both nodes' TP sizes."""
     r = router_with(node("P", 1, tp_size=p_tp, kv_heads=kv_heads), node("D", 11, tp_size=d_tp, kv_heads=kv_heads))
     assert r.has_pair() is pairs
     if not pairs:
-        with pytest.raises(NoNodeAvailable, match=f"TP {p_tp} over {kv_heads} KV heads"):
+        with pytest.raises(NoNodeAvailable, match=f"TP {d_tp} over {kv_heads} KV heads.*TP sizes must be equal"):
             r.pick("m")
 
 
 def test_different_total_kv_heads_never_pair_and_a_node_without_tp_is_one_rank():
     assert not router_with(node("P", 1, tp_size=1, kv_heads=8), node("D", 11, tp_size=1, kv_heads=4)).has_pair()
-    assert router_with(node("P", 1), node("D", 11, tp_size=2, kv_heads=8)).has_pair()  # older P: TP 1
-    assert not router_with(node("P", 1, kv_heads=8), node("D", 11, tp_size=3, kv_heads=8)).has_pair()
+    assert router_with(node("P", 1), node("D", 11, kv_heads=8)).has_pair()  # older P: TP 1
+    assert not router_with(node("P", 1), node("D", 11, tp_size=2, kv_heads=8)).has_pair()
 
 
 def test_registration_refuses_a_tp_size_or_head_count_out_of_bounds():
