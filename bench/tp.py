@@ -11,11 +11,26 @@ rank 0 and N - 1 workers) on the embedded model, or ``--model DIR``. Printed per
 - TTFT p50 of ``--requests`` streamed requests of a 512-token prompt, one at a time, and the
   decode rate (tokens/s) of a 64-token answer.
 
-KV transfer between prefill and decode nodes of different TP sizes is not built (prefill and
-decode daemons refuse N > 1), so the per-pairing rows of issue 20 (KV bytes per rank, transfer
-time) are not printed.
+Then, for each pairing ``P-D`` in ``--pairings`` (prefill TP P, decode TP D), a proxy, a
+``pdserve prefill`` of TP P and a ``pdserve decode`` of TP D (``--no-enable-prefix-caching``, so
+every request pulls its KV) registered with it. Rank r of the decode node pulls its own KV heads
+from rank r of the prefill node (``common/engine/tp_kv.py``). One warm-up request, then
+``--requests`` streamed requests through the proxy, one at a time, each a fresh ~1,000-token
+prompt and 8 tokens out. Printed per pairing and rank, each against the 1-1 row:
+- the KV bytes the rank moved per request: the deltas of
+  ``pdserve:kv_rank_transfer_bytes_total{role,rank}``, prefill (sent) and decode (received);
+- the transfer time per request: the decode rank's ``pdserve:kv_rank_transfer_seconds_total``
+  delta / requests, and the mean of decode's ``pdserve:kv_transfer_seconds`` histogram (rank 0's
+  transfers: the same figure as rank 0's seconds). Decode times a transfer from its PULL to
+  DONE, so it includes the prefill node computing the prompt (layers travel while P computes);
+- KV pulls: the histogram's count delta, which should be the number of requests (the proxy runs
+  ``--disagg-policy always``: ``auto`` may let the decode node prefill a prompt itself);
+- TTFT p50 and max, measured by the client through the proxy.
 
-    python bench/tp.py [--sizes 1,2] [--requests 5] [--model DIR] [--device cpu]
+Only equal sizes pair (rank r to rank r; the proxy refuses the rest, ``proxy/routing.py::
+heads_route``): a pairing of different sizes is reported as not built, not run.
+
+    python bench/tp.py [--sizes 1,2] [--pairings 1-1,2-2] [--requests 5] [--model DIR] [--device cpu]
 """
 
 from __future__ import annotations
@@ -35,7 +50,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from common.model.embedded import ensure_embedded_model  # noqa: E402
 from common.model.loader import load_model  # noqa: E402
 from common.model.tensor_parallel import TPShard  # noqa: E402
-from helpers.cluster import start  # noqa: E402
+from helpers.cluster import start, stop_all, wait_idle  # noqa: E402
 from helpers.procs import children  # noqa: E402
 from helpers.stats import pct  # noqa: E402
 
@@ -78,20 +93,91 @@ def timings(url: str, model: str, requests: int) -> tuple[float, float]:
     return pct(ttfts, 0.5), pct(rates, 0.5)
 
 
+PAIR_PROMPT = 1000  # tokens
+NOT_BUILT = "not built: the proxy pairs only equal TP sizes"
+
+
+def scrape(url: str) -> dict[tuple[str, str], float]:
+    """Per-rank KV bytes and seconds, ``("bytes" | "seconds", rank)``, and the
+    ``pdserve:kv_transfer_seconds`` histogram's ``("hist", "sum" | "count")``, from one scrape."""
+    out: dict[tuple[str, str], float] = {}
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        value = line.rsplit(" ", 1)[-1]
+        if line.startswith(("pdserve:kv_rank_transfer_bytes_total{", "pdserve:kv_rank_transfer_seconds_total{")):
+            kind = "bytes" if "_bytes_" in line else "seconds"
+            out[(kind, line.split('rank="', 1)[1].split('"', 1)[0])] = float(value)
+        elif line.startswith(("pdserve:kv_transfer_seconds_sum{", "pdserve:kv_transfer_seconds_count{")):
+            out[("hist", line.split("{", 1)[0].rsplit("_", 1)[1])] = float(value)
+    return out
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def pairing(tmp: Path, p_tp: int, d_tp: int, requests: int, device: str, extra: tuple[str, ...]) -> dict:
+    """One proxy + prefill (TP ``p_tp``) + decode (TP ``d_tp``): per-rank deltas and client TTFTs."""
+    common = ("--device", device, "--heartbeat-interval-s", "0.5", *extra)
+    procs = []
+    try:
+        # always: every request takes the prefill leg and a KV transfer (auto may prefill on D)
+        proxy = start("proxy", tmp, "--disagg-policy", "always", name=f"proxy-{p_tp}-{d_tp}", wait=False)
+        procs.append(proxy)
+        reg = ("--proxy", f"127.0.0.1:{proxy.kv_port}")
+        prefill = start("prefill", tmp, "--tensor-parallel-size", str(p_tp), *reg, *common,
+                        name=f"prefill-tp{p_tp}", wait=False)
+        procs.append(prefill)
+        decode = start("decode", tmp, "--tensor-parallel-size", str(d_tp), "--no-enable-prefix-caching", *reg,
+                       *common, name=f"decode-tp{d_tp}", wait=False)
+        procs.append(decode)
+        for proc in (prefill, decode):
+            proc.wait_ready()
+        proxy.wait_ready(timeout=60)  # ready = a compatible P and D registered
+        name = httpx.get(prefill.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+        def one(i: int) -> float:
+            prompt = [(7 * i + 13 * j) % 2000 + 3 for j in range(PAIR_PROMPT)]  # fresh: nothing cached
+            body = {"model": name, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            t0, ttft = time.perf_counter(), None
+            with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=600) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():  # the whole answer is read; the first text is the TTFT
+                    if ttft is None and line.startswith("data: {") and any(
+                            c.get("text") for c in json.loads(line[6:])["choices"]):
+                        ttft = (time.perf_counter() - t0) * 1000
+            if ttft is None:
+                raise RuntimeError("no text came back through the proxy")
+            return ttft
+
+        one(10_000)  # warm-up, not counted
+        for proc in (prefill, decode):
+            wait_idle(proc.url)
+        before = {"p": scrape(prefill.url), "d": scrape(decode.url)}
+        ttfts = [one(i) for i in range(requests)]
+        for proc in (prefill, decode):
+            wait_idle(proc.url)
+        return {"p": delta(scrape(prefill.url), before["p"]), "d": delta(scrape(decode.url), before["d"]),
+                "ttfts": ttfts}
+    finally:
+        stop_all(procs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,2")
+    ap.add_argument("--pairings", default="1-1,2-2", help="P_TP-D_TP, comma-separated")
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--model", default=None, help="a Hugging Face directory (default: the embedded model)")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else ensure_embedded_model()
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-tp-"))
+    extra_model = ("--model", str(model_dir)) if args.model else ()
     rows = []
-    for size in [int(s) for s in args.sizes.split(",")]:
+    for size in [int(s) for s in args.sizes.split(",") if s]:
         weights = [shard_bytes(model_dir, r, size) for r in range(size)]
-        extra = ("--model", str(model_dir)) if args.model else ()
-        node = start("both", tmp, "--tensor-parallel-size", str(size), "--device", args.device, *extra,
+        node = start("both", tmp, "--tensor-parallel-size", str(size), "--device", args.device, *extra_model,
                      name=f"tp{size}")
         try:
             name = httpx.get(node.url + "/v1/models", timeout=10).json()["data"][0]["id"]
@@ -103,13 +189,52 @@ def main() -> None:
         for rank in range(size):
             rows.append((size, rank, weights[rank], rss[rank] if rank < len(rss) else 0, ttft, rate))
         print(f"TP {size} done", file=sys.stderr)
-    whole = rows[0][2]
-    print(f"\n{model_dir.name}, {args.device}; TTFT: 512-token prompt, p50 of {args.requests}; decode: 64 tokens\n")
-    print("| TP | rank | weights | share of TP 1's | peak RSS | TTFT p50 | decode tok/s |")
-    print("|---|---|---|---|---|---|---|")
-    for size, rank, w, rss, ttft, rate in rows:
-        print(f"| {size} | {rank} | {w / MiB:.1f} MiB | {w / whole:.2f} | {rss / MiB:.0f} MiB | {ttft:.1f} ms | "
-              f"{rate:.1f} |")
+    if rows:
+        whole = rows[0][2]
+        print(f"\n{model_dir.name}, {args.device}; TTFT: 512-token prompt, p50 of {args.requests}; decode: 64 tokens\n")
+        print("| TP | rank | weights | share of TP 1's | peak RSS | TTFT p50 | decode tok/s |")
+        print("|---|---|---|---|---|---|---|")
+        for size, rank, w, rss, ttft, rate in rows:
+            print(f"| {size} | {rank} | {w / MiB:.1f} MiB | {w / whole:.2f} | {rss / MiB:.0f} MiB | {ttft:.1f} ms | "
+                  f"{rate:.1f} |")
+
+    pairs = [tuple(int(n) for n in p.split("-")) for p in args.pairings.split(",") if p]
+    results = {}
+    for p_tp, d_tp in pairs:
+        if p_tp != d_tp:
+            results[(p_tp, d_tp)] = None
+            continue
+        results[(p_tp, d_tp)] = pairing(tmp, p_tp, d_tp, args.requests, args.device, extra_model)
+        print(f"pairing {p_tp}-{d_tp} done", file=sys.stderr)
+    base = results.get((1, 1))
+    n = args.requests
+    print(f"\nP-D pairings, through the proxy: {PAIR_PROMPT}-token prompts (fresh each), 8 tokens out, "
+          f"{n} requests one at a time; per request; ratio = this row / the 1-1 row (rank 0)\n")
+    print("| P-D | rank | KV pulls | P KV sent | D KV received | bytes vs 1-1 | D rank transfer | vs 1-1 | "
+          "kv_transfer_seconds mean (D) | TTFT p50 | TTFT max | TTFT p50 vs 1-1 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def ratio(value: float, ref: float | None) -> str:
+        return f"{value / ref:.2f}x" if ref else "-"
+
+    ref = None
+    if base:
+        ref = (base["d"].get(("bytes", "0"), 0) / n, base["d"].get(("seconds", "0"), 0) / n * 1000,
+               pct(base["ttfts"], 0.5))
+    for (p_tp, d_tp), res in results.items():
+        if res is None:
+            print(f"| {p_tp}-{d_tp} | - | {NOT_BUILT} | | | | | | | | | |")
+            continue
+        pulls = int(res["d"].get(("hist", "count"), 0))  # every request should have pulled its KV
+        hist = res["d"].get(("hist", "sum"), 0) / max(pulls, 1) * 1000
+        p50, worst = pct(res["ttfts"], 0.5), max(res["ttfts"])
+        for rank in range(d_tp):
+            r = str(rank)
+            sent, got = res["p"].get(("bytes", r), 0) / n, res["d"].get(("bytes", r), 0) / n
+            secs = res["d"].get(("seconds", r), 0) / n * 1000
+            print(f"| {p_tp}-{d_tp} | {rank} | {pulls}/{n} | {sent / MiB:.2f} MiB | {got / MiB:.2f} MiB | "
+                  f"{ratio(got, ref and ref[0])} | {secs:.1f} ms | {ratio(secs, ref and ref[1])} | {hist:.1f} ms | "
+                  f"{p50:.1f} ms | {worst:.1f} ms | {ratio(p50, ref and ref[2])} |")
 
 
 if __name__ == "__main__":
