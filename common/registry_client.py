@@ -158,9 +158,23 @@ MAX_MEMBERS = 4096
 RETRY_S = 0.1  # a heartbeat that could not be handed to a live connection is tried again this soon
 
 
-def encode_members(kv_addresses: list[str]) -> bytes:
-    """The registry's answer to a decode node's heartbeat: the prefill nodes it may pull from."""
-    return msgpack.packb({"members": kv_addresses}, use_bin_type=True)
+def encode_members(kv_addresses: list[str], tp_sizes: dict[str, int] | None = None) -> bytes:
+    """The registry's answer to a decode node's heartbeat: the prefill nodes it may pull from, and
+    the tensor-parallel size of those with more than one rank (``tp_kv``'s routes need it)."""
+    return msgpack.packb({"members": kv_addresses, "tp_sizes": tp_sizes or {}}, use_bin_type=True)
+
+
+def decode_member_tp_sizes(frame: bytes, members: frozenset[str]) -> dict[str, int]:
+    """The ``tp_sizes`` of :func:`encode_members`'s bytes, for addresses in ``members`` (a
+    registry from before it, or an entry out of bounds, says nothing: one rank is assumed)."""
+    try:
+        sizes = msgpack.unpackb(frame, raw=False).get("tp_sizes") or {}
+    except Exception:  # noqa: BLE001 - decode_members already vouched for the frame
+        return {}
+    if not isinstance(sizes, dict):
+        return {}
+    return {a: n for a, n in sizes.items() if a in members and isinstance(n, int) and not isinstance(n, bool)
+            and 1 <= n <= MAX_TP_SIZE}
 
 
 def decode_members(frame: bytes) -> frozenset[str]:
@@ -212,6 +226,7 @@ class Heartbeater:
         # the prefill KV addresses the registry last named (decode nodes); None: no answer yet,
         # or a registry that does not answer (vLLM's)
         self.members: frozenset[str] | None = None
+        self.member_tp_sizes: dict[str, int] = {}  # of those members, the ones with more than one rank
 
     def start(self) -> None:
         if self._thread is not None:
@@ -270,7 +285,9 @@ class Heartbeater:
             payload, _ = self._sealer.open(frames)
             try:
                 if payload is not None and len(payload) <= 64 * MAX_MESSAGE_BYTES:
-                    self.members = decode_members(payload)
+                    members = decode_members(payload)
+                    self.member_tp_sizes = decode_member_tp_sizes(payload, members)
+                    self.members = members
             except RegistrationError as exc:
                 logger.warning("registry answer ignored: %s", exc)
 

@@ -65,6 +65,8 @@ class ConsumerScheduler(KVConnectorScheduler):
         self.table = ConsumerTable()  # until bind: then the transfer engine's (one table a side)
         # tensor parallelism: another rank may still write into a request's blocks (tp_kv)
         self.still_landing: Callable[[str], bool] = lambda request_id: False
+        # the prefill node's TP size, as the registry last said (0: unknown; pdserve/daemon.py)
+        self.peer_tp_size: Callable[[str], int] = lambda prefill_addr: 0
 
     def state(self, request_id: str) -> ConnectorState | None:
         return self.table.state(request_id)
@@ -89,7 +91,7 @@ class ConsumerScheduler(KVConnectorScheduler):
         assert addr is not None
         self.table.plan(seq.request_id)
         self._loads.append(LoadSpec(seq.request_id, addr, tuple(seq.block_table[first_block:]), first_block,
-                                    seq.num_prompt_tokens))
+                                    seq.num_prompt_tokens, self.peer_tp_size(addr)))
         logger.info("request %s: %d blocks allocated (%d cached), asking %s for %d tokens of KV",
                     seq.request_id, len(seq.block_table), first_block, addr, seq.num_uncomputed_tokens)
 

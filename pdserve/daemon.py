@@ -11,6 +11,7 @@ the connector, then heartbeats stop and the transfer engine closes its threads a
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import uuid
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
     from common.engine.async_engine import AsyncLLMEngine
     from common.engine.kv_connector import KVConnector
+    from common.engine.tp_routes import RankRoutes
     from common.kv_transfer.config import TransferConfig
     from common.kv_transfer.engine import KVTransferEngine
     from common.registry_client import Heartbeater
@@ -89,6 +91,7 @@ class Daemon:
         self._exported: dict[str, float] = {}  # transfer counters already turned into metrics
         self._kv_pairs: Gauge | None = None  # pdserve:kv_pairs{role, transport}
         self.rank_stats: list[dict] = []  # tensor parallelism: each rank's transfer counters (rank 0's empty)
+        self.routes: RankRoutes | None = None  # decode: loads from a prefill node of another TP size
 
     # ---- start ----------------------------------------------------------------------
     def start(self, connector: TransferConnector) -> None:
@@ -113,8 +116,7 @@ class Daemon:
                      "get completions past the proxy's API key, make this node connect to any address, "
                      "and pull or drop other requests' KV")
         connector.bind(self.transfer, engine.engine.kv_caches)
-        if engine.engine.runner.leader is not None:
-            self._start_ranks(connector)
+        self._start_ranks(connector)
         self._kv_pairs = Gauge(PREFIX + "kv_pairs", "Live KV data-plane pairs by transport (cuda_ipc, nccl, tcp, "
                                "gloo)", ["role", "transport"], registry=metrics.registry)
         for reason in REASONS:  # a fresh node exports zeros, not nothing
@@ -128,26 +130,44 @@ class Daemon:
             self.heartbeater.start()
             logger.info("registering with the proxy at %s as %s", cfg.proxy, self.node_id)
         self.transfer.consumer.known_peer = self.known_prefill
+        if hasattr(connector, "scheduler") and hasattr(connector.scheduler, "peer_tp_size"):
+            connector.scheduler.peer_tp_size = self.prefill_tp_size  # type: ignore[attr-defined]
 
     def _start_ranks(self, connector: TransferConnector) -> None:
         """Tensor parallelism: every worker rank opens its KV endpoint at kv-port + rank, and rank 0's
-        connector worker tells them each decision and combines their reports (``tp_kv``). Runs
-        before the engine thread starts: the group's collectives are that thread's afterwards."""
-        from common.engine.tp_kv import LeaderKVWorker, endpoint_spec, start_rank_endpoints
+        connector worker tells them each decision and combines their reports (``tp_kv``). A decode
+        node also gets routes for loads from a prefill node of a larger TP size (``tp_routes``).
+        Runs before the engine thread starts: the group's collectives are that thread's afterwards."""
+        from common.engine.tp_kv import LeaderKVWorker, endpoint_spec, route_engines, start_rank_endpoints
+        from common.engine.tp_routes import RankRoutes, RoutedWorker
 
         cfg, llm = self.config, self.engine.engine
-        assert self.transfer is not None and llm.runner.leader is not None
+        leader = llm.runner.leader
+        if leader is None and cfg.role != "decode":
+            return
+        assert self.transfer is not None
         port = int(self.transfer.address.rpartition(":")[2])
-        start_rank_endpoints(llm.runner.leader, endpoint_spec(
-            cfg.role, cfg.host, port, cfg.kv_host, cfg.kv_transport, cfg.cluster_key_file, self.transfer.config,
-            llm.model_config.vocab_size))
-        worker = LeaderKVWorker(llm.kv_worker, llm.runner.leader, cfg.role)
+        spec = endpoint_spec(cfg.role, cfg.host, port, cfg.kv_host, cfg.kv_transport, cfg.cluster_key_file,
+                             self.transfer.config, llm.model_config.vocab_size)
+        if leader is not None:
+            start_rank_endpoints(leader, spec)
+            logger.info("tensor-parallel KV endpoints: ranks 1..%d at %s:%d..%d", leader.size - 1, cfg.host,
+                        port + 1, port + leader.size - 1)
+        if cfg.role == "decode":
+            opener = route_engines(json.loads(spec), str(llm.device), self.transfer.stats)
+            self.routes = RankRoutes(0, cfg.tensor_parallel_size, llm.kv_layout.num_kv_heads, llm.runner.kv_layout,
+                                     llm.kv_caches, opener)
+        scheduler = connector.scheduler  # type: ignore[attr-defined]
+        if leader is not None:
+            worker = LeaderKVWorker(llm.kv_worker, leader, cfg.role, self.routes, self.prefill_tp_size)
+            self.rank_stats = worker.rank_stats
+            if cfg.role == "decode":
+                scheduler.still_landing = worker.outcomes.landing
+        else:
+            assert self.routes is not None
+            worker, routes = RoutedWorker(llm.kv_worker, self.routes, self.prefill_tp_size), self.routes
+            scheduler.still_landing = lambda request_id: request_id in routes.loads
         llm.kv_worker = connector.worker = worker  # type: ignore[attr-defined]
-        if hasattr(connector.scheduler, "still_landing"):  # type: ignore[attr-defined]
-            connector.scheduler.still_landing = worker.outcomes.landing  # type: ignore[attr-defined]
-        self.rank_stats = worker.rank_stats
-        logger.info("tensor-parallel KV endpoints: ranks 1..%d at %s:%d..%d", llm.runner.leader.size - 1, cfg.host,
-                    port + 1, port + llm.runner.leader.size - 1)
 
     def _export_rank_stats(self, metrics: NodeMetrics, own: dict) -> None:
         """Each rank's bytes and transfer seconds (``rank`` label; rank 0's own counters, the
@@ -185,6 +205,13 @@ class Daemon:
             return True
         members = self.heartbeater.members if self.heartbeater is not None else None
         return members is None and not self.config.kv_peer_list
+
+    def prefill_tp_size(self, kv_addr: str) -> int:
+        """The TP size the registry last gave for the prefill node at ``kv_addr`` (0: not said; a
+        one-rank node is not listed, so a listed registry's silence means 1)."""
+        if self.heartbeater is None or self.heartbeater.members is None:
+            return 0
+        return self.heartbeater.member_tp_sizes.get(kv_addr, 1)
 
     def vouched_prefill(self, kv_addr: str) -> bool:
         """Is ``kv_addr`` named by --kv-peers or by the registry's last member list (not merely
@@ -245,6 +272,8 @@ class Daemon:
     def close(self) -> None:
         if self.heartbeater is not None:
             self.heartbeater.stop()
+        if self.routes is not None:
+            self.routes.close()
         if self.transfer is not None:
             self.transfer.close()
         logger.info("KV endpoint closed")

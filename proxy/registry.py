@@ -317,10 +317,12 @@ class ServiceRegistry:
     def _send_members(self, sock: zmq.Socket, sender: bytes, msg: RegistrationMessage) -> None:
         """Answer a decode node's heartbeat with the KV addresses of the prefill nodes it may pull
         from (its model and layout): it pulls from no one else (issue 22). vLLM's nodes ignore it."""
-        members = sorted({n.info.zmq_address for n in self.nodes("P")
-                          if (n.info.model, n.info.kv_fingerprint) == (msg.model, msg.kv_fingerprint)})
+        prefills = [n.info for n in self.nodes("P")
+                    if (n.info.model, n.info.kv_fingerprint) == (msg.model, msg.kv_fingerprint)]
+        members = sorted({p.zmq_address for p in prefills})
+        tp_sizes = {p.zmq_address: p.tp_size for p in prefills if (p.tp_size or 1) > 1}
         try:
-            sock.send_multipart([sender, *self._sealer.frames(encode_members(members))], zmq.NOBLOCK)
+            sock.send_multipart([sender, *self._sealer.frames(encode_members(members, tp_sizes))], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the node went, or is not reading: its next heartbeat gets the next answer
 

@@ -26,11 +26,13 @@ from proxy.registry import Group, GroupKey, Node, ServiceRegistry
 
 def heads_route(p: RegistrationMessage, d: RegistrationMessage) -> bool:
     """P's KV heads route to D's ranks (``kv_topology.plan``) and the daemons can move them: rank r
-    to rank r (``common/engine/tp_kv.py``), so the two TP sizes are equal. A node that does not say
-    its TP size (vLLM-format, or older) counts as one rank. The model and the whole model's KV
-    layout (``kv_fingerprint``) are matched by the registry's groups."""
-    if (p.tp_size or 1) != (d.tp_size or 1):
-        return False  # the plan exists, the daemons' per-route head slices do not (yet)
+    to rank r at equal TP sizes (``common/engine/tp_kv.py``), or each prefill rank's whole set of
+    heads to one decode rank when P's TP size is a multiple of D's (``tp_routes``). A node that
+    does not say its TP size (vLLM-format, or older) counts as one rank. The model and the whole
+    model's KV layout (``kv_fingerprint``) are matched by the registry's groups."""
+    a, b = p.tp_size or 1, d.tp_size or 1
+    if a != b and (a % b or p.kv_heads is None or p.kv_heads % a):
+        return False  # a prefill rank's heads would split over decode ranks: not built
     if p.kv_heads is None or d.kv_heads is None:
         return True
     try:
@@ -234,8 +236,8 @@ class _Candidates:
             ps = [n for g in serving for n in g.prefills]
             ds = [n for g in serving for n in g.decodes]
             error = NoNodeAvailable(f"no compatible prefill/decode pair: {_describe(ps)} vs {_describe(ds)}"
-                                    " (model and KV layout fingerprint must match, and the TP sizes must be"
-                                    " equal and split the KV heads: rank r pulls from rank r)")
+                                    " (model and KV layout fingerprint must match, and prefill's TP size must"
+                                    " equal decode's or be a multiple of it, splitting the KV heads evenly)")
         prefills = sorted((p for g in serving for p in g.prefills if (p.group, p.info.tp_size) in decodes_of),
                           key=lambda n: n.info.http_address)
         return cls(prefills, decodes_of, error)

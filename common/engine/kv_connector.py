@@ -61,6 +61,7 @@ class LoadSpec:
     block_ids: tuple[int, ...]
     first_block: int  # the blocks before it are cached here already
     num_prompt_tokens: int
+    src_tp: int = 0  # the prefill node's tensor-parallel size (0: unknown, taken as this node's)
 
 
 @dataclass(frozen=True)

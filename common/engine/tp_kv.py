@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,7 @@ import msgpack
 from common.engine.kv_connector import (EMPTY_METADATA, ConnectorState, DiscardSpec, FinishedTransfers, HandoverSpec,
                                         KVConnectorMetadata, KVConnectorWorker, LoadSpec, SaveSpec)
 from common.engine.parallel import KV_ISSUE, KV_POLL, KV_START, Leader
+from common.engine.tp_routes import RankRoutes, merge, rank_address
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +73,7 @@ def decode_meta(data: bytes) -> KVConnectorMetadata:
     return KVConnectorMetadata(
         tuple(LoadSpec(*s) for s in loads), tuple(SaveSpec(*s) for s in saves),
         tuple(HandoverSpec(*s) for s in handovers), tuple(DiscardSpec(*s) for s in discards),
-        tuple(aborts), tuple((rid, addr) for rid, addr in releases))
+        tuple(aborts), tuple(tuple(r) for r in releases))
 
 
 def encode_report(f: FinishedTransfers) -> bytes:
@@ -86,12 +88,6 @@ def decode_report(data: bytes) -> FinishedTransfers:
                              done_recving=dict.fromkeys(r["done"], 0), failed_recving=dict(r["failed"]))
 
 
-def rank_address(address: str, rank: int) -> str:
-    """``host:port`` of the same peer's rank ``rank``: ``host:(port + rank)``."""
-    host, _, port = address.rpartition(":")
-    return f"{host}:{int(port) + rank}"
-
-
 def for_rank(meta: KVConnectorMetadata, rank: int) -> KVConnectorMetadata:
     """``meta`` with each peer address moved to that peer's rank ``rank``."""
     if rank == 0:
@@ -102,7 +98,7 @@ def for_rank(meta: KVConnectorMetadata, rank: int) -> KVConnectorMetadata:
         saves=tuple(dataclasses.replace(s, decode_addr=rank_address(s.decode_addr, rank)) for s in meta.saves),
         handovers=tuple(dataclasses.replace(s, decode_addr=rank_address(s.decode_addr, rank))
                         for s in meta.handovers),
-        releases=tuple((rid, rank_address(addr, rank)) for rid, addr in meta.releases))
+        releases=tuple((rid, rank_address(addr, rank), *rest) for rid, addr, *rest in meta.releases))
 
 
 # ---- rank 0: one outcome from N reports ----------------------------------------------------
@@ -205,24 +201,31 @@ def _pass_on(out: FinishedTransfers, rep: FinishedTransfers, rid: str, end: obje
 
 class LeaderKVWorker(KVConnectorWorker):
     """Rank 0's connector worker under tensor parallelism: its own endpoint's worker
-    (``inner``), the workers told every decision, and their reports combined."""
+    (``inner``), its routed loads (``routes``, decode), the workers told every decision, and
+    their reports combined."""
 
-    def __init__(self, inner: KVConnectorWorker, leader: Leader, role: str) -> None:
-        self.inner, self.leader, self.role = inner, leader, role
+    def __init__(self, inner: KVConnectorWorker, leader: Leader, role: str,
+                 routes: RankRoutes | None = None, peer_tp_size=lambda addr: 0) -> None:
+        self.inner, self.leader, self.role, self.routes = inner, leader, role, routes
+        self.peer_tp_size = peer_tp_size  # a prefill node's TP size (0: unknown), for releases
         self.outcomes = RankOutcomes(leader.size)
         self.rank_stats: list[dict] = [{} for _ in range(leader.size)]  # each worker's transfer counters
 
     def issue(self, meta: KVConnectorMetadata) -> None:
         for rid in meta.aborts:
             self.outcomes.aborted(rid)
-        self.inner.issue(meta)
-        refused = self._refused(meta)
+        own, routed = meta, []
+        if self.routes is not None:
+            own, routed = self.routes.split(meta, self.inner.transfer.consumer, self.peer_tp_size)  # type: ignore
+        self.inner.issue(own)
+        refused = self._refused(own) | {s.request_id for s in routed if s.request_id in self.routes.refused}
         for load in meta.loads:  # refused at once on rank 0 (unknown peer, bad request): no worker asks
             self.outcomes.expect_load(load.request_id, frozenset({0}) if load.request_id in refused else None)
         for h in meta.handovers:
             self.outcomes.expect_release(h.request_id)
-        if refused and meta.loads:
-            meta = dataclasses.replace(meta, loads=tuple(s for s in meta.loads if s.request_id not in refused))
+        meta = dataclasses.replace(
+            meta, loads=tuple(s for s in meta.loads if s.request_id not in refused),
+            releases=tuple((rid, addr, self.peer_tp_size(addr)) for rid, addr, *_ in meta.releases))
         if meta:
             self.leader.send_bytes(KV_ISSUE, encode_meta(meta))
 
@@ -243,6 +246,8 @@ class LeaderKVWorker(KVConnectorWorker):
 
     def get_finished(self) -> FinishedTransfers:
         own = self.inner.get_finished()
+        if self.routes is not None:
+            own = merge(own, self.routes.get_finished())
         self.leader.send(KV_POLL)
         parts = self.leader.gather_bytes(b"")[1:]
         reports = [own]
@@ -254,7 +259,11 @@ class LeaderKVWorker(KVConnectorWorker):
         if to_stop:
             log.warning("stopping the other ranks' parts of %d transfer(s) a rank failed: %s", len(to_stop), to_stop)
             stop = KVConnectorMetadata(aborts=tuple(to_stop))
-            self.inner.issue(_held_aborts(stop, self.inner))
+            for rid in to_stop:
+                if self.routes is not None and rid in self.routes.loads:
+                    self.routes.abort(rid, by_scheduler=False)
+            mine = tuple(r for r in to_stop if self.routes is None or r not in self.routes.loads)
+            self.inner.issue(_held_aborts(KVConnectorMetadata(aborts=mine), self.inner))
             self.leader.send_bytes(KV_ISSUE, encode_meta(stop))
         return out
 
@@ -269,31 +278,42 @@ def _held_aborts(meta: KVConnectorMetadata, worker: KVConnectorWorker) -> KVConn
 # ---- a worker rank ------------------------------------------------------------------------------
 class RankFollower:
     """A worker rank's part: rank 0's decisions carried out on this rank's own KV endpoint and
-    cache, with the table calls rank 0's scheduler side makes there."""
+    cache (and its routes, on a decode node), with the table calls rank 0's scheduler side makes."""
 
-    def __init__(self, role: str, rank: int, transfer: KVTransferEngine, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(self, role: str, rank: int, transfer: KVTransferEngine, kv_caches: list[torch.Tensor],
+                 routes: RankRoutes | None = None) -> None:
         from decode_node.connector import ConsumerWorker
         from prefill_node.connector import ProducerWorker
 
-        self.role, self.rank, self.transfer = role, rank, transfer
+        self.role, self.rank, self.transfer, self.routes = role, rank, transfer, routes
         self.worker = ProducerWorker() if role == "prefill" else ConsumerWorker()
         self.worker.bind(transfer, kv_caches)
         self._saves = EMPTY_METADATA  # the metadata whose saves the next step makes
 
     def issue(self, meta: KVConnectorMetadata) -> None:
-        meta = for_rank(meta, self.rank)
         if self.role == "decode":
+            meta = self._route(meta)
+            meta = for_rank(meta, self.rank)
             table = self.transfer.consumer.table
             for load in meta.loads:
                 table.plan(load.request_id)
                 table.issue(load.request_id)
             meta = _held_aborts(meta, self.worker)
         else:
+            meta = for_rank(meta, self.rank)
             for h in meta.handovers:
                 self.transfer.producer.table.hand_over(h.request_id)
         self.worker.issue(meta)
         if meta.saves:
             self._saves = meta
+
+    def _route(self, meta: KVConnectorMetadata) -> KVConnectorMetadata:
+        """Carry out what concerns a prefill node of another TP size on this rank's routes; the
+        rest is for its own endpoint."""
+        if self.routes is None:
+            return meta
+        own, _ = self.routes.split(meta, self.transfer.consumer, lambda addr: 0)
+        return own
 
     def step_hook(self):
         """The per-layer save hook of the step about to run (None: it saves nothing)."""
@@ -307,12 +327,16 @@ class RankFollower:
         finished = self.worker.get_finished()
         if self.role == "decode":
             self.transfer.consumer.table.forget((*finished.done_recving, *finished.failed_recving), finished.stopped)
+            if self.routes is not None:
+                finished = merge(finished, self.routes.get_finished())
         else:
             self.transfer.producer.table.forget(finished.freeable)
         stats = self.transfer.stats.snapshot()
         return msgpack.packb([stats, encode_report(finished)])
 
     def close(self) -> None:
+        if self.routes is not None:
+            self.routes.close()
         self.transfer.close()
 
 
@@ -324,7 +348,27 @@ def endpoint_spec(role: str, host: str, port: int, advertise_host: str | None, t
                        "vocab_size": vocab_size}).encode()
 
 
-def open_rank_endpoint(spec: bytes, rank: int, layout, device: str,
+def route_engines(spec: dict, device: str, stats) -> Callable:
+    """How a rank opens a route's consumer (``tp_routes``): an endpoint on any free port (nobody
+    dials a consumer), sharing the rank's counters. cuda_ipc would write into the cache as
+    exported at its handshake, not into a view of some of its heads: on CUDA a route uses NCCL."""
+    from common.cluster_auth import ClusterKey
+    from common.kv_transfer.config import TransferConfig
+    from common.kv_transfer.engine import KVTransferEngine
+
+    transport = spec["transport"]
+    if device.startswith("cuda") and transport in ("auto", "cuda_ipc"):
+        transport = "nccl"
+
+    def open_engine(layout):
+        return KVTransferEngine(f"{spec['host']}:0", layout, TransferConfig(**spec["config"]), stats, device=device,
+                                advertise_host=spec["advertise_host"], transport=transport,
+                                key=ClusterKey.optional(spec["key_file"]), vocab_size=spec["vocab_size"])
+
+    return open_engine
+
+
+def open_rank_endpoint(spec: bytes, rank: int, size: int, num_kv_heads: int, layout, device: str,
                        kv_caches: list[torch.Tensor]) -> RankFollower:
     """A worker's side of KV_START: its endpoint at ``port + rank``, with its own heads' layout."""
     from common.cluster_auth import ClusterKey
@@ -332,11 +376,15 @@ def open_rank_endpoint(spec: bytes, rank: int, layout, device: str,
     from common.kv_transfer.engine import KVTransferEngine
 
     s = json.loads(spec)
+    stats = TransferStats()
     transfer = KVTransferEngine(f"{s['host']}:{s['port'] + rank}", layout, TransferConfig(**s["config"]),
-                                TransferStats(), device=device, advertise_host=s["advertise_host"],
+                                stats, device=device, advertise_host=s["advertise_host"],
                                 transport=s["transport"], key=ClusterKey.optional(s["key_file"]),
                                 vocab_size=s["vocab_size"])
-    return RankFollower(s["role"], rank, transfer, kv_caches)
+    routes = None
+    if s["role"] == "decode":
+        routes = RankRoutes(rank, size, num_kv_heads, layout, kv_caches, route_engines(s, device, stats))
+    return RankFollower(s["role"], rank, transfer, kv_caches, routes)
 
 
 def start_rank_endpoints(leader: Leader, spec: bytes) -> None:

@@ -63,7 +63,8 @@ def serve(host: str, port: int, rank: int) -> None:
     follower = None  # this rank's KV endpoint, on a prefill or decode node (KV_START)
 
     def open_endpoint(spec: bytes):
-        return open_rank_endpoint(spec, rank, runner.kv_layout, str(device), runner.kv_caches)
+        return open_rank_endpoint(spec, rank, setup["size"], config.num_kv_heads, runner.kv_layout,
+                                  str(device), runner.kv_caches)
 
     while True:
         op, values, payload = receive(group)

@@ -36,7 +36,7 @@ from common.kv_transfer.p2p_group import DTYPE_NAMES, dtype_name
 from common.kv_transfer.paged import StagingBuffer, block_run, block_runs, scatter_blocks
 from common.kv_transfer.pair_handshake import open_consumer_pair
 from common.kv_transfer.peer_checks import check_done, check_notice
-from common.kv_transfer.tcp_pair import KV, Frame, kv_nbytes, layer_buffers
+from common.kv_transfer.tcp_pair import KV, Frame, kv_nbytes, layer_buffers, tensor_buffer
 from common.kv_transfer.verify import NOT_REQUESTED, STALE, KVRejected, check_done_identity, layer_checksum
 
 if TYPE_CHECKING:
@@ -138,7 +138,9 @@ class PairReceiver:
             else:
                 fits = True
         timeout = self.owner.config.timeout_s
-        if fits:
+        if fits and not t.kv_caches[0].is_contiguous():
+            self._land_frame_staged(t, frame)
+        elif fits:
             ids = t.block_ids[: frame.num_blocks]
             self.pair.recv_kv(t.kv_caches, frame.layers, ids, timeout)
             if self.checksum:  # over the blocks as they now hold the bytes, in the sender's order
@@ -278,6 +280,18 @@ class PairReceiver:
         else:
             self._pushback.append(nxt)
 
+    def _land_frame_staged(self, t: Transfer, frame: Frame) -> None:
+        """tcp into a cache that is a slice of the heads (a route of a tensor-parallel pairing,
+        ``tp_kv``): each layer through a staging buffer, then scattered into the blocks."""
+        ids = t.block_ids[: frame.num_blocks]
+        for layer in frame.layers:
+            kv = t.kv_caches[layer]
+            buf = self.staging[0].view(kv.dtype, (2, len(ids), *kv.shape[2:]))
+            self.pair.recv_into([tensor_buffer(buf)], self.owner.config.timeout_s)
+            scatter_blocks(kv, ids, buf)
+            if self.checksum:  # the same bytes in the same order as the blocks' own views would give
+                t.checksums[layer] = layer_checksum([tensor_buffer(buf)])
+
     def _post_recv(self, msg: LayerNotice) -> tuple[LayerNotice, torch.Tensor | None, list]:
         """Post the receive(s) for one message: straight into the blocks when the sizes match
         (tcp: any blocks; gloo/nccl: a run sent as keys then values), else into a staging
@@ -296,7 +310,7 @@ class PairReceiver:
         if self.transport == "cuda_ipc":  # the producer already wrote into the blocks
             return msg, None, []
         run = block_run(t.block_ids[: msg.shape[1]]) if fits else None
-        if msg.parts == 2 and run is not None:
+        if msg.parts == 2 and run is not None and t.kv_caches[0].is_contiguous():  # (a head slice is not)
             kv = t.kv_caches[msg.layers[0]]
             return msg, None, [self.pair.recv_async([kv[0, run], kv[1, run]])]
         self.staging.reverse()  # two buffers: one being received, one being scattered

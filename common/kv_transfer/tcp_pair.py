@@ -22,6 +22,7 @@ the port to over the control plane, and a stranger's connection never becomes th
 from __future__ import annotations
 
 import ctypes
+import math
 import select
 import socket
 import struct
@@ -85,7 +86,8 @@ def layer_buffers(kv: torch.Tensor, runs: list[slice]) -> list[memoryview]:
 
 def kv_nbytes(kv_caches, layers, num_blocks: int) -> int:
     """Bytes of ``num_blocks`` blocks of each of ``layers`` (keys and values)."""
-    return sum(2 * num_blocks * kv_caches[x].stride(1) * kv_caches[x].element_size() for x in layers)
+    # from the shape, not the strides: a cache may be a slice of the heads (tp_kv's routes)
+    return sum(2 * num_blocks * math.prod(kv_caches[x].shape[2:]) * kv_caches[x].element_size() for x in layers)
 
 
 class _Finished:

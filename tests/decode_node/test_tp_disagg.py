@@ -18,7 +18,7 @@ import torch
 from disagg_client import disaggregated, post, prefill_body, read_stream
 
 from common.request_id import make_request_id
-from helpers.cluster import metric, pd_cluster, start, wait_idle
+from helpers.cluster import metric, pd_cluster, start, stop_all, wait_idle
 from helpers.procs import children, gone
 from helpers.waiting import wait_until
 
@@ -134,6 +134,44 @@ def test_a_decode_rank_killed_mid_transfer_frees_the_prefill_blocks(cluster) -> 
     wait_idle(prefill.url, timeout=TIMEOUT_S + LEASE_S + 5)  # every prefill rank released its part
     got = _complete(procs["proxy"].url, PROMPTS[0])  # and the prefill node serves on
     assert got["text"] == _complete(procs["both"].url, PROMPTS[0])["text"]
+
+
+@pytest.fixture(scope="module")
+def p2_d1(tmp_path_factory: pytest.TempPathFactory):
+    """Proxy, a prefill node of TP 2 and a decode node of TP 1 (its one rank pulls from both
+    prefill ranks, each rank's head into its slice), and a colocated node to compare with."""
+    tmp = tmp_path_factory.mktemp("tp-2-to-1")
+    procs = {"proxy": start("proxy", tmp, wait=False)}
+    try:
+        registry = ("--proxy", f"127.0.0.1:{procs['proxy'].kv_port}", "--heartbeat-interval-s", "0.5")
+        procs["prefill"] = start("prefill", tmp, *TP, *ARGS, *registry, wait=False)
+        procs["decode"] = start("decode", tmp, *ARGS, *registry, "--no-enable-prefix-caching", wait=False)
+        procs["both"] = start("both", tmp, "--block-size", "16", wait=False)
+        for proc in procs.values():
+            proc.wait_ready()
+        yield procs
+    finally:
+        stop_all(procs.values())
+
+
+def test_tp2_to_tp1_through_the_proxy_gives_the_colocated_answers(p2_d1) -> None:
+    procs = p2_d1
+    for prompt in PROMPTS:
+        got, want = _complete(procs["proxy"].url, prompt), _complete(procs["both"].url, prompt)
+        assert got["text"] == want["text"]
+        assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
+    body = {"model": "pdserve-tiny", "prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0, "stream": True}
+    text, _ = read_stream(procs["proxy"].url, "/v1/completions", body, "tp-2-to-1-stream")
+    assert text == _complete(procs["both"].url, PROMPTS[1], max_tokens=16)["text"]
+    for name in ("prefill", "decode"):
+        wait_idle(procs[name].url)
+    sent, received = _rank_bytes(procs["prefill"].url), _rank_bytes(procs["decode"].url)
+    # each prefill rank sent its own head; the decode node's one rank received both
+    assert sent["0"] > 0 and sent["0"] == sent["1"] and received == {"0": sent["0"] + sent["1"]}
+    log = procs["decode"].log.read_text()
+    for port in (procs["prefill"].kv_port, procs["prefill"].kv_port + 1):
+        assert f"to 127.0.0.1:{port} uses tcp" in log  # one pair per prefill rank
 
 
 @pytest.mark.gpu

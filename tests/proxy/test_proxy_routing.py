@@ -58,8 +58,10 @@ def test_incompatible_fingerprints_are_never_paired():
 @pytest.mark.parametrize("p_tp, d_tp, kv_heads, pairs", [
     (1, 1, 8, True), (2, 2, 8, True), (4, 4, 8, True),  # a = b: rank r pulls from rank r
     (8, 8, 2, True),  # both replicate their 2 KV heads over 8 ranks, the same way
-    (2, 1, 8, False), (1, 4, 8, False), (4, 2, 8, False),  # mapped (kv_topology) but not moved yet
-    (3, 3, 8, False),  # 8 heads do not split over 3 ranks
+    (2, 1, 8, True), (4, 2, 8, True), (8, 1, 8, True),  # a = k·b: each prefill rank's heads to one decode rank
+    (1, 4, 8, False), (2, 4, 8, False),  # a < b: a prefill rank's heads would split (mapped, not moved yet)
+    (8, 4, 4, False),  # a > b, but prefill replicates its heads
+    (3, 3, 8, False), (4, 3, 8, False),  # 8 heads do not split over 3 ranks
 ])
 def test_tp_sizes_pair_when_the_daemons_can_move_the_heads(p_tp: int, d_tp: int, kv_heads: int, pairs: bool):
     """The pairing rule compares the model and the whole model's layout (the fingerprint), and the
@@ -67,7 +69,8 @@ def test_tp_sizes_pair_when_the_daemons_can_move_the_heads(p_tp: int, d_tp: int,
     r = router_with(node("P", 1, tp_size=p_tp, kv_heads=kv_heads), node("D", 11, tp_size=d_tp, kv_heads=kv_heads))
     assert r.has_pair() is pairs
     if not pairs:
-        with pytest.raises(NoNodeAvailable, match=f"TP {d_tp} over {kv_heads} KV heads.*TP sizes must be equal"):
+        with pytest.raises(NoNodeAvailable, match=f"TP {d_tp} over {kv_heads} KV heads.*prefill's TP size must "
+                                                  "equal decode's or be a multiple of it"):
             r.pick("m")
 
 

@@ -275,7 +275,9 @@ def test_leader_issue_forwards_and_keeps_refused_loads_local():
     assert inner.issued == [meta]
     [(op, data)] = leader.sent_bytes
     assert op == KV_ISSUE
-    assert _norm(decode_meta(data)) == _norm(dataclasses.replace(meta, loads=meta.loads[:1]))
+    # the workers' releases carry the prefill node's TP size (0: unknown), for their routes
+    releases = tuple((rid, addr, 0) for rid, addr in meta.releases)
+    assert _norm(decode_meta(data)) == _norm(dataclasses.replace(meta, loads=meta.loads[:1], releases=releases))
     assert w.outcomes.landing("L1") and w.outcomes.landing("L2")
     inner.reports = [FinishedTransfers(failed_recving={"L2": "bad request"})]
     leader.replies = [[reply({"pulls": 1}, FinishedTransfers())]]
