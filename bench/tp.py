@@ -14,7 +14,7 @@ rank 0 and N - 1 workers) on the embedded model, or ``--model DIR``. Printed per
 Then, for each pairing ``P-D`` in ``--pairings`` (prefill TP P, decode TP D), a proxy, a
 ``pdserve prefill`` of TP P and a ``pdserve decode`` of TP D (``--no-enable-prefix-caching``, so
 every request pulls its KV) registered with it. Rank r of the decode node pulls its own KV heads
-from rank r of the prefill node (``common/engine/tp_kv.py``). One warm-up request, then
+from rank r of the prefill node (``common/kv_transfer/tp_ranks.py``). One warm-up request, then
 ``--requests`` streamed requests through the proxy, one at a time, each a fresh ~1,000-token
 prompt and 8 tokens out. Printed per pairing and rank, each against the 1-1 row:
 - the KV bytes the rank moved per request: the deltas of

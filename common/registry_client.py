@@ -160,7 +160,7 @@ RETRY_S = 0.1  # a heartbeat that could not be handed to a live connection is tr
 
 def encode_members(kv_addresses: list[str], tp_sizes: dict[str, int] | None = None) -> bytes:
     """The registry's answer to a decode node's heartbeat: the prefill nodes it may pull from, and
-    the tensor-parallel size of those with more than one rank (``tp_kv``'s routes need it)."""
+    the tensor-parallel size of those with more than one rank (``tp_ranks``'s routes need it)."""
     return msgpack.packb({"members": kv_addresses, "tp_sizes": tp_sizes or {}}, use_bin_type=True)
 
 

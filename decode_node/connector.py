@@ -39,9 +39,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from common.engine.kv_connector import (ConnectorState, FinishedTransfers, KVConnector, KVConnectorMetadata,
-                                        KVConnectorScheduler, LoadSpec, TransferWorker)
-from common.kv_transfer.config import TransferError
+                                        KVConnectorScheduler, LoadSpec)
 from common.kv_transfer.consumer_table import ConsumerTable
+from common.kv_transfer.workers import ConsumerWorker
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +63,7 @@ class ConsumerScheduler(KVConnectorScheduler):
         super().__init__()
         self.overrides: collections.Counter[str] = collections.Counter()  # reason -> remote tags computed here
         self.table = ConsumerTable()  # until bind: then the transfer engine's (one table a side)
-        # tensor parallelism: another rank may still write into a request's blocks (tp_kv)
+        # tensor parallelism: another rank may still write into a request's blocks (tp_ranks)
         self.still_landing: Callable[[str], bool] = lambda request_id: False
         # the prefill node's TP size, as the registry last said (0: unknown; pdserve/daemon.py)
         self.peer_tp_size: Callable[[str], int] = lambda prefill_addr: 0
@@ -121,48 +121,6 @@ class ConsumerScheduler(KVConnectorScheduler):
             logger.warning("request %s: KV transfer failed: %s", rid, err)
         self.table.forget((*finished.done_recving, *finished.failed_recving), finished.stopped)
         return finished
-
-
-class ConsumerWorker(TransferWorker):
-    """Moves the bytes: the only half bound to the transfer engine and the KV cache (``bind``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._refused: dict[str, str] = {}  # loads the transfer engine refused; reported as failed
-
-    @property
-    def refused(self) -> set[str]:
-        """Loads of the last ``issue`` refused at once (reported failed at the next poll)."""
-        return set(self._refused)
-
-    def issue(self, meta: KVConnectorMetadata) -> None:
-        if self.transfer is None:
-            return
-        consumer = self.transfer.consumer
-        for rid in meta.aborts:
-            consumer.abort(rid)
-        for rid, addr in meta.releases:  # as the pull would have, it may open the connection
-            consumer.release_remote(rid, addr)
-        for load in meta.loads:
-            try:
-                consumer.request(load.request_id, load.prefill_addr, list(load.block_ids),
-                                 load.num_prompt_tokens, self.kv_caches, first_block=load.first_block)
-            except (ValueError, TransferError) as e:  # one bad load fails its request, not the engine
-                self._refused[load.request_id] = str(e)
-
-    def get_finished(self) -> FinishedTransfers:
-        if self.transfer is None:
-            return FinishedTransfers()
-        consumer = self.transfer.consumer
-        done, failed = consumer.poll_finished()
-        if self._refused:
-            failed, self._refused = {**failed, **self._refused}, {}
-        landed = consumer.take_landed(done) if done else {}
-        return FinishedTransfers(
-            stopped=consumer.poll_aborted(), done_recving=done, failed_recving=failed,
-            first_logprobs={rid: t.first_logprobs for rid, t in landed.items() if t.first_logprobs},
-            choice_firsts={rid: t.choices for rid, t in landed.items() if t.choices},
-            cached_tokens={rid: t.cached_tokens for rid, t in landed.items() if t.cached_tokens > 0})
 
 
 class ConsumerConnector(KVConnector):

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from common.engine.async_engine import AsyncLLMEngine
     from common.engine.kv_connector import KVConnector
-    from common.engine.tp_routes import RankRoutes
+    from common.kv_transfer.tp_routes import RankRoutes
     from common.kv_transfer.config import TransferConfig
     from common.kv_transfer.engine import KVTransferEngine
     from common.registry_client import Heartbeater
@@ -106,7 +106,7 @@ class Daemon:
             logger.info("bound to %s without --kv-host: peers and the proxy are told %s, this host's "
                         "routable address (set --kv-host to choose another)", cfg.host, cfg.kv_host)
         stats = TransferStats(on_transfer=metrics.observe_transfer)
-        # this rank's heads: under tensor parallelism each rank has its own endpoint (tp_kv)
+        # this rank's heads: under tensor parallelism each rank has its own endpoint (tp_ranks)
         self.transfer = KVTransferEngine(
             f"{cfg.host}:{cfg.kv_port}", engine.engine.runner.kv_layout, transfer_config(cfg), stats,
             device=str(engine.engine.device), advertise_host=cfg.kv_host, transport=cfg.kv_transport,
@@ -135,11 +135,11 @@ class Daemon:
 
     def _start_ranks(self, connector: TransferConnector) -> None:
         """Tensor parallelism: every worker rank opens its KV endpoint at kv-port + rank, and rank 0's
-        connector worker tells them each decision and combines their reports (``tp_kv``). A decode
+        connector worker tells them each decision and combines their reports (``tp_ranks``). A decode
         node also gets routes for loads from a prefill node of a larger TP size (``tp_routes``).
         Runs before the engine thread starts: the group's collectives are that thread's afterwards."""
-        from common.engine.tp_kv import LeaderKVWorker, endpoint_spec, route_engines, start_rank_endpoints
-        from common.engine.tp_routes import RankRoutes, RoutedWorker
+        from common.kv_transfer.tp_ranks import LeaderKVWorker, endpoint_spec, route_engines, start_rank_endpoints
+        from common.kv_transfer.tp_routes import RankRoutes, RoutedWorker
 
         cfg, llm = self.config, self.engine.engine
         leader = llm.runner.leader

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.engine.kv_connector import (ConnectorState, DiscardSpec, FinishedTransfers, HandoverSpec,
-                                        KVConnector, KVConnectorMetadata, KVConnectorScheduler,
-                                        SaveSpec, TransferWorker)
+                                        KVConnector, KVConnectorScheduler, SaveSpec)
 from common.kv_transfer.producer_table import ProducerTable
+from common.kv_transfer.workers import ProducerWorker
 
 if TYPE_CHECKING:
     from common.engine.sequence import Sequence
@@ -94,34 +94,6 @@ class ProducerScheduler(KVConnectorScheduler):
             logger.info("request %s: KV released", rid)
         self.table.forget(finished.freeable)
         return finished
-
-
-class ProducerWorker(TransferWorker):
-    """Moves the bytes: the only half bound to the transfer engine and the KV cache (``bind``)."""
-
-    def issue(self, meta: KVConnectorMetadata) -> None:
-        if self.transfer is None:
-            return
-        producer = self.transfer.producer
-        for d in meta.discards:
-            producer.discard(d.request_id, d.why)
-        for h in meta.handovers:
-            logprobs = dict(h.first_logprobs) if h.first_logprobs is not None else None
-            producer.finish(h.request_id, h.first_token, self.kv_caches, list(h.block_ids),
-                            h.num_prompt_tokens, first_logprobs=logprobs,
-                            choices=[[t, [list(p) for p in lp]] for t, lp in h.choices],
-                            cached_tokens=h.num_cached_tokens)
-
-    def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, meta: KVConnectorMetadata) -> None:
-        if self.transfer is None:
-            return
-        for s in meta.saves:
-            self.transfer.producer.save_layer(s.request_id, layer_idx, kv_layer, list(s.block_ids))
-
-    def get_finished(self) -> FinishedTransfers:
-        if self.transfer is None:
-            return FinishedTransfers()
-        return FinishedTransfers(freeable=self.transfer.producer.poll_freeable())
 
 
 class ProducerConnector(KVConnector):

@@ -26,7 +26,7 @@ from proxy.registry import Group, GroupKey, Node, ServiceRegistry
 
 def heads_route(p: RegistrationMessage, d: RegistrationMessage) -> bool:
     """P's KV heads route to D's ranks (``kv_topology.plan``) and the daemons can move them: rank r
-    to rank r at equal TP sizes (``common/engine/tp_kv.py``), or each prefill rank's whole set of
+    to rank r at equal TP sizes (``common/kv_transfer/tp_ranks.py``), or each prefill rank's whole set of
     heads to one decode rank when P's TP size is a multiple of D's (``tp_routes``). A node that
     does not say its TP size (vLLM-format, or older) counts as one rank. The model and the whole
     model's KV layout (``kv_fingerprint``) are matched by the registry's groups."""

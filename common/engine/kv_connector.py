@@ -30,7 +30,7 @@ attention layer when ``meta.saves`` is not empty, ``get_finished()`` polled at t
 every step. It keeps no table of live transfers: the side's one table, which the scheduler
 side reads, is the transfer engine's.
 
-Tensor parallelism (``tp_kv``): every rank's worker side gets the same metadata (block ids
+Tensor parallelism (``tp_ranks``): every rank's worker side gets the same metadata (block ids
 are the same on every rank; each rank moves its own heads at its own endpoint) and the
 scheduler side needs no change but one hook (``still_landing``); ``get_finished`` is
 combined over the ranks (a request is done when every rank says so, as vLLM's

@@ -189,7 +189,7 @@ class ModelRunner:
     def follow_step(self, packed: torch.Tensor, sizes: list[int], width: int,
                     save_kv_layer: LayerHook | None = None) -> None:
         """A worker's part of the step rank 0 packed: the same forward (and logits) on its shard;
-        ``save_kv_layer``: this rank's KV saves (``tp_kv.RankFollower``)."""
+        ``save_kv_layer``: this rank's KV saves (``tp_ranks.RankFollower``)."""
         query_starts, seq_lens = packed.split(sizes)[4:6]
         inputs = self._inputs(packed, sizes, width, query_starts.diff().tolist(), seq_lens.tolist(), [])
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata,

@@ -15,7 +15,7 @@ the step's packed inputs) and then the packed int64 inputs the runner already bu
 ids, positions, slot mapping, sample rows, query starts, sequence lengths, block tables). The
 workers run the same forward on their shard; rank 0 samples from the all-gathered logits.
 Other commands: INIT (the cache's block count, once), COPY (block copies of a forked
-choice), STOP, and the KV transfer's (``tp_kv``): KV_START (open this rank's KV endpoint),
+choice), STOP, and the KV transfer's (``tp_ranks``): KV_START (open this rank's KV endpoint),
 KV_ISSUE (a step's connector metadata), KV_POLL (each rank's finished transfers, gathered).
 
 A worker that dies is noticed at once by a thread waiting on its process: the other workers

@@ -282,7 +282,7 @@ class PairReceiver:
 
     def _land_frame_staged(self, t: Transfer, frame: Frame) -> None:
         """tcp into a cache that is a slice of the heads (a route of a tensor-parallel pairing,
-        ``tp_kv``): each layer through a staging buffer, then scattered into the blocks."""
+        ``tp_ranks``): each layer through a staging buffer, then scattered into the blocks."""
         ids = t.block_ids[: frame.num_blocks]
         for layer in frame.layers:
             kv = t.kv_caches[layer]

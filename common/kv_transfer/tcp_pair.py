@@ -86,7 +86,7 @@ def layer_buffers(kv: torch.Tensor, runs: list[slice]) -> list[memoryview]:
 
 def kv_nbytes(kv_caches, layers, num_blocks: int) -> int:
     """Bytes of ``num_blocks`` blocks of each of ``layers`` (keys and values)."""
-    # from the shape, not the strides: a cache may be a slice of the heads (tp_kv's routes)
+    # from the shape, not the strides: a cache may be a slice of the heads (tp_ranks's routes)
     return sum(2 * num_blocks * math.prod(kv_caches[x].shape[2:]) * kv_caches[x].element_size() for x in layers)
 
 

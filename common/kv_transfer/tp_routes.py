@@ -1,4 +1,4 @@
-"""A decode rank's loads from a prefill node of a larger tensor-parallel size (``tp_kv``).
+"""A decode rank's loads from a prefill node of a larger tensor-parallel size (``tp_ranks``).
 
 With prefill TP ``a`` = k · decode TP ``b`` (``kv_topology.plan``), decode rank d holds the heads
 of prefill ranks d·k .. d·k + k − 1: each of those ranks sends all of its heads, and they land
@@ -8,7 +8,7 @@ in one slice of d's heads. So a load becomes k routes, each an ordinary one-rank
   ``KVTransferEngine`` whose layout is the slice's and whose cache is a view of this rank's
   cache at those heads. The prefill rank sees a consumer of its own layout and needs no change;
   the receive goes through a staging buffer (the view is not contiguous), then into the blocks;
-* the routes' outcomes become this rank's one outcome with :class:`~tp_kv.RankOutcomes`, as the
+* the routes' outcomes become this rank's one outcome with :class:`~tp_ranks.RankOutcomes`, as the
   ranks' do on rank 0: landed when every route landed (the first token is the first route's),
   failed with the first route's reason once no route can still write into the blocks.
 
@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING
 
 from common.engine.kv_connector import FinishedTransfers, KVConnectorMetadata, KVConnectorWorker, LoadSpec
 from common.kv_topology import KVTopology, Route, plan, routes_to
+from common.kv_transfer.workers import ConsumerWorker
 
 if TYPE_CHECKING:
     import torch
 
     from common.kv_layout import KVLayout
     from common.kv_transfer.engine import KVTransferEngine
-    from decode_node.connector import ConsumerWorker
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class RankRoutes:
     def __init__(self, rank: int, tp_size: int, num_kv_heads: int, layout: KVLayout, kv_caches: list[torch.Tensor],
                  open_engine: Callable[[KVLayout], KVTransferEngine]) -> None:
         """``num_kv_heads``: the model's; ``layout`` and ``kv_caches``: this rank's."""
-        from common.engine.tp_kv import RankOutcomes
+        from common.kv_transfer.tp_ranks import RankOutcomes
 
         self.rank, self.tp_size, self.num_kv_heads = rank, tp_size, num_kv_heads
         self.layout, self.kv_caches = layout, kv_caches
@@ -79,8 +79,6 @@ class RankRoutes:
     def _worker(self, heads: slice) -> ConsumerWorker:
         key = (heads.start, heads.stop)
         if key not in self.workers:
-            from decode_node.connector import ConsumerWorker
-
             layout = dataclasses.replace(self.layout, num_kv_heads=heads.stop - heads.start)
             worker = ConsumerWorker()
             worker.bind(self.open_engine(layout), [c[:, :, :, heads] for c in self.kv_caches])
@@ -186,7 +184,7 @@ class RankRoutes:
 
 class RoutedWorker(KVConnectorWorker):
     """A one-rank decode node's connector worker: its endpoint's (``inner``), and routes for the
-    loads from a prefill node of a larger TP size (a multi-rank node's is ``tp_kv.LeaderKVWorker``)."""
+    loads from a prefill node of a larger TP size (a multi-rank node's is ``tp_ranks.LeaderKVWorker``)."""
 
     def __init__(self, inner: ConsumerWorker, routes: RankRoutes, peer_tp_size: Callable[[str], int]) -> None:
         self.inner, self.routes, self.peer_tp_size = inner, routes, peer_tp_size

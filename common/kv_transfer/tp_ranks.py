@@ -47,7 +47,8 @@ import msgpack
 from common.engine.kv_connector import (EMPTY_METADATA, ConnectorState, DiscardSpec, FinishedTransfers, HandoverSpec,
                                         KVConnectorMetadata, KVConnectorWorker, LoadSpec, SaveSpec)
 from common.engine.parallel import KV_ISSUE, KV_POLL, KV_START, Leader
-from common.engine.tp_routes import RankRoutes, merge, rank_address
+from common.kv_transfer.tp_routes import RankRoutes, merge, rank_address
+from common.kv_transfer.workers import ConsumerWorker, ProducerWorker
 
 if TYPE_CHECKING:
     import torch
@@ -282,9 +283,6 @@ class RankFollower:
 
     def __init__(self, role: str, rank: int, transfer: KVTransferEngine, kv_caches: list[torch.Tensor],
                  routes: RankRoutes | None = None) -> None:
-        from decode_node.connector import ConsumerWorker
-        from prefill_node.connector import ProducerWorker
-
         self.role, self.rank, self.transfer, self.routes = role, rank, transfer, routes
         self.worker = ProducerWorker() if role == "prefill" else ConsumerWorker()
         self.worker.bind(transfer, kv_caches)

@@ -1,4 +1,4 @@
-"""tp_kv: rank 0 broadcasts connector metadata to the worker ranks and turns every rank's
+"""tp_ranks: rank 0 broadcasts connector metadata to the worker ranks and turns every rank's
 FinishedTransfers into one outcome per request (RankOutcomes, LeaderKVWorker)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from common.engine.kv_connector import (DiscardSpec, FinishedTransfers, HandoverSpec, KVConnectorMetadata,
                                         KVConnectorWorker, LoadSpec, SaveSpec)
 from common.engine.parallel import KV_ISSUE, KV_POLL
-from common.engine.tp_kv import (LeaderKVWorker, RankOutcomes, decode_meta, decode_report, encode_meta,
+from common.kv_transfer.tp_ranks import (LeaderKVWorker, RankOutcomes, decode_meta, decode_report, encode_meta,
                                  encode_report, for_rank, rank_address)
 from common.kv_transfer.consumer_table import ConsumerTable
 
