@@ -149,6 +149,13 @@ class NodeConfig(HttpServerOptions, EngineConfig):
         "(on a CPU it costs ~0.5 ms per MB on each side, 4x a loopback transfer; tcp checksums its segments "
         "anyway). The transfer's nonce and its layer and byte counts are always checked", json_schema_extra=DAEMONS
     )
+    kv_ranks: int | None = Field(
+        None, ge=1, le=64,
+        description="Prefill: KV ranks this node presents to decode nodes (default: --tensor-parallel-size), at "
+        "--kv-port + 0..N-1; a multiple of the TP size that divides the model's KV heads. Set it to the largest "
+        "decode TP size to pair with decode nodes of a larger TP size (each rank's heads cut in equal slices)",
+        json_schema_extra=PREFILL_ONLY,
+    )
     max_unclaimed_kv_share: float = Field(
         0.5, gt=0, le=1, description="Prefill: share of the KV cache held for requests nobody asked for yet",
         json_schema_extra=PREFILL_ONLY,
@@ -193,10 +200,18 @@ class NodeConfig(HttpServerOptions, EngineConfig):
 
     @model_validator(mode="after")
     def _tensor_parallel_role(self) -> NodeConfig:
-        if self.tensor_parallel_size > 1 and self.role != "both" and self.kv_port == 0:
-            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} needs a --kv-port other than 0: "
-                             "rank r's KV endpoint is at --kv-port + r, where peers find it")
+        if self.kv_ranks is not None and self.kv_ranks % self.tensor_parallel_size:
+            raise ValueError(f"--kv-ranks {self.kv_ranks} must be a multiple of --tensor-parallel-size "
+                             f"{self.tensor_parallel_size}: each rank presents the same number of KV ranks")
         return self
+
+    @property
+    def kv_rank_count(self) -> int:
+        """The KV endpoints this daemon opens (at --kv-port + 0..N-1): --kv-ranks on a prefill node,
+        else one per tensor-parallel rank."""
+        if self.role == "prefill" and self.kv_ranks is not None:
+            return self.kv_ranks
+        return self.tensor_parallel_size
 
     @model_validator(mode="after")
     def _role_defaults(self) -> NodeConfig:

@@ -95,6 +95,8 @@ class RegistrationMessage:
     kv_fingerprint: _NAME | None = None  # KVLayout.fingerprint(): the whole model's layout, whatever its TP
     tp_size: Annotated[int, Field(strict=True, ge=1, le=MAX_TP_SIZE)] | None = None  # --tensor-parallel-size
     kv_heads: Annotated[int, Field(strict=True, ge=1, le=MAX_KV_HEADS)] | None = None  # the model's, all ranks
+    # a prefill node's KV ranks, when not one per rank (--kv-ranks: each rank's heads in slices)
+    kv_ranks: Annotated[int, Field(strict=True, ge=1, le=MAX_TP_SIZE)] | None = None
     version: _COUNT | None = None  # PROTOCOL_VERSION of the sender
     node_id: _NAME | None = None
     num_running: _COUNT = 0

@@ -28,13 +28,16 @@ from common.metrics import PREFIX, NodeMetrics
 from common.serving.auth import SignedIdsOnly
 from common.serving.context import PrepareHook
 from pdserve.node import check_machine, node_app, start_engine, start_logging, with_model
+from pdserve.startup import StartupError
 
 if TYPE_CHECKING:
     import torch
 
     from common.engine.async_engine import AsyncLLMEngine
     from common.engine.kv_connector import KVConnector
+    from common.kv_layout import KVLayout
     from common.kv_transfer.tp_routes import RankRoutes
+    from common.kv_transfer.tp_slices import SlicedWorker
     from common.kv_transfer.config import TransferConfig
     from common.kv_transfer.engine import KVTransferEngine
     from common.registry_client import Heartbeater
@@ -92,6 +95,7 @@ class Daemon:
         self._kv_pairs: Gauge | None = None  # pdserve:kv_pairs{role, transport}
         self.rank_stats: list[dict] = []  # tensor parallelism: each rank's transfer counters (rank 0's empty)
         self.routes: RankRoutes | None = None  # decode: loads from a prefill node of another TP size
+        self.sliced: SlicedWorker | None = None  # prefill with --kv-ranks: this rank's KV ranks
 
     # ---- start ----------------------------------------------------------------------
     def start(self, connector: TransferConnector) -> None:
@@ -106,16 +110,18 @@ class Daemon:
             logger.info("bound to %s without --kv-host: peers and the proxy are told %s, this host's "
                         "routable address (set --kv-host to choose another)", cfg.host, cfg.kv_host)
         stats = TransferStats(on_transfer=metrics.observe_transfer)
-        # this rank's heads: under tensor parallelism each rank has its own endpoint (tp_ranks)
+        # this rank's heads: under tensor parallelism each rank has its own endpoint (tp_ranks); with
+        # --kv-ranks, each rank's first slice of them (tp_slices)
+        layout, caches, transport = self._first_kv_rank()
         self.transfer = KVTransferEngine(
-            f"{cfg.host}:{cfg.kv_port}", engine.engine.runner.kv_layout, transfer_config(cfg), stats,
-            device=str(engine.engine.device), advertise_host=cfg.kv_host, transport=cfg.kv_transport,
+            f"{cfg.host}:{cfg.kv_port}", layout, transfer_config(cfg), stats,
+            device=str(engine.engine.device), advertise_host=cfg.kv_host, transport=transport,
             key=self.key, on_progress=engine.wake, vocab_size=engine.engine.model_config.vocab_size,
         )
         warn_if_open(f"the {cfg.role} daemon (HTTP and KV endpoint)", cfg.host, self.key,
                      "get completions past the proxy's API key, make this node connect to any address, "
                      "and pull or drop other requests' KV")
-        connector.bind(self.transfer, engine.engine.kv_caches)
+        connector.bind(self.transfer, caches)
         self._start_ranks(connector)
         self._kv_pairs = Gauge(PREFIX + "kv_pairs", "Live KV data-plane pairs by transport (cuda_ipc, nccl, tcp, "
                                "gloo)", ["role", "transport"], registry=metrics.registry)
@@ -133,39 +139,64 @@ class Daemon:
         if hasattr(connector, "scheduler") and hasattr(connector.scheduler, "peer_tp_size"):
             connector.scheduler.peer_tp_size = self.prefill_tp_size  # type: ignore[attr-defined]
 
+    @property
+    def slices(self) -> int:
+        """KV ranks per rank: more than one on a prefill node with --kv-ranks above its TP size."""
+        return self.config.kv_rank_count // self.config.tensor_parallel_size
+
+    def _first_kv_rank(self) -> tuple[KVLayout, list[torch.Tensor], str]:
+        """The layout, cache (views) and transport of this rank's first KV endpoint: the rank's
+        heads, or their first slice (``tp_slices``; refused in one line when they do not cut)."""
+        from common.kv_transfer.tp_slices import slice_caches, slice_heads, slice_layout
+
+        llm, cfg, k = self.engine.engine, self.config, self.slices
+        layout, caches = llm.runner.kv_layout, llm.kv_caches
+        if k == 1:
+            return layout, caches, cfg.kv_transport
+        if layout.num_kv_heads % k:
+            raise StartupError(f"--kv-ranks {cfg.kv_rank_count}: each of the {cfg.tensor_parallel_size} rank(s) "
+                               f"holds {layout.num_kv_heads} KV head(s), which do not cut into {k} equal slices")
+        transport = "nccl" if llm.device.type == "cuda" and cfg.kv_transport in ("auto", "cuda_ipc") \
+            else cfg.kv_transport  # cuda_ipc maps a whole exported cache, not a view of its heads
+        return slice_layout(layout, k), slice_caches(caches, slice_heads(layout.num_kv_heads, k, 0)), transport
+
     def _start_ranks(self, connector: TransferConnector) -> None:
         """Tensor parallelism: every worker rank opens its KV endpoint at kv-port + rank, and rank 0's
         connector worker tells them each decision and combines their reports (``tp_ranks``). A decode
         node also gets routes for loads from a prefill node of a larger TP size (``tp_routes``).
         Runs before the engine thread starts: the group's collectives are that thread's afterwards."""
-        from common.kv_transfer.tp_ranks import LeaderKVWorker, endpoint_spec, route_engines, start_rank_endpoints
+        from common.kv_transfer.tp_ranks import LeaderKVWorker, endpoint_spec, engine_opener, kv_rank_workers, \
+            start_rank_endpoints
         from common.kv_transfer.tp_routes import RankRoutes, RoutedWorker
 
         cfg, llm = self.config, self.engine.engine
-        leader = llm.runner.leader
-        if leader is None and cfg.role != "decode":
+        leader, k = llm.runner.leader, self.slices
+        if leader is None and cfg.role != "decode" and k == 1:
             return
         assert self.transfer is not None
         port = int(self.transfer.address.rpartition(":")[2])
         spec = endpoint_spec(cfg.role, cfg.host, port, cfg.kv_host, cfg.kv_transport, cfg.cluster_key_file,
-                             self.transfer.config, llm.model_config.vocab_size)
+                             self.transfer.config, llm.model_config.vocab_size, k)
+        opener = engine_opener(json.loads(spec), str(llm.device), self.transfer.stats)
         if leader is not None:
             start_rank_endpoints(leader, spec)
-            logger.info("tensor-parallel KV endpoints: ranks 1..%d at %s:%d..%d", leader.size - 1, cfg.host,
-                        port + 1, port + leader.size - 1)
+        if cfg.kv_rank_count > 1:
+            logger.info("KV ranks 1..%d at %s:%d..%d (%d per tensor-parallel rank)", cfg.kv_rank_count - 1,
+                        cfg.host, port + 1, port + cfg.kv_rank_count - 1, k)
+        worker = llm.kv_worker
+        if k > 1:  # this rank's other KV ranks (tp_slices)
+            worker = self.sliced = kv_rank_workers(worker, k, port, llm.runner.kv_layout, llm.kv_caches, opener)
         if cfg.role == "decode":
-            opener = route_engines(json.loads(spec), str(llm.device), self.transfer.stats)
             self.routes = RankRoutes(0, cfg.tensor_parallel_size, llm.kv_layout.num_kv_heads, llm.runner.kv_layout,
                                      llm.kv_caches, opener)
         scheduler = connector.scheduler  # type: ignore[attr-defined]
         if leader is not None:
-            worker = LeaderKVWorker(llm.kv_worker, leader, cfg.role, self.routes, self.prefill_tp_size)
+            worker = LeaderKVWorker(worker, leader, cfg.role, self.routes, self.prefill_tp_size)
             self.rank_stats = worker.rank_stats
             if cfg.role == "decode":
                 scheduler.still_landing = worker.outcomes.landing
-        else:
-            assert self.routes is not None
-            worker, routes = RoutedWorker(llm.kv_worker, self.routes, self.prefill_tp_size), self.routes
+        elif self.routes is not None:
+            worker, routes = RoutedWorker(worker, self.routes, self.prefill_tp_size), self.routes
             scheduler.still_landing = lambda request_id: request_id in routes.loads
         llm.kv_worker = connector.worker = worker  # type: ignore[attr-defined]
 
@@ -235,6 +266,7 @@ class Daemon:
             "kv_fingerprint": engine.kv_layout.fingerprint(),
             "tp_size": self.config.tensor_parallel_size,
             "kv_heads": engine.kv_layout.num_kv_heads,
+            **({"kv_ranks": self.config.kv_rank_count} if self.slices > 1 else {}),
             "node_id": self.node_id,
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
@@ -274,6 +306,8 @@ class Daemon:
             self.heartbeater.stop()
         if self.routes is not None:
             self.routes.close()
+        if self.sliced is not None:
+            self.sliced.close()
         if self.transfer is not None:
             self.transfer.close()
         logger.info("KV endpoint closed")

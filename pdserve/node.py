@@ -79,8 +79,8 @@ def check_ports(config: NodeConfig) -> None:
     check_port_free(config.host, config.port or 0, "--port")
     if config.role != "both":
         check_port_free(config.host, config.kv_port or 0, "--kv-port")
-        for rank in range(1, config.tensor_parallel_size):  # each rank's KV endpoint (tp_ranks)
-            check_port_free(config.host, (config.kv_port or 0) + rank, f"--kv-port + {rank} (tensor-parallel rank {rank})")
+        for rank in range(1, config.kv_rank_count):  # each KV rank's endpoint (tp_ranks, tp_slices)
+            check_port_free(config.host, (config.kv_port or 0) + rank, f"--kv-port + {rank} (KV rank {rank})")
 
 
 def check_machine(config: NodeConfig) -> None:

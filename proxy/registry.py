@@ -320,7 +320,8 @@ class ServiceRegistry:
         prefills = [n.info for n in self.nodes("P")
                     if (n.info.model, n.info.kv_fingerprint) == (msg.model, msg.kv_fingerprint)]
         members = sorted({p.zmq_address for p in prefills})
-        tp_sizes = {p.zmq_address: p.tp_size for p in prefills if (p.tp_size or 1) > 1}
+        # what a decode node routes by: each prefill node's KV ranks (one per rank, unless --kv-ranks)
+        tp_sizes = {p.zmq_address: p.kv_ranks or p.tp_size for p in prefills if (p.kv_ranks or p.tp_size or 1) > 1}
         try:
             sock.send_multipart([sender, *self._sealer.frames(encode_members(members, tp_sizes))], zmq.NOBLOCK)
         except zmq.ZMQError:

@@ -25,18 +25,20 @@ from proxy.registry import Group, GroupKey, Node, ServiceRegistry
 
 
 def heads_route(p: RegistrationMessage, d: RegistrationMessage) -> bool:
-    """P's KV heads route to D's ranks (``kv_topology.plan``) and the daemons can move them: rank r
-    to rank r at equal TP sizes (``common/kv_transfer/tp_ranks.py``), or each prefill rank's whole set of
-    heads to one decode rank when P's TP size is a multiple of D's (``tp_routes``). A node that
-    does not say its TP size (vLLM-format, or older) counts as one rank. The model and the whole
-    model's KV layout (``kv_fingerprint``) are matched by the registry's groups."""
-    a, b = p.tp_size or 1, d.tp_size or 1
+    """P's KV heads route to D's ranks (``kv_topology.plan``) and the daemons can move them. What
+    counts on P's side is its KV ranks: one per rank, or ``--kv-ranks`` (each rank's heads cut in
+    slices, ``tp_slices``). KV rank r goes to decode rank r at equal counts (``tp_ranks``); each
+    KV rank's whole set of heads goes to one decode rank when P's count is a multiple of D's TP
+    size (``tp_routes``). A node that does not say its TP size (vLLM-format, or older) counts as
+    one rank. The model and the whole model's KV layout (``kv_fingerprint``) are matched by the
+    registry's groups."""
+    a, b = p.kv_ranks or p.tp_size or 1, d.tp_size or 1
     if a != b and (a % b or p.kv_heads is None or p.kv_heads % a):
-        return False  # a prefill rank's heads would split over decode ranks: not built
+        return False  # a KV rank's heads would split over decode ranks (run P with --kv-ranks b)
     if p.kv_heads is None or d.kv_heads is None:
         return True
     try:
-        plan(KVTopology(p.tp_size or 1, p.kv_heads), KVTopology(d.tp_size or 1, d.kv_heads))
+        plan(KVTopology(a, p.kv_heads), KVTopology(b, d.kv_heads))
     except ValueError:
         return False
     return True
@@ -236,8 +238,9 @@ class _Candidates:
             ps = [n for g in serving for n in g.prefills]
             ds = [n for g in serving for n in g.decodes]
             error = NoNodeAvailable(f"no compatible prefill/decode pair: {_describe(ps)} vs {_describe(ds)}"
-                                    " (model and KV layout fingerprint must match, and prefill's TP size must"
-                                    " equal decode's or be a multiple of it, splitting the KV heads evenly)")
+                                    " (model and KV layout fingerprint must match, and prefill's TP size (or"
+                                    " --kv-ranks) must equal decode's or be a multiple of it, splitting the KV"
+                                    " heads evenly)")
         prefills = sorted((p for g in serving for p in g.prefills if (p.group, p.info.tp_size) in decodes_of),
                           key=lambda n: n.info.http_address)
         return cls(prefills, decodes_of, error)
@@ -251,4 +254,5 @@ def _leg_keys(pair: Pair, local: bool) -> list[tuple[str, str]]:
 def _describe(nodes: list[Node]) -> str:
     return ", ".join(f"{n.info.http_address}({n.info.model}, {n.info.kv_fingerprint}"
                      + (f", TP {n.info.tp_size or 1} over {n.info.kv_heads} KV heads" if n.info.kv_heads else "")
+                     + (f", {n.info.kv_ranks} KV ranks" if n.info.kv_ranks else "")
                      + ")" for n in nodes)

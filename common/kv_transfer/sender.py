@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import queue
 import select
 import threading
@@ -283,6 +284,9 @@ class PairSender:
         DONE is next in the queue, it rides in the same send right behind the last byte."""
         kv_caches, ids = self._source(job)
         assert job.staged is None, "save_layer stages nothing for a tcp pair"
+        if not kv_caches[job.layers[0]].is_contiguous():  # a slice of the heads (tp_slices): gathered first
+            kv_caches = {x: gather_blocks(kv_caches[x], ids) for x in job.layers}
+            ids = list(range(len(ids)))
         if self.checksum:  # before the trailer is built: a DONE riding with the last layer carries its CRC
             runs = block_runs(ids)
             for layer in job.layers:
@@ -298,7 +302,8 @@ class PairSender:
 
     def _done(self, req: ProducerRequest) -> Done:
         kv = req.kv_caches[0] if req.kv_caches else None
-        block_bytes = kv.stride(1) * kv.element_size() * 2 if kv is not None else 0
+        # from the shape, not the strides: the cache may be a slice of the heads (tp_slices)
+        block_bytes = math.prod(kv.shape[2:]) * kv.element_size() * 2 if kv is not None else 0
         checksums = [req.checksums.get(x, 0) for x in range(len(req.kv_caches))] if self.checksum else []
         return Done(request_id=req.request_id, pair_id=self.pair_id, first_token=req.first_token,
                     first_logprobs=req.first_logprobs, choices=req.choices, cached_tokens=req.cached_tokens,
@@ -323,7 +328,8 @@ class PairSender:
             kv_caches, ids = self._source(job)
             kv = kv_caches[job.layers[0]]
             shape = [2, len(ids), *kv.shape[2:]]
-            gloo_run = self.transport in ("gloo", "nccl") and len(job.layers) == 1 and block_run(ids)
+            gloo_run = self.transport in ("gloo", "nccl") and len(job.layers) == 1 and block_run(ids) \
+                and kv.is_contiguous()
             parts = 2 if gloo_run else 1
         self._control.reply(self.identity, LayerNotice(request_id=req.request_id, pair_id=self.pair_id,
                                                       layers=job.layers, dtype=dtype_name(kv.dtype),
@@ -343,8 +349,8 @@ class PairSender:
             return [job.staged]
         kv_caches, ids = self._source(job)
         run = block_run(ids)
-        if run is not None and len(job.layers) == 1:  # keys and values of a run are contiguous: no gather
-            kv = kv_caches[job.layers[0]]
+        if run is not None and len(job.layers) == 1 and kv_caches[job.layers[0]].is_contiguous():
+            kv = kv_caches[job.layers[0]]  # keys and values of a run are contiguous: no gather
             return [kv[0, run], kv[1, run]]
         kv0 = kv_caches[job.layers[0]]
         out = staging.view(kv0.dtype, (len(job.layers), 2, len(ids), *kv0.shape[2:]))

@@ -48,6 +48,7 @@ from common.engine.kv_connector import (EMPTY_METADATA, ConnectorState, DiscardS
                                         KVConnectorMetadata, KVConnectorWorker, LoadSpec, SaveSpec)
 from common.engine.parallel import KV_ISSUE, KV_POLL, KV_START, Leader
 from common.kv_transfer.tp_routes import RankRoutes, merge, rank_address
+from common.kv_transfer.tp_slices import SlicedWorker, slice_caches, slice_heads, slice_layout
 from common.kv_transfer.workers import ConsumerWorker, ProducerWorker
 
 if TYPE_CHECKING:
@@ -281,11 +282,11 @@ class RankFollower:
     """A worker rank's part: rank 0's decisions carried out on this rank's own KV endpoint and
     cache (and its routes, on a decode node), with the table calls rank 0's scheduler side makes."""
 
-    def __init__(self, role: str, rank: int, transfer: KVTransferEngine, kv_caches: list[torch.Tensor],
+    def __init__(self, role: str, rank: int, transfer: KVTransferEngine, worker: KVConnectorWorker,
                  routes: RankRoutes | None = None) -> None:
-        self.role, self.rank, self.transfer, self.routes = role, rank, transfer, routes
-        self.worker = ProducerWorker() if role == "prefill" else ConsumerWorker()
-        self.worker.bind(transfer, kv_caches)
+        """``transfer``: the rank's (first) endpoint, whose table the follower keeps; ``worker``: bound
+        to it (or a ``SlicedWorker`` over the rank's KV ranks)."""
+        self.role, self.rank, self.transfer, self.worker, self.routes = role, rank, transfer, worker, routes
         self._saves = EMPTY_METADATA  # the metadata whose saves the next step makes
 
     def issue(self, meta: KVConnectorMetadata) -> None:
@@ -335,21 +336,25 @@ class RankFollower:
     def close(self) -> None:
         if self.routes is not None:
             self.routes.close()
+        if isinstance(self.worker, SlicedWorker):
+            self.worker.close()
         self.transfer.close()
 
 
 def endpoint_spec(role: str, host: str, port: int, advertise_host: str | None, transport: str,
-                  key_file: str | None, config: object, vocab_size: int) -> bytes:
-    """What a worker needs to open its rank's endpoint (KV_START's payload)."""
+                  key_file: str | None, config: object, vocab_size: int, slices: int = 1) -> bytes:
+    """What a worker needs to open its rank's endpoint (KV_START's payload); ``slices``: KV ranks
+    per rank (``tp_slices``)."""
     return json.dumps({"role": role, "host": host, "port": port, "advertise_host": advertise_host,
                        "transport": transport, "key_file": key_file, "config": dataclasses.asdict(config),
-                       "vocab_size": vocab_size}).encode()
+                       "vocab_size": vocab_size, "slices": slices}).encode()
 
 
-def route_engines(spec: dict, device: str, stats) -> Callable:
-    """How a rank opens a route's consumer (``tp_routes``): an endpoint on any free port (nobody
-    dials a consumer), sharing the rank's counters. cuda_ipc would write into the cache as
-    exported at its handshake, not into a view of some of its heads: on CUDA a route uses NCCL."""
+def engine_opener(spec: dict, device: str, stats) -> Callable:
+    """How a rank opens an endpoint over part of its heads (a route's consumer, ``tp_routes``; a KV
+    rank's producer, ``tp_slices``): ``open_engine(layout, port=0)`` (0: any free port, as for a
+    consumer, which nobody dials), sharing the rank's counters. cuda_ipc maps the cache exported
+    at its handshake, not a view of some of its heads: on CUDA such an endpoint uses NCCL."""
     from common.cluster_auth import ClusterKey
     from common.kv_transfer.config import TransferConfig
     from common.kv_transfer.engine import KVTransferEngine
@@ -358,31 +363,53 @@ def route_engines(spec: dict, device: str, stats) -> Callable:
     if device.startswith("cuda") and transport in ("auto", "cuda_ipc"):
         transport = "nccl"
 
-    def open_engine(layout):
-        return KVTransferEngine(f"{spec['host']}:0", layout, TransferConfig(**spec["config"]), stats, device=device,
-                                advertise_host=spec["advertise_host"], transport=transport,
+    def open_engine(layout, port: int = 0):
+        return KVTransferEngine(f"{spec['host']}:{port}", layout, TransferConfig(**spec["config"]), stats,
+                                device=device, advertise_host=spec["advertise_host"], transport=transport,
                                 key=ClusterKey.optional(spec["key_file"]), vocab_size=spec["vocab_size"])
 
     return open_engine
 
 
+def kv_rank_workers(first: ProducerWorker, k: int, port: int, layout, kv_caches: list[torch.Tensor],
+                    open_engine: Callable) -> SlicedWorker:
+    """A prefill rank's ``k`` KV ranks (``tp_slices``): ``first`` is bound to the first slice's
+    endpoint already; the others open at ``port + 1 .. port + k - 1``. ``layout``: the rank's."""
+    workers = [first]
+    for j in range(1, k):
+        worker = ProducerWorker()
+        worker.bind(open_engine(slice_layout(layout, k), port + j),
+                    slice_caches(kv_caches, slice_heads(layout.num_kv_heads, k, j)))
+        workers.append(worker)
+    return SlicedWorker(workers, layout.num_kv_heads)
+
+
 def open_rank_endpoint(spec: bytes, rank: int, size: int, num_kv_heads: int, layout, device: str,
                        kv_caches: list[torch.Tensor]) -> RankFollower:
-    """A worker's side of KV_START: its endpoint at ``port + rank``, with its own heads' layout."""
+    """A worker's side of KV_START: its endpoint (its first KV rank's) at ``port + rank · k``, with
+    its own heads' layout (``k`` KV ranks a rank: each a slice of its heads, ``tp_slices``)."""
     from common.cluster_auth import ClusterKey
     from common.kv_transfer.config import TransferConfig, TransferStats
     from common.kv_transfer.engine import KVTransferEngine
 
     s = json.loads(spec)
-    stats = TransferStats()
-    transfer = KVTransferEngine(f"{s['host']}:{s['port'] + rank}", layout, TransferConfig(**s["config"]),
+    stats, k = TransferStats(), s.get("slices", 1)
+    port, opener = s["port"] + rank * k, engine_opener(s, device, stats)
+    if k > 1:
+        first = ProducerWorker()
+        first.bind(opener(slice_layout(layout, k), port), slice_caches(kv_caches, slice_heads(layout.num_kv_heads, k, 0)))
+        worker = kv_rank_workers(first, k, port, layout, kv_caches, opener)
+        return RankFollower(s["role"], rank, first.transfer, worker)
+    transfer = KVTransferEngine(f"{s['host']}:{port}", layout, TransferConfig(**s["config"]),
                                 stats, device=device, advertise_host=s["advertise_host"],
                                 transport=s["transport"], key=ClusterKey.optional(s["key_file"]),
                                 vocab_size=s["vocab_size"])
+    worker = ProducerWorker() if s["role"] == "prefill" else ConsumerWorker()
+    worker.bind(transfer, kv_caches)
     routes = None
     if s["role"] == "decode":
-        routes = RankRoutes(rank, size, num_kv_heads, layout, kv_caches, route_engines(s, device, stats))
-    return RankFollower(s["role"], rank, transfer, kv_caches, routes)
+        routes = RankRoutes(rank, size, num_kv_heads, layout, kv_caches, opener)
+    return RankFollower(s["role"], rank, transfer, worker, routes)
 
 
 def start_rank_endpoints(leader: Leader, spec: bytes) -> None:

@@ -69,9 +69,19 @@ def test_tp_sizes_pair_when_the_daemons_can_move_the_heads(p_tp: int, d_tp: int,
     r = router_with(node("P", 1, tp_size=p_tp, kv_heads=kv_heads), node("D", 11, tp_size=d_tp, kv_heads=kv_heads))
     assert r.has_pair() is pairs
     if not pairs:
-        with pytest.raises(NoNodeAvailable, match=f"TP {d_tp} over {kv_heads} KV heads.*prefill's TP size must "
-                                                  "equal decode's or be a multiple of it"):
+        with pytest.raises(NoNodeAvailable, match=f"TP {d_tp} over {kv_heads} KV heads.*prefill's TP size "
+                                                  r"\(or --kv-ranks\) must equal decode's or be a multiple of it"):
             r.pick("m")
+
+
+@pytest.mark.parametrize("p_tp, kv_ranks, d_tp, pairs", [
+    (1, 2, 2, True), (1, 4, 2, True), (2, 4, 4, True), (1, 8, 4, True),  # P's KV ranks: D's TP or a multiple
+    (1, 2, 4, False),  # still fewer KV ranks than decode ranks
+])
+def test_a_prefill_node_with_more_kv_ranks_pairs_with_larger_decode_tp(p_tp, kv_ranks, d_tp, pairs):
+    """--kv-ranks cuts each prefill rank's heads in slices, each a KV rank: what pairs is that count."""
+    p = node("P", 1, tp_size=p_tp, kv_heads=8, kv_ranks=kv_ranks)
+    assert router_with(p, node("D", 11, tp_size=d_tp, kv_heads=8)).has_pair() is pairs
 
 
 def test_different_total_kv_heads_never_pair_and_a_node_without_tp_is_one_rank():
