@@ -118,7 +118,8 @@ class RankRoutes:
         a pairing the routes cannot move fails the request alone (``refused``)."""
         rid = load.request_id
         routes = self.routes(load.src_tp)
-        if any(r.src_heads != slice(0, len(r.heads)) for r in routes):  # part of a prefill rank's heads
+        src = KVTopology(load.src_tp, self.num_kv_heads)
+        if any(len(r.heads) != len(src.heads_of(r.src_rank)) for r in routes):  # part of a prefill rank's heads
             self.refused[rid] = (f"prefill TP {load.src_tp} to decode TP {self.tp_size}: a prefill rank's heads "
                                  "would split over decode ranks, which is not built")
             return

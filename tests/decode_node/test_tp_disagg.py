@@ -147,7 +147,7 @@ def p2_d1(tmp_path_factory: pytest.TempPathFactory):
         procs["prefill"] = start("prefill", tmp, *TP, *ARGS, *registry, wait=False)
         procs["decode"] = start("decode", tmp, *ARGS, *registry, "--no-enable-prefix-caching", wait=False)
         procs["both"] = start("both", tmp, "--block-size", "16", wait=False)
-        for proc in procs.values():
+        for proc in list(procs.values())[1:] + [procs["proxy"]]:  # a node that dies starting fails here
             proc.wait_ready()
         yield procs
     finally:
@@ -172,6 +172,60 @@ def test_tp2_to_tp1_through_the_proxy_gives_the_colocated_answers(p2_d1) -> None
     log = procs["decode"].log.read_text()
     for port in (procs["prefill"].kv_port, procs["prefill"].kv_port + 1):
         assert f"to 127.0.0.1:{port} uses tcp" in log  # one pair per prefill rank
+
+
+@pytest.fixture(scope="module")
+def kv_ranks_2(tmp_path_factory: pytest.TempPathFactory):
+    """Proxy, a one-rank prefill node that presents 2 KV ranks (--kv-ranks 2: its 2 KV heads, one
+    each), a decode node of TP 2 and one of TP 1 (it reads both KV ranks), and a colocated node."""
+    tmp = tmp_path_factory.mktemp("kv-ranks")
+    procs = {"proxy": start("proxy", tmp, wait=False)}
+    try:
+        registry = ("--proxy", f"127.0.0.1:{procs['proxy'].kv_port}", "--heartbeat-interval-s", "0.5")
+        nodes = {"prefill": ("prefill", "--kv-ranks", "2"), "decode2": ("decode", *TP), "decode1": ("decode",)}
+        for name, (role, *extra) in nodes.items():
+            no_cache = ("--no-enable-prefix-caching",) if role == "decode" else ()
+            procs[name] = start(role, tmp, *extra, *ARGS, *registry, *no_cache, name=name, wait=False)
+        procs["both"] = start("both", tmp, "--block-size", "16", wait=False)
+        for proc in list(procs.values())[1:] + [procs["proxy"]]:  # a node that dies starting fails here
+            proc.wait_ready()
+        wait_until(lambda: httpx.get(procs["proxy"].url + "/ready", timeout=5).json()["nodes"] == {"P": 1, "D": 2},
+                   "both decode nodes registered")
+        yield procs
+    finally:
+        stop_all(procs.values())
+
+
+@pytest.mark.parametrize("decode", ["decode2", "decode1"])
+def test_a_prefill_node_with_two_kv_ranks_serves_decode_tp2_and_tp1(kv_ranks_2, decode) -> None:
+    """Decode TP 2: rank r pulls KV rank r (one head each, a slice of the prefill rank's two).
+    Decode TP 1: its rank pulls both KV ranks, each into its slice. Both give the colocated answers,
+    and every block is freed on both sides with no lease expired."""
+    procs = kv_ranks_2
+    prefill, node = procs["prefill"], procs[decode]
+    before = _rank_bytes(node.url)
+    body = {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0}
+    for stream in (False, True):
+        text, n = disaggregated(prefill, node, "/v1/completions", {**body, "stream": stream})
+        assert n == 12 and text == _complete(procs["both"].url, PROMPTS[1])["text"]
+    wait_idle(prefill.url)
+    wait_idle(node.url)
+    moved = {rank: v - before.get(rank, 0) for rank, v in _rank_bytes(node.url).items()}
+    if decode == "decode2":
+        assert moved["0"] > 0 and moved["0"] == moved["1"]  # each rank its own head, no more
+    else:
+        assert moved["0"] > 0
+    assert metric(prefill.url, "pdserve:kv_leases_expired_total") == 0
+    log = node.log.read_text()
+    assert f"to 127.0.0.1:{prefill.kv_port + 1} uses tcp" in log  # KV rank 1's endpoint
+
+
+def test_through_the_proxy_a_prefill_node_with_two_kv_ranks_gives_the_colocated_answers(kv_ranks_2) -> None:
+    procs = kv_ranks_2
+    for prompt in PROMPTS:
+        got, want = _complete(procs["proxy"].url, prompt), _complete(procs["both"].url, prompt)
+        assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
 
 
 @pytest.mark.gpu

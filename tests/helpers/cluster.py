@@ -106,8 +106,9 @@ def start(role: str, tmp: Path, *args: str, name: str | None = None, wait: bool 
         cmd.append("serve")
     cmd += ["--port", str(port)]
     if role in ("prefill", "decode"):
-        ranks = int(args[args.index("--tensor-parallel-size") + 1]) if "--tensor-parallel-size" in args else 1
-        kv_port = free_port_run(ranks)  # rank r's KV endpoint is at kv_port + r
+        ranks = max([1] + [int(args[i + 1]) for i, a in enumerate(args) if a in ("--tensor-parallel-size",
+                                                                                 "--kv-ranks")])
+        kv_port = free_port_run(ranks)  # KV rank r's endpoint is at kv_port + r
         cmd += ["--kv-port", str(kv_port)]
     if role == "proxy":
         cmd += ["--registry-port", str(kv_port := free_port())]

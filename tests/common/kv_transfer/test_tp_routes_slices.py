@@ -199,8 +199,6 @@ def test_a_split_of_a_prefill_ranks_heads_is_refused_without_a_consumer():
     assert routes.get_finished() == FinishedTransfers()
 
 
-@pytest.mark.xfail(strict=True, reason="RankRoutes.load compares src_heads with slice(0, len(route.heads)), which "
-                   "holds for any route starting at the source rank's first head: decode rank 0 is not refused")
 def test_rank0_split_of_a_prefill_ranks_heads_is_refused_too():
     """Decode TP 2 rank 0 from src_tp 1 needs half of prefill rank 0's heads: refused as on rank 1."""
     routes, opened = _routes(rank=0, tp=2, heads=2)
