@@ -56,8 +56,14 @@ class UpOptions:
     decode_kv_port: int = ROLE_KV_PORTS["decode"]
     model: str | None = None
     timeout: float = 120.0
-    prefill_tp: int = 1  # --tensor-parallel-size of each daemon: equal for now (tp_mismatch)
+    prefill_tp: int = 1  # --tensor-parallel-size of each daemon: one divides the other (tp_mismatch)
     decode_tp: int = 1
+
+    @property
+    def prefill_kv_ranks(self) -> int:
+        """The prefill node's KV endpoints: one per rank, or the decode node's TP size when that is
+        larger (``--kv-ranks``: each prefill rank's heads cut into slices, one per decode rank)."""
+        return max(self.prefill_tp, self.decode_tp)
 
 
 PORT_FLAGS = ("proxy_port", "prefill_port", "decode_port", "registry_port", "prefill_kv_port",
@@ -65,20 +71,23 @@ PORT_FLAGS = ("proxy_port", "prefill_port", "decode_port", "registry_port", "pre
 
 
 def tp_mismatch(prefill_tp: int, decode_tp: int) -> str | None:
-    """Why these TP sizes cannot run together, or None. Rank r of the decode node pulls its heads
-    from rank r of the prefill node, so the proxy pairs only equal sizes (``heads_route``)."""
+    """Why these TP sizes cannot run together, or None. A decode rank reads whole KV ranks of the
+    prefill node (``tp_routes``), and the prefill node presents as many KV ranks as the larger of
+    the two sizes (``--kv-ranks``, ``tp_slices``): one size must divide the other. Whether the
+    model's KV heads divide too is the daemons' and the proxy's check (it needs the model)."""
     for name, size in (("prefill", prefill_tp), ("decode", decode_tp)):
         if not 1 <= size <= MAX_TP_SIZE:
             return f"the {name} tensor-parallel size must be between 1 and {MAX_TP_SIZE} (got {size})"
-    if prefill_tp != decode_tp:
-        return (f"prefill and decode tensor-parallel sizes must be equal for now (got {prefill_tp} and "
-                f"{decode_tp}): rank r of the decode node pulls from rank r of the prefill node")
+    if prefill_tp % decode_tp and decode_tp % prefill_tp:
+        return (f"prefill and decode tensor-parallel sizes must divide one another (got {prefill_tp} and "
+                f"{decode_tp}): each decode rank reads whole KV ranks of the prefill node")
     return None
 
 
 def auto_decode_kv_port(prefill_kv_port: int, prefill_tp: int, decode_tp: int) -> int:
     """Decode's first KV port when none was chosen: its default, or the port after prefill's KV
-    ports (kv-port + rank) when the two ranges would overlap (the defaults are adjacent)."""
+    ports (kv-port + rank; ``prefill_tp``: its KV ranks) when the two ranges would overlap (the
+    defaults are adjacent)."""
     default = ROLE_KV_PORTS["decode"]
     if prefill_kv_port < default + decode_tp and default < prefill_kv_port + prefill_tp:
         return prefill_kv_port + prefill_tp
@@ -86,7 +95,7 @@ def auto_decode_kv_port(prefill_kv_port: int, prefill_tp: int, decode_tp: int) -
 
 
 def kv_ports(first: int, tp: int) -> tuple[int, ...]:
-    """A daemon's KV endpoints: one per rank, at kv-port + rank."""
+    """A daemon's KV endpoints: one per KV rank, at kv-port + rank."""
     return tuple(range(first, first + tp))
 
 
@@ -113,9 +122,10 @@ def process_specs(options: UpOptions, model_args: tuple[str, ...]) -> list[Proce
         ),
         ProcessSpec(
             "prefill", "prefill_node", options.prefill_port,
-            (options.prefill_port, *kv_ports(options.prefill_kv_port, options.prefill_tp)),
+            (options.prefill_port, *kv_ports(options.prefill_kv_port, options.prefill_kv_ranks)),
             ("--port", str(options.prefill_port), "--kv-port", str(options.prefill_kv_port),
-             "--tensor-parallel-size", str(options.prefill_tp), "--proxy", registry, *model_args),
+             "--tensor-parallel-size", str(options.prefill_tp), "--kv-ranks", str(options.prefill_kv_ranks),
+             "--proxy", registry, *model_args),
         ),
         ProcessSpec(
             "decode", "decode_node", options.decode_port,

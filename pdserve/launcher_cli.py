@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         parser.exit(2, f"pdserve up: error: {why} (see --help)\n")
     if args.decode_kv_port is None:
-        args.decode_kv_port = auto_decode_kv_port(args.prefill_kv_port, prefill_tp, decode_tp)
+        args.decode_kv_port = auto_decode_kv_port(args.prefill_kv_port, max(prefill_tp, decode_tp), decode_tp)
     options = UpOptions(
         run_dir=args.run_dir, model=args.model, timeout=args.timeout,
         prefill_tp=prefill_tp, decode_tp=decode_tp,

@@ -54,8 +54,8 @@ def complete(base_url: str) -> str:
 # ---------------------------------------------------------------------------- flags, no process
 
 @pytest.mark.parametrize("args, says", [
-    (("--tensor-parallel-size", "2", "--decode-tp", "1"), "must be equal for now (got 2 and 1)"),
-    (("--prefill-tp", "4"), "must be equal for now (got 4 and 1)"),
+    (("--prefill-tp", "2", "--decode-tp", "3"), "must divide one another (got 2 and 3)"),
+    (("--prefill-tp", "4", "--decode-tp", "6"), "must divide one another (got 4 and 6)"),
     (("--tensor-parallel-size", "0"), "argument --tensor-parallel-size: must be between 1 and 64"),
     (("--decode-tp", "65"), "argument --decode-tp: must be between 1 and 64"),
     (("--prefill-tp", "two"), "argument --prefill-tp: not a number"),
@@ -66,8 +66,8 @@ def test_up_refuses_bad_tp_sizes_in_one_line(tmp_path, capsys, args, says):
     err = capsys.readouterr().err
     assert exit_.value.code == 2
     assert err.count("\n") == 1 and says in err
-    if "equal" in says:
-        assert "rank r of the decode node pulls from rank r of the prefill node" in err
+    if "divide" in says:
+        assert "each decode rank reads whole KV ranks of the prefill node" in err
     assert not (tmp_path / "run").exists()
 
 
@@ -79,6 +79,18 @@ def test_tp_sizes_reach_the_daemons_with_a_kv_port_per_rank():
         assert args[args.index("--tensor-parallel-size") + 1] == "2"
         assert args[args.index("--kv-port") + 1] == str(first)
         assert specs[name].ports[1:] == (first, first + 1)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp, kv_ranks", [(2, 1, 2), (1, 2, 2), (1, 4, 4), (4, 2, 4)])
+def test_unequal_tp_sizes_start_with_as_many_prefill_kv_ranks_as_the_larger(prefill_tp, decode_tp, kv_ranks):
+    """A smaller prefill TP presents the decode TP's count of KV ranks (--kv-ranks), each on its own port."""
+    assert launcher.tp_mismatch(prefill_tp, decode_tp) is None
+    options = launcher.UpOptions(prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_kv_port=20000,
+                                 decode_kv_port=20000 + kv_ranks)
+    prefill = {s.name: s for s in launcher.process_specs(options, ())}["prefill"]
+    assert prefill.args[prefill.args.index("--kv-ranks") + 1] == str(kv_ranks)
+    assert prefill.args[prefill.args.index("--tensor-parallel-size") + 1] == str(prefill_tp)
+    assert prefill.ports[1:] == tuple(range(20000, 20000 + kv_ranks))
 
 
 def test_decode_kv_port_moves_past_prefill_ranks_only_when_they_reach_it():
