@@ -13,24 +13,38 @@ rank 0 and N - 1 workers) on the embedded model, or ``--model DIR``. Printed per
 
 Then, for each pairing ``P-D`` in ``--pairings`` (prefill TP P, decode TP D), a proxy, a
 ``pdserve prefill`` of TP P and a ``pdserve decode`` of TP D (``--no-enable-prefix-caching``, so
-every request pulls its KV) registered with it. Rank r of the decode node pulls its own KV heads
-from rank r of the prefill node (``common/kv_transfer/tp_ranks.py``). One warm-up request, then
+every request pulls its KV) registered with it. How the ranks pair (``common/kv_transfer/``):
+- P = D: decode rank r pulls its own KV heads from prefill rank r (``tp_ranks.py``);
+- P = k x D: decode rank d pulls k whole prefill ranks, each into a slice of its own heads
+  (``tp_routes.py``);
+- P < D (D = k x P): the prefill node starts with ``--kv-ranks D``: each of its ranks cuts its
+  heads into k slices, each a KV endpoint of its own at kv-port + v (``tp_slices.py``), and decode
+  rank r pulls KV rank r.
+Either way a request moves max(P, D) pairs' worth of KV. One warm-up request, then
 ``--requests`` streamed requests through the proxy, one at a time, each a fresh ~1,000-token
-prompt and 8 tokens out. Printed per pairing and rank, each against the 1-1 row:
+prompt and 8 tokens out. Printed per pairing and rank (rows for max(P, D) ranks; a side with
+fewer ranks shows ``-``), against the 1-1 row:
+- ``P KV ranks``: the prefill node's KV endpoints (``--kv-ranks``, or P when not given);
 - the KV bytes the rank moved per request: the deltas of
-  ``pdserve:kv_rank_transfer_bytes_total{role,rank}``, prefill (sent) and decode (received);
+  ``pdserve:kv_rank_transfer_bytes_total{role,rank}``, prefill (sent) and decode (received).
+  On a prefill node with ``--kv-ranks``, all the KV ranks of one TP rank count under that TP
+  rank (a TP-1 prefill's under rank 0); on a decode node, each rank its own received bytes;
 - the transfer time per request: the decode rank's ``pdserve:kv_rank_transfer_seconds_total``
-  delta / requests, and the mean of decode's ``pdserve:kv_transfer_seconds`` histogram (rank 0's
-  transfers: the same figure as rank 0's seconds). Decode times a transfer from its PULL to
-  DONE, so it includes the prefill node computing the prompt (layers travel while P computes);
-- KV pulls: the histogram's count delta, which should be the number of requests (the proxy runs
-  ``--disagg-policy always``: ``auto`` may let the decode node prefill a prompt itself);
+  delta / requests (summed over the rank's pairs, when it pulls more than one), and the mean of
+  decode's ``pdserve:kv_transfer_seconds`` histogram: one observation per finished transfer
+  (pair) of decode rank 0. Decode times a transfer from its PULL to DONE, so it includes the
+  prefill node computing the prompt (layers travel while P computes);
+- pairs / request: the KV transfers one request takes. The histogram counts decode rank 0's
+  transfers only (the workers' are not exported as a count), so this is its count delta /
+  requests x D: every decode rank pulls as many pairs as rank 0 (the per-rank bytes show it).
+  The proxy runs ``--disagg-policy always`` (``auto`` may let the decode node prefill a prompt
+  itself), so it should be max(P, D);
 - TTFT p50 and max, measured by the client through the proxy.
 
-Only equal sizes pair (rank r to rank r; the proxy refuses the rest, ``proxy/routing.py::
-heads_route``): a pairing of different sizes is reported as not built, not run.
+A pairing where neither size divides the other cannot pair (the proxy refuses it): it is
+reported as not built, not run.
 
-    python bench/tp.py [--sizes 1,2] [--pairings 1-1,2-2] [--requests 5] [--model DIR] [--device cpu]
+    python bench/tp.py [--sizes 1,2] [--pairings 1-1,2-2,2-1,1-2] [--requests 5] [--model DIR] [--device cpu]
 """
 
 from __future__ import annotations
@@ -94,7 +108,7 @@ def timings(url: str, model: str, requests: int) -> tuple[float, float]:
 
 
 PAIR_PROMPT = 1000  # tokens
-NOT_BUILT = "not built: the proxy pairs only equal TP sizes"
+NOT_BUILT = "not built: neither TP size divides the other"
 
 
 def scrape(url: str) -> dict[tuple[str, str], float]:
@@ -124,7 +138,8 @@ def pairing(tmp: Path, p_tp: int, d_tp: int, requests: int, device: str, extra: 
         proxy = start("proxy", tmp, "--disagg-policy", "always", name=f"proxy-{p_tp}-{d_tp}", wait=False)
         procs.append(proxy)
         reg = ("--proxy", f"127.0.0.1:{proxy.kv_port}")
-        prefill = start("prefill", tmp, "--tensor-parallel-size", str(p_tp), *reg, *common,
+        kv_ranks = ("--kv-ranks", str(d_tp)) if p_tp < d_tp else ()  # each prefill rank's heads in D / P slices
+        prefill = start("prefill", tmp, "--tensor-parallel-size", str(p_tp), *kv_ranks, *reg, *common,
                         name=f"prefill-tp{p_tp}", wait=False)
         procs.append(prefill)
         decode = start("decode", tmp, "--tensor-parallel-size", str(d_tp), "--no-enable-prefix-caching", *reg,
@@ -166,7 +181,7 @@ def pairing(tmp: Path, p_tp: int, d_tp: int, requests: int, device: str, extra: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,2")
-    ap.add_argument("--pairings", default="1-1,2-2", help="P_TP-D_TP, comma-separated")
+    ap.add_argument("--pairings", default="1-1,2-2,2-1,1-2", help="P_TP-D_TP, comma-separated")
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--model", default=None, help="a Hugging Face directory (default: the embedded model)")
     ap.add_argument("--device", default="cpu")
@@ -201,18 +216,27 @@ def main() -> None:
     pairs = [tuple(int(n) for n in p.split("-")) for p in args.pairings.split(",") if p]
     results = {}
     for p_tp, d_tp in pairs:
-        if p_tp != d_tp:
+        if p_tp % d_tp and d_tp % p_tp:
             results[(p_tp, d_tp)] = None
             continue
-        results[(p_tp, d_tp)] = pairing(tmp, p_tp, d_tp, args.requests, args.device, extra_model)
+        for attempt in range(3):
+            try:
+                results[(p_tp, d_tp)] = pairing(tmp, p_tp, d_tp, args.requests, args.device, extra_model)
+                break
+            except RuntimeError as e:
+                # the helper's ports come from the ephemeral range: between its choice and the
+                # bind, an outgoing connection may take kv-port + r. Start the pairing again.
+                if "is in use" not in str(e) or attempt == 2:
+                    raise
+                print(f"pairing {p_tp}-{d_tp}: a port was taken before its bind; again", file=sys.stderr)
         print(f"pairing {p_tp}-{d_tp} done", file=sys.stderr)
     base = results.get((1, 1))
     n = args.requests
     print(f"\nP-D pairings, through the proxy: {PAIR_PROMPT}-token prompts (fresh each), 8 tokens out, "
           f"{n} requests one at a time; per request; ratio = this row / the 1-1 row (rank 0)\n")
-    print("| P-D | rank | KV pulls | P KV sent | D KV received | bytes vs 1-1 | D rank transfer | vs 1-1 | "
-          "kv_transfer_seconds mean (D) | TTFT p50 | TTFT max | TTFT p50 vs 1-1 |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| P-D | P KV ranks | rank | pairs / request | P KV sent | D KV received | bytes vs 1-1 | "
+          "D rank transfer | vs 1-1 | kv_transfer_seconds mean (D rank 0) | TTFT p50 | TTFT max | TTFT p50 vs 1-1 |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def ratio(value: float, ref: float | None) -> str:
         return f"{value / ref:.2f}x" if ref else "-"
@@ -223,17 +247,24 @@ def main() -> None:
                pct(base["ttfts"], 0.5))
     for (p_tp, d_tp), res in results.items():
         if res is None:
-            print(f"| {p_tp}-{d_tp} | - | {NOT_BUILT} | | | | | | | | | |")
+            print(f"| {p_tp}-{d_tp} | - | - | {NOT_BUILT} | | | | | | | | | |")
             continue
-        pulls = int(res["d"].get(("hist", "count"), 0))  # every request should have pulled its KV
-        hist = res["d"].get(("hist", "sum"), 0) / max(pulls, 1) * 1000
+        kv_ranks = f"{d_tp} (--kv-ranks {d_tp})" if p_tp < d_tp else str(p_tp)  # else one KV rank a TP rank
+        count = res["d"].get(("hist", "count"), 0)  # decode rank 0's finished transfers (pairs)
+        pairs = count / n * d_tp  # every decode rank pulls as many pairs as rank 0
+        hist = res["d"].get(("hist", "sum"), 0) / max(count, 1) * 1000
         p50, worst = pct(res["ttfts"], 0.5), max(res["ttfts"])
-        for rank in range(d_tp):
+        for rank in range(max(p_tp, d_tp)):
             r = str(rank)
-            sent, got = res["p"].get(("bytes", r), 0) / n, res["d"].get(("bytes", r), 0) / n
-            secs = res["d"].get(("seconds", r), 0) / n * 1000
-            print(f"| {p_tp}-{d_tp} | {rank} | {pulls}/{n} | {sent / MiB:.2f} MiB | {got / MiB:.2f} MiB | "
-                  f"{ratio(got, ref and ref[0])} | {secs:.1f} ms | {ratio(secs, ref and ref[1])} | {hist:.1f} ms | "
+            sent = f"{res['p'].get(('bytes', r), 0) / n / MiB:.2f} MiB" if rank < p_tp else "-"
+            if rank < d_tp:
+                got = res["d"].get(("bytes", r), 0) / n
+                secs = res["d"].get(("seconds", r), 0) / n * 1000
+                d_cols = (f"{got / MiB:.2f} MiB | {ratio(got, ref and ref[0])} | {secs:.1f} ms | "
+                          f"{ratio(secs, ref and ref[1])}")
+            else:
+                d_cols = "- | - | - | -"
+            print(f"| {p_tp}-{d_tp} | {kv_ranks} | {rank} | {pairs:g} | {sent} | {d_cols} | {hist:.1f} ms | "
                   f"{p50:.1f} ms | {worst:.1f} ms | {ratio(p50, ref and ref[2])} |")
 
 
