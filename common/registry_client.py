@@ -97,6 +97,7 @@ class RegistrationMessage:
     kv_heads: Annotated[int, Field(strict=True, ge=1, le=MAX_KV_HEADS)] | None = None  # the model's, all ranks
     # a prefill node's KV ranks, when not one per rank (--kv-ranks: each rank's heads in slices)
     kv_ranks: Annotated[int, Field(strict=True, ge=1, le=MAX_TP_SIZE)] | None = None
+    block_size: Annotated[int, Field(strict=True, ge=1, le=1 << 16)] | None = None  # named when nodes do not pair
     version: _COUNT | None = None  # PROTOCOL_VERSION of the sender
     node_id: _NAME | None = None
     num_running: _COUNT = 0

@@ -266,6 +266,7 @@ class Daemon:
             "kv_fingerprint": engine.kv_layout.fingerprint(),
             "tp_size": self.config.tensor_parallel_size,
             "kv_heads": engine.kv_layout.num_kv_heads,
+            "block_size": engine.kv_layout.block_size,
             **({"kv_ranks": self.config.kv_rank_count} if self.slices > 1 else {}),
             "node_id": self.node_id,
             "num_running": s.num_running,

@@ -255,4 +255,5 @@ def _describe(nodes: list[Node]) -> str:
     return ", ".join(f"{n.info.http_address}({n.info.model}, {n.info.kv_fingerprint}"
                      + (f", TP {n.info.tp_size or 1} over {n.info.kv_heads} KV heads" if n.info.kv_heads else "")
                      + (f", {n.info.kv_ranks} KV ranks" if n.info.kv_ranks else "")
+                     + (f", block size {n.info.block_size}" if n.info.block_size else "")
                      + ")" for n in nodes)

@@ -152,3 +152,10 @@ def test_a_node_a_leg_could_not_reach_cools_down_while_others_serve():
     assert {r.pick("m").decode.http_address for _ in range(6)} == {"127.0.0.1:11", "127.0.0.1:12"}
     now[0] = 10.5  # the cool-down is over: both take requests again
     assert {r.pick("m").decode.http_address for _ in range(6)} == {"127.0.0.1:11", "127.0.0.1:12"}
+
+
+def test_nodes_of_different_block_sizes_do_not_pair_and_the_refusal_names_both():
+    """A block size is part of the KV layout (the fingerprint): re-blocking would copy every layer."""
+    r = router_with(node("P", 1, fp="A", block_size=16), node("D", 11, fp="B", block_size=32))
+    with pytest.raises(NoNodeAvailable, match="block size 16.* vs .*block size 32"):
+        r.pick("m")
