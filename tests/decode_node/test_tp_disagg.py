@@ -242,3 +242,28 @@ def test_tp2_to_tp2_on_two_gpus_gives_the_colocated_answers(tmp_path) -> None:
             assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
         for name in ("prefill", "decode"):  # (cuda_ipc counts no bytes on the receiving side)
             assert set(_rank_bytes(procs[name].url)) == {"0", "1"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="prefill and decode of different TP sizes need two CUDA devices")
+@pytest.mark.parametrize("prefill_args, decode_args", [
+    (TP, ()),  # P TP 2 -> D TP 1: the decode rank's routes from both prefill ranks (NCCL)
+    (("--kv-ranks", "2"), TP),  # P TP 1 with 2 KV ranks -> D TP 2: one head slice each (NCCL)
+])
+def test_mixed_tp_sizes_on_two_gpus_give_the_colocated_answers(tmp_path, prefill_args, decode_args) -> None:
+    gpu = ("--device", "cuda:0", "--dtype", "float32")
+    procs = {"proxy": start("proxy", tmp_path, wait=False)}
+    try:
+        registry = ("--proxy", f"127.0.0.1:{procs['proxy'].kv_port}", "--heartbeat-interval-s", "0.5")
+        procs["prefill"] = start("prefill", tmp_path, *prefill_args, *ARGS, *gpu, *registry, wait=False)
+        procs["decode"] = start("decode", tmp_path, *decode_args, *ARGS, *gpu, *registry,
+                                "--no-enable-prefix-caching", wait=False)
+        procs["both"] = start("both", tmp_path, "--block-size", "16", *gpu, wait=False)
+        for proc in list(procs.values())[1:] + [procs["proxy"]]:
+            proc.wait_ready()
+        for prompt in PROMPTS:
+            got, want = _complete(procs["proxy"].url, prompt), _complete(procs["both"].url, prompt)
+            assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+    finally:
+        stop_all(procs.values())
