@@ -32,6 +32,7 @@ LONGEST_FIRST = (
     "tests/multihost/test_multihost_partitions.py",  # 59 s
     "tests/test_stall_bounds.py",  # 55 s
     "tests/deploy/test_fresh_install.py",  # 53 s
+    "tests/decode_node/test_tp_disagg.py",  # 45 s
     "tests/bench/test_ttft_parity.py",  # 31 s
     "tests/decode_node/test_disagg_prefix.py",  # 23 s
     "tests/security/test_bad_input_matrix.py",  # 20 s
