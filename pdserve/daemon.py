@@ -165,8 +165,8 @@ class Daemon:
         connector worker tells them each decision and combines their reports (``tp_ranks``). A decode
         node also gets routes for loads from a prefill node of a larger TP size (``tp_routes``).
         Runs before the engine thread starts: the group's collectives are that thread's afterwards."""
-        from common.kv_transfer.tp_ranks import LeaderKVWorker, endpoint_spec, engine_opener, kv_rank_workers, \
-            start_rank_endpoints
+        from common.kv_transfer.tp_endpoints import endpoint_spec, engine_opener, kv_rank_workers, start_rank_endpoints
+        from common.kv_transfer.tp_ranks import LeaderKVWorker
         from common.kv_transfer.tp_routes import RankRoutes, RoutedWorker
 
         cfg, llm = self.config, self.engine.engine

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from common.engine.model_runner import ModelRunner
 from common.engine.parallel import COPY, INIT, KV_ISSUE, KV_POLL, KV_START, STEP, STOP, receive
-from common.kv_transfer.tp_ranks import open_rank_endpoint, serve_kv_command
+from common.kv_transfer.tp_endpoints import open_rank_endpoint, serve_kv_command
 from common.engine.tp_group import RankLostError, TPGroup
 from common.kv_layout import DTYPES
 from common.model.attention import choose_kernels

@@ -2,11 +2,12 @@
 
 A prefill or decode node of ``N`` ranks opens one KV endpoint per rank: rank 0's at
 ``--kv-port`` (the one the proxy and the request ids name), rank r's at ``kv-port + r``
-(``KV_START``, sent once by rank 0 when its own endpoint is up). Rank r of a decode node
-pulls from rank r of the prefill node: both hold the same KV heads when both sides have the
-same TP size (the proxy pairs only those, ``proxy/routing.heads_route``), so each rank
-pair is an ordinary one-rank transfer of that rank's slice of the heads, over its own
-data-plane pair. No rank gathers another rank's KV.
+(``KV_START``, sent once by rank 0 when its own endpoint is up; ``tp_endpoints``). At equal
+TP sizes rank r of a decode node pulls from rank r of the prefill node: both hold the same KV
+heads, so each rank pair is an ordinary one-rank transfer of that rank's slice of the heads,
+over its own data-plane pair. Other sizes go through routes (``tp_routes``: a larger prefill
+node) or KV ranks (``tp_slices``: a smaller one, with ``--kv-ranks``). No rank gathers another
+rank's KV.
 
 Rank 0 keeps the scheduler and the connector's scheduler side: one record per request in
 its table. Block ids are the same on every rank (rank 0 decides and broadcasts them). The
@@ -36,9 +37,7 @@ timeouts, and the proxy stops routing to a node that no longer heartbeats.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,15 +45,13 @@ import msgpack
 
 from common.engine.kv_connector import (EMPTY_METADATA, ConnectorState, DiscardSpec, FinishedTransfers, HandoverSpec,
                                         KVConnectorMetadata, KVConnectorWorker, LoadSpec, SaveSpec)
-from common.engine.parallel import KV_ISSUE, KV_POLL, KV_START, Leader
+from common.engine.parallel import KV_ISSUE, KV_POLL, Leader
 from common.kv_transfer.tp_routes import RankRoutes, merge, rank_address
-from common.kv_transfer.tp_slices import SlicedWorker, slice_caches, slice_heads, slice_layout
-from common.kv_transfer.workers import ConsumerWorker, ProducerWorker
+from common.kv_transfer.tp_slices import SlicedWorker
 
 if TYPE_CHECKING:
     import torch
 
-    from common.engine.tp_group import TPGroup
     from common.kv_transfer.engine import KVTransferEngine
 
 log = logging.getLogger(__name__)
@@ -339,103 +336,3 @@ class RankFollower:
         if isinstance(self.worker, SlicedWorker):
             self.worker.close()
         self.transfer.close()
-
-
-def endpoint_spec(role: str, host: str, port: int, advertise_host: str | None, transport: str,
-                  key_file: str | None, config: object, vocab_size: int, slices: int = 1) -> bytes:
-    """What a worker needs to open its rank's endpoint (KV_START's payload); ``slices``: KV ranks
-    per rank (``tp_slices``)."""
-    return json.dumps({"role": role, "host": host, "port": port, "advertise_host": advertise_host,
-                       "transport": transport, "key_file": key_file, "config": dataclasses.asdict(config),
-                       "vocab_size": vocab_size, "slices": slices}).encode()
-
-
-def engine_opener(spec: dict, device: str, stats) -> Callable:
-    """How a rank opens an endpoint over part of its heads (a route's consumer, ``tp_routes``; a KV
-    rank's producer, ``tp_slices``): ``open_engine(layout, port=0)`` (0: any free port, as for a
-    consumer, which nobody dials), sharing the rank's counters. cuda_ipc maps the cache exported
-    at its handshake, not a view of some of its heads: on CUDA such an endpoint uses NCCL."""
-    from common.cluster_auth import ClusterKey
-    from common.kv_transfer.config import TransferConfig
-    from common.kv_transfer.engine import KVTransferEngine
-
-    transport = spec["transport"]
-    if device.startswith("cuda") and transport in ("auto", "cuda_ipc"):
-        transport = "nccl"
-
-    def open_engine(layout, port: int = 0):
-        return KVTransferEngine(f"{spec['host']}:{port}", layout, TransferConfig(**spec["config"]), stats,
-                                device=device, advertise_host=spec["advertise_host"], transport=transport,
-                                key=ClusterKey.optional(spec["key_file"]), vocab_size=spec["vocab_size"])
-
-    return open_engine
-
-
-def kv_rank_workers(first: ProducerWorker, k: int, port: int, layout, kv_caches: list[torch.Tensor],
-                    open_engine: Callable) -> SlicedWorker:
-    """A prefill rank's ``k`` KV ranks (``tp_slices``): ``first`` is bound to the first slice's
-    endpoint already; the others open at ``port + 1 .. port + k - 1``. ``layout``: the rank's."""
-    workers = [first]
-    for j in range(1, k):
-        worker = ProducerWorker()
-        worker.bind(open_engine(slice_layout(layout, k), port + j),
-                    slice_caches(kv_caches, slice_heads(layout.num_kv_heads, k, j)))
-        workers.append(worker)
-    return SlicedWorker(workers, layout.num_kv_heads)
-
-
-def open_rank_endpoint(spec: bytes, rank: int, size: int, num_kv_heads: int, layout, device: str,
-                       kv_caches: list[torch.Tensor]) -> RankFollower:
-    """A worker's side of KV_START: its endpoint (its first KV rank's) at ``port + rank · k``, with
-    its own heads' layout (``k`` KV ranks a rank: each a slice of its heads, ``tp_slices``)."""
-    from common.cluster_auth import ClusterKey
-    from common.kv_transfer.config import TransferConfig, TransferStats
-    from common.kv_transfer.engine import KVTransferEngine
-
-    s = json.loads(spec)
-    stats, k = TransferStats(), s.get("slices", 1)
-    port, opener = s["port"] + rank * k, engine_opener(s, device, stats)
-    if k > 1:
-        first = ProducerWorker()
-        first.bind(opener(slice_layout(layout, k), port), slice_caches(kv_caches, slice_heads(layout.num_kv_heads, k, 0)))
-        worker = kv_rank_workers(first, k, port, layout, kv_caches, opener)
-        return RankFollower(s["role"], rank, first.transfer, worker)
-    transfer = KVTransferEngine(f"{s['host']}:{port}", layout, TransferConfig(**s["config"]),
-                                stats, device=device, advertise_host=s["advertise_host"],
-                                transport=s["transport"], key=ClusterKey.optional(s["key_file"]),
-                                vocab_size=s["vocab_size"])
-    worker = ProducerWorker() if s["role"] == "prefill" else ConsumerWorker()
-    worker.bind(transfer, kv_caches)
-    routes = None
-    if s["role"] == "decode":
-        routes = RankRoutes(rank, size, num_kv_heads, layout, kv_caches, opener)
-    return RankFollower(s["role"], rank, transfer, worker, routes)
-
-
-def start_rank_endpoints(leader: Leader, spec: bytes) -> None:
-    """Rank 0: every worker opens its rank's KV endpoint; raises RuntimeError naming the ranks that
-    could not (a port taken, say)."""
-    leader.send_bytes(KV_START, spec)
-    replies = leader.gather_bytes(b"")[1:]
-    errors = [f"rank {rank}: {r.decode()}" for rank, r in enumerate(replies, start=1) if r]
-    if errors:
-        raise RuntimeError("a tensor-parallel rank could not open its KV endpoint: " + "; ".join(errors))
-
-
-def serve_kv_command(group: TPGroup, op: int, payload, follower: RankFollower | None,
-                     open_endpoint) -> RankFollower | None:
-    """A worker's handling of KV_START, KV_ISSUE and KV_POLL; returns its follower (new after KV_START)."""
-    if op == KV_START:
-        try:
-            follower = open_endpoint(bytes(payload.numpy()))
-            reply = b""
-        except Exception as exc:  # reported to rank 0, which fails its start with it
-            log.exception("could not open this rank's KV endpoint")
-            reply = f"{type(exc).__name__}: {exc}".encode()
-        group.gather_bytes(reply)
-    elif op == KV_ISSUE and follower is not None:
-        follower.issue(decode_meta(bytes(payload.numpy())))
-    elif op == KV_POLL:
-        group.gather_bytes(follower.poll() if follower is not None else msgpack.packb([{}, encode_report(
-            FinishedTransfers())]))
-    return follower

@@ -1,0 +1,127 @@
+"""Each rank's KV endpoint under tensor parallelism: how rank 0 has the workers open theirs
+(``KV_START``), what a worker opens (its endpoint, or its KV ranks' with ``--kv-ranks``; its
+routes on a decode node), and how a worker serves the KV commands rank 0 broadcasts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgpack
+
+from common.engine.kv_connector import FinishedTransfers
+from common.engine.parallel import KV_ISSUE, KV_POLL, KV_START, Leader
+from common.kv_transfer.tp_ranks import RankFollower, decode_meta, encode_report
+from common.kv_transfer.tp_routes import RankRoutes
+from common.kv_transfer.tp_slices import SlicedWorker, slice_caches, slice_heads, slice_layout
+from common.kv_transfer.workers import ConsumerWorker, ProducerWorker
+
+if TYPE_CHECKING:
+    import torch
+
+    from common.engine.tp_group import TPGroup
+
+log = logging.getLogger(__name__)
+
+
+def endpoint_spec(role: str, host: str, port: int, advertise_host: str | None, transport: str,
+                  key_file: str | None, config: object, vocab_size: int, slices: int = 1) -> bytes:
+    """What a worker needs to open its rank's endpoint (KV_START's payload); ``slices``: KV ranks
+    per rank (``tp_slices``)."""
+    return json.dumps({"role": role, "host": host, "port": port, "advertise_host": advertise_host,
+                       "transport": transport, "key_file": key_file, "config": dataclasses.asdict(config),
+                       "vocab_size": vocab_size, "slices": slices}).encode()
+
+
+def engine_opener(spec: dict, device: str, stats) -> Callable:
+    """How a rank opens an endpoint over part of its heads (a route's consumer, ``tp_routes``; a KV
+    rank's producer, ``tp_slices``): ``open_engine(layout, port=0)`` (0: any free port, as for a
+    consumer, which nobody dials), sharing the rank's counters. cuda_ipc maps the cache exported
+    at its handshake, not a view of some of its heads: on CUDA such an endpoint uses NCCL."""
+    from common.cluster_auth import ClusterKey
+    from common.kv_transfer.config import TransferConfig
+    from common.kv_transfer.engine import KVTransferEngine
+
+    transport = spec["transport"]
+    if device.startswith("cuda") and transport in ("auto", "cuda_ipc"):
+        transport = "nccl"
+
+    def open_engine(layout, port: int = 0):
+        return KVTransferEngine(f"{spec['host']}:{port}", layout, TransferConfig(**spec["config"]), stats,
+                                device=device, advertise_host=spec["advertise_host"], transport=transport,
+                                key=ClusterKey.optional(spec["key_file"]), vocab_size=spec["vocab_size"])
+
+    return open_engine
+
+
+def kv_rank_workers(first: ProducerWorker, k: int, port: int, layout, kv_caches: list[torch.Tensor],
+                    open_engine: Callable) -> SlicedWorker:
+    """A prefill rank's ``k`` KV ranks (``tp_slices``): ``first`` is bound to the first slice's
+    endpoint already; the others open at ``port + 1 .. port + k - 1``. ``layout``: the rank's."""
+    workers = [first]
+    for j in range(1, k):
+        worker = ProducerWorker()
+        worker.bind(open_engine(slice_layout(layout, k), port + j),
+                    slice_caches(kv_caches, slice_heads(layout.num_kv_heads, k, j)))
+        workers.append(worker)
+    return SlicedWorker(workers, layout.num_kv_heads)
+
+
+def open_rank_endpoint(spec: bytes, rank: int, size: int, num_kv_heads: int, layout, device: str,
+                       kv_caches: list[torch.Tensor]) -> RankFollower:
+    """A worker's side of KV_START: its endpoint (its first KV rank's) at ``port + rank · k``, with
+    its own heads' layout (``k`` KV ranks a rank: each a slice of its heads, ``tp_slices``)."""
+    from common.cluster_auth import ClusterKey
+    from common.kv_transfer.config import TransferConfig, TransferStats
+    from common.kv_transfer.engine import KVTransferEngine
+
+    s = json.loads(spec)
+    stats, k = TransferStats(), s.get("slices", 1)
+    port, opener = s["port"] + rank * k, engine_opener(s, device, stats)
+    if k > 1:
+        first = ProducerWorker()
+        first.bind(opener(slice_layout(layout, k), port), slice_caches(kv_caches, slice_heads(layout.num_kv_heads, k, 0)))
+        worker = kv_rank_workers(first, k, port, layout, kv_caches, opener)
+        return RankFollower(s["role"], rank, first.transfer, worker)
+    transfer = KVTransferEngine(f"{s['host']}:{port}", layout, TransferConfig(**s["config"]),
+                                stats, device=device, advertise_host=s["advertise_host"],
+                                transport=s["transport"], key=ClusterKey.optional(s["key_file"]),
+                                vocab_size=s["vocab_size"])
+    worker = ProducerWorker() if s["role"] == "prefill" else ConsumerWorker()
+    worker.bind(transfer, kv_caches)
+    routes = None
+    if s["role"] == "decode":
+        routes = RankRoutes(rank, size, num_kv_heads, layout, kv_caches, opener)
+    return RankFollower(s["role"], rank, transfer, worker, routes)
+
+
+def start_rank_endpoints(leader: Leader, spec: bytes) -> None:
+    """Rank 0: every worker opens its rank's KV endpoint; raises RuntimeError naming the ranks that
+    could not (a port taken, say)."""
+    leader.send_bytes(KV_START, spec)
+    replies = leader.gather_bytes(b"")[1:]
+    errors = [f"rank {rank}: {r.decode()}" for rank, r in enumerate(replies, start=1) if r]
+    if errors:
+        raise RuntimeError("a tensor-parallel rank could not open its KV endpoint: " + "; ".join(errors))
+
+
+def serve_kv_command(group: TPGroup, op: int, payload, follower: RankFollower | None,
+                     open_endpoint) -> RankFollower | None:
+    """A worker's handling of KV_START, KV_ISSUE and KV_POLL; returns its follower (new after KV_START)."""
+    if op == KV_START:
+        try:
+            follower = open_endpoint(bytes(payload.numpy()))
+            reply = b""
+        except Exception as exc:  # reported to rank 0, which fails its start with it
+            log.exception("could not open this rank's KV endpoint")
+            reply = f"{type(exc).__name__}: {exc}".encode()
+        group.gather_bytes(reply)
+    elif op == KV_ISSUE and follower is not None:
+        follower.issue(decode_meta(bytes(payload.numpy())))
+    elif op == KV_POLL:
+        group.gather_bytes(follower.poll() if follower is not None else msgpack.packb([{}, encode_report(
+            FinishedTransfers())]))
+    return follower
