@@ -33,7 +33,7 @@ from common.kv_transfer.inbox import Inbox
 from common.kv_transfer.messages import (UNKNOWN_PAIR, Abort, Ack, Done, Error, LayerNotice, Message, MessageError,
                                          Ping, Pull, decode, encode)
 from common.kv_transfer.p2p_group import DTYPE_NAMES, dtype_name
-from common.kv_transfer.paged import StagingBuffer, block_run, block_runs, scatter_blocks
+from common.kv_transfer.paged import StagingBuffer, block_run, block_runs, gather_blocks, scatter_blocks
 from common.kv_transfer.pair_handshake import open_consumer_pair
 from common.kv_transfer.peer_checks import check_done, check_notice
 from common.kv_transfer.tcp_pair import KV, Frame, kv_nbytes, layer_buffers, tensor_buffer
@@ -334,6 +334,11 @@ class PairReceiver:
                 return
             for j, layer in enumerate(msg.layers):
                 scatter_blocks(t.kv_caches[layer], ids, buf[j])
+        if self.checksum and self.transport != "cuda_ipc":  # over the blocks, in the sender's order
+            ids = t.block_ids[: msg.shape[1]]
+            for layer in msg.layers:
+                host = gather_blocks(t.kv_caches[layer], ids).cpu()  # held while the CRC reads it
+                t.checksums[layer] = layer_checksum([tensor_buffer(host)])
         t.layers.update(msg.layers)
         t.nbytes += nbytes
         t.last_landed = time.monotonic()

@@ -35,7 +35,7 @@ from common.kv_transfer.p2p_group import dtype_name
 from common.kv_transfer.paged import ByteBudget, StagingBuffer, block_run, block_runs, gather_blocks
 from common.kv_transfer.streams import StreamOps, stream_ops
 from common.kv_transfer.inbox import READABLE, Inbox
-from common.kv_transfer.tcp_pair import MESSAGE, layer_buffers
+from common.kv_transfer.tcp_pair import MESSAGE, layer_buffers, tensor_buffer
 from common.kv_transfer.transport import open_pair
 from common.kv_transfer.verify import layer_checksum
 
@@ -249,6 +249,9 @@ class PairSender:
         inband = self.transport == "tcp"  # the header travels with the bytes: nothing to announce
         if not job.announced and not inband:
             self._announce(job)
+        if self.checksum and self.transport in ("gloo", "nccl"):  # before a DONE below may carry them
+            self._after_kv_written(job)
+            self._checksum_layers(job)
         if ahead is not None and not ahead.req.dropped and not ahead.announced:
             if ahead.kind == "layers" and not inband:
                 self._announce(ahead)  # before gathering: the consumer posts both receives now
@@ -271,6 +274,19 @@ class PairSender:
             raise
         self.stats.add(bytes_sent=sum(p.numel() * p.element_size() for p in parts))
         return (_Sends(work, parts), job.budget)
+
+    def _checksum_layers(self, job: SendJob) -> None:
+        """gloo/nccl with checksums: each layer's CRC-32 over its bytes in wire order (keys, then
+        values, block by block), as the consumer computes it over the blocks it landed them in
+        (a GPU tensor is copied to the host: an explicit ``--kv-checksum on`` costs that)."""
+        if job.staged is not None:
+            layers = {x: job.staged[j] for j, x in enumerate(job.layers)}
+        else:
+            kv_caches, ids = self._source(job)
+            layers = {x: gather_blocks(kv_caches[x], ids) for x in job.layers}
+        for layer, kv in layers.items():
+            host = kv.contiguous().cpu()  # held while the CRC reads it: tensor_buffer keeps no reference
+            job.req.checksums[layer] = layer_checksum([tensor_buffer(host)])
 
     def _after_kv_written(self, job: SendJob) -> None:
         """gloo/nccl: order this thread's stream after the engine's event for the job's KV (its

@@ -100,3 +100,39 @@ def test_prefill_restarted_mid_transfer_never_lands_partial_kv(no_thread_leak):
             p.stop()
     finally:
         p.kill()
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_gloo_pairs_checksum_what_they_move_and_land_it(views, no_thread_leak):
+    """--kv-checksum on over gloo: both sides' CRC-32s agree on a clean transfer, from and into
+    whole caches or head slices of them (tensor-parallel routes and KV ranks: not contiguous)."""
+    import time
+
+    import torch
+
+    from common.kv_layout import KVLayout
+    from common.kv_transfer.paged import gather_blocks
+
+    layout = KVLayout(num_layers=2, num_kv_heads=1 if views else 2, head_dim=4, block_size=4, dtype="float32")
+    whole = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
+    p_kv = [torch.randn(whole.layer_shape(8)) for _ in range(2)]
+    d_kv = [torch.zeros(whole.layer_shape(8)) for _ in range(2)]
+    if views:  # head 1 of the prefill side into head 0 of the decode side
+        p_kv, d_kv_used = [c[:, :, :, 1:2] for c in p_kv], [c[:, :, :, 0:1] for c in d_kv]
+    else:
+        d_kv_used = d_kv
+    cfg = TransferConfig(**FAST, checksum="on")
+    with KVTransferEngine("127.0.0.1:0", layout, cfg, transport="gloo") as p, \
+            KVTransferEngine("127.0.0.1:0", layout, cfg, transport="gloo") as d:
+        p.producer.table.hand_over("r")
+        p.producer.finish("r", 5, p_kv, [1, 2, 3], 12)
+        d.consumer.request("r", p.address, [4, 5, 6], 12, d_kv_used)
+        deadline = time.monotonic() + 20
+        while not (result := d.consumer.poll_finished()) != ({}, {}) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert result == ({"r": 5}, {})
+        assert d.stats.rejected_counts() == {}
+    for layer in range(2):
+        assert torch.equal(gather_blocks(d_kv_used[layer], [4, 5, 6]), gather_blocks(p_kv[layer], [1, 2, 3]))
+    if views:
+        assert not d_kv[0][:, :, :, 1].any()  # the other head untouched
