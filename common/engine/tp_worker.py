@@ -32,7 +32,16 @@ log = logging.getLogger("pdserve.tp_worker")
 
 
 def _exit_when_rank0_is_gone() -> None:
-    """Rank 0 holds our stdin's write end; EOF means its process ended, however it ended."""
+    """Rank 0 holds our stdin's write end; EOF means its process ended, however it ended. On
+    Linux the kernel also kills us when rank 0 dies (``PR_SET_PDEATHSIG``): a worker that was
+    stopped (SIGSTOP) or hung could not read the EOF."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        parent = os.getppid()  # (in a container rank 0 may well be pid 1)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # rank 0 died before the line above took effect
+            os._exit(1)
 
     def watch() -> None:
         while os.read(0, 1):  # the raw fd: a buffered reader's lock would hold up interpreter exit

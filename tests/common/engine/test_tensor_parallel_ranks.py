@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,6 +22,7 @@ from helpers.cluster import Proc, all_ready, start
 from helpers.procs import children, gone
 from helpers.waiting import wait_until
 
+ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = [[1, 5, 9, 200, 33, 7], [4, 8, 15, 16, 23, 42, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
 
 
@@ -136,3 +139,21 @@ def test_a_worker_that_dies_ends_its_node_with_no_process_left(nodes):
     assert code == 3, proc.log_tail()
     assert "tensor-parallel rank 1" in proc.log_tail()
     assert children(proc.popen.pid) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_stopped_worker_still_dies_with_rank_0(tmp_path):
+    """A worker that cannot read the end of its pipe (stopped here; hung alike) is killed by the
+    kernel when rank 0 dies, so no rank outlives its node."""
+    code = ("import sys; from common.engine.config import EngineConfig; from common.engine.llm_engine import LLMEngine; "
+            "e = LLMEngine(EngineConfig(device='cpu', tensor_parallel_size=2, num_kv_blocks=16)); "
+            "print(e.runner.leader.procs[0].pid, flush=True); sys.stdin.read()")
+    rank0 = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             cwd=str(ROOT))
+    try:
+        worker = int(rank0.stdout.readline())
+        os.kill(worker, signal.SIGSTOP)
+    finally:
+        rank0.kill()
+        rank0.wait()
+    wait_until(lambda: gone(worker), "the stopped worker is gone", timeout=10)
