@@ -135,3 +135,20 @@ def test_a_worker_rank_lost_during_start_is_one_line(capsys: pytest.CaptureFixtu
         raise RankLostError("tensor-parallel rank 1 (pid 7)\nexited with code 1")
     assert exit_info.value.code == START_FAILED_EXIT_CODE
     assert capsys.readouterr().err == "pdserve serve: error: tensor-parallel rank 1 (pid 7) exited with code 1\n"
+
+
+def test_kv_ranks_that_do_not_cut_the_heads_are_one_line() -> None:
+    """--kv-ranks 4 on the embedded model (2 KV heads, one rank): the slices would be half a head."""
+    from helpers.ports import free_port_run
+
+    proc = _pdserve("prefill", "--port", str(free_port()), "--kv-port", str(free_port_run(4)), "--kv-ranks", "4",
+                    "--device", "cpu")
+    assert proc.returncode == 1
+    assert _error_line(proc).endswith("error: --kv-ranks 4: each of the 1 rank(s) holds 2 KV head(s), which do "
+                                      "not cut into 4 equal slices")
+
+
+def test_kv_ranks_not_a_multiple_of_the_tp_size_are_one_line() -> None:
+    proc = _pdserve("prefill", "--tensor-parallel-size", "2", "--kv-ranks", "3", "--device", "cpu")
+    assert proc.returncode != 0
+    assert "--kv-ranks 3 must be a multiple of --tensor-parallel-size 2" in _error_line(proc)
