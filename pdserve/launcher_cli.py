@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     up_p.add_argument("--prefill-tp", type=tp_size, default=None, metavar="N",
                       help="the prefill daemon's ranks (default: --tensor-parallel-size)")
     up_p.add_argument("--decode-tp", type=tp_size, default=None, metavar="N",
-                      help="the decode daemon's ranks (default: --tensor-parallel-size); "
-                           "must equal prefill's for now")
+                      help="the decode daemon's ranks (default: --tensor-parallel-size); one of the two "
+                           "sizes must divide the other (a smaller prefill side presents --kv-ranks N)")
     up_p.add_argument("--model", type=model_dir, default=None, metavar="PATH",
                       help="model directory (default: the embedded pdserve-tiny model)")
     up_p.add_argument("--timeout", type=float, default=120.0,
