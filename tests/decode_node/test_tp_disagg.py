@@ -228,6 +228,9 @@ def test_through_the_proxy_a_prefill_node_with_two_kv_ranks_gives_the_colocated_
         got, want = _complete(procs["proxy"].url, prompt), _complete(procs["both"].url, prompt)
         assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
         assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
+        body = {"model": "pdserve-tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True}
+        text, _ = read_stream(procs["proxy"].url, "/v1/completions", body, "tp-kv-ranks-stream")
+        assert text == want["text"]
 
 
 @pytest.mark.gpu
