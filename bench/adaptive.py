@@ -11,7 +11,14 @@ reuses another's prefix cache (within a run the shared document is cached: that 
 workload, not an artefact). Reported per run: TTFT p50/p99 and ITL p50/p99 at the client (ms),
 output tokens/s over the run, KV bytes the decode daemon received, and auto's local/remote split.
 
-    python bench/adaptive.py [--rates 1,2,4] [--requests 24] [--max-tokens 32]
+With ``--repeats R`` every (rate, policy) runs R times, the repeats interleaved (all rates and
+policies once, then again), and each figure is the median over its R runs: one 24-request run's
+p99 is its slowest request, and two runs of the same policy differ by more than the goal's 5 %.
+The last lines judge issue 21's goal on the table: ``auto`` within 5 % of the better fixed
+policy on every figure (latencies at most 1.05x the lower, tokens/s at least 0.95x the higher),
+and below both fixed policies on TTFT p99 or ITL p99 at the highest rate.
+
+    python bench/adaptive.py [--rates 1,2,4] [--requests 24] [--max-tokens 32] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -151,6 +159,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=24, help="requests per run")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per (rate, policy); figures are their medians")
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     tok = Tokenizer.from_dir(ensure_embedded_model())
@@ -175,31 +184,73 @@ def main() -> None:
         for _, proxy, _ in configs:  # pairs built, first-call costs paid, rates measured: unmeasured
             for _, prompt in warm:
                 one(proxy.url, tok.encode(f"warm {uuid.uuid4().hex}") + prompt, 4, Run())
-        rows = []
-        for rate in rates:
-            for name, proxy, decode in configs:
-                tag = tok.encode(f"run {uuid.uuid4().hex}: ")
-                run = measure(proxy.url, decode, proxy if name == "auto" else None, rate, args, tag)
-                rows.append((rate, name, run))
-                print(f"rate {rate}: {name} done", file=sys.stderr)
-        report(rows, args)
+        runs: dict[tuple[float, str], list[Run]] = {}
+        for repeat in range(args.repeats):
+            for rate in rates:
+                for name, proxy, decode in configs:
+                    tag = tok.encode(f"run {uuid.uuid4().hex}: ")
+                    run = measure(proxy.url, decode, proxy if name == "auto" else None, rate, args, tag)
+                    runs.setdefault((rate, name), []).append(run)
+                    print(f"repeat {repeat + 1}, rate {rate}: {name} done", file=sys.stderr)
+        report(runs, args)
     finally:
         for proc in reversed(procs):
             proc.stop()
 
 
-def report(rows: list[tuple[float, str, Run]], args: argparse.Namespace) -> None:
+FIGURES = ("TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "output tok/s")  # all but tok/s: lower is better
+
+
+def figures(r: Run) -> dict[str, float]:
+    return {"TTFT p50": pct(r.ttft_ms, .5), "TTFT p99": pct(r.ttft_ms, .99), "ITL p50": pct(r.itl_ms, .5),
+            "ITL p99": pct(r.itl_ms, .99), "output tok/s": r.output_tokens / r.seconds,
+            "KV MiB": r.kv_bytes / 2**20, "local": r.local, "remote": r.remote}
+
+
+def report(runs: dict[tuple[float, str], list[Run]], args: argparse.Namespace) -> None:
     print(f"\n{args.requests} requests per run, {args.max_tokens} output tokens each, 70 % short (16-128 "
-          f"tokens), 30 % long (1,500-3,000; half share a 1,000-token document); embedded model, CPU\n")
+          f"tokens), 30 % long (1,500-3,000; half share a 1,000-token document); embedded model, CPU; "
+          f"{'the median of ' + str(args.repeats) + ' runs' if args.repeats > 1 else 'one run'} per row\n")
     print("| rate (req/s) | policy | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | output tok/s | KV moved | "
           "auto local/remote |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for rate, name, r in rows:
-        split = f"{r.local:.0f}/{r.remote:.0f}" if name == "auto" else ""
-        kv = f"{r.kv_bytes / 2**20:.1f} MiB" if not name.startswith("colocated") else "-"
-        print(f"| {rate:g} | {name} | {pct(r.ttft_ms, .5):.0f} ms | {pct(r.ttft_ms, .99):.0f} ms | "
-              f"{pct(r.itl_ms, .5):.1f} ms | {pct(r.itl_ms, .99):.1f} ms | {r.output_tokens / r.seconds:.1f} | "
-              f"{kv} | {split} |")
+    table = {key: {k: statistics.median(figures(r)[k] for r in rs) for k in figures(rs[0])}
+             for key, rs in runs.items()}
+    for (rate, name), f in table.items():
+        split = f"{f['local']:.0f}/{f['remote']:.0f}" if name == "auto" else ""
+        kv = f"{f['KV MiB']:.1f} MiB" if not name.startswith("colocated") else "-"
+        print(f"| {rate:g} | {name} | {f['TTFT p50']:.0f} ms | {f['TTFT p99']:.0f} ms | {f['ITL p50']:.1f} ms | "
+              f"{f['ITL p99']:.1f} ms | {f['output tok/s']:.1f} | {kv} | {split} |")
+    print()
+    for line in judge(table):
+        print(line)
+
+
+def judge(table: dict[tuple[float, str], dict[str, float]]) -> list[str]:
+    """Issue 21's goal, figure by figure: the misses, then the verdict."""
+    rates = sorted({rate for rate, _ in table})
+    misses = []
+    for rate in rates:
+        auto, always, never = (table.get((rate, n)) for n in ("auto", "always", "never"))
+        if not (auto and always and never):
+            continue
+        for k in FIGURES:
+            if k == "output tok/s":
+                best = max(always[k], never[k])
+                ok = auto[k] >= 0.95 * best
+            else:
+                best = min(always[k], never[k])
+                ok = auto[k] <= 1.05 * best
+            if not ok:
+                misses.append(f"- {rate:g} req/s, {k}: auto {auto[k]:.1f} against the better fixed policy's "
+                              f"{best:.1f} ({auto[k] / best - 1:+.0%})")
+    top = rates[-1]
+    auto, always, never = (table.get((top, n), {}) for n in ("auto", "always", "never"))
+    beats = [k for k in ("TTFT p99", "ITL p99") if auto and always and never and auto[k] < min(always[k], never[k])]
+    met = not misses and bool(beats)
+    return [f"Goal {'met' if met else 'not met'}: auto within 5 % of the better fixed policy on every figure "
+            f"({len(misses)} misses), and below both at {top:g} req/s on "
+            f"{', '.join(beats) if beats else 'neither TTFT p99 nor ITL p99'}.", *misses]
 
 
 if __name__ == "__main__":
