@@ -33,11 +33,11 @@ from common.kv_transfer.inbox import Inbox
 from common.kv_transfer.messages import (UNKNOWN_PAIR, Abort, Ack, Done, Error, LayerNotice, Message, MessageError,
                                          Ping, Pull, decode, encode)
 from common.kv_transfer.p2p_group import DTYPE_NAMES, dtype_name
-from common.kv_transfer.paged import StagingBuffer, block_run, block_runs, gather_blocks, scatter_blocks
+from common.kv_transfer.paged import StagingBuffer, block_run, scatter_blocks
 from common.kv_transfer.pair_handshake import open_consumer_pair
 from common.kv_transfer.peer_checks import check_done, check_notice
-from common.kv_transfer.tcp_pair import KV, Frame, kv_nbytes, layer_buffers, tensor_buffer
-from common.kv_transfer.verify import NOT_REQUESTED, STALE, KVRejected, check_done_identity, layer_checksum
+from common.kv_transfer.tcp_pair import KV, Frame, kv_nbytes
+from common.kv_transfer.verify import NOT_REQUESTED, STALE, KVRejected, blocks_checksum, check_done_identity
 
 if TYPE_CHECKING:
     from common.kv_transfer.consumer import KVConsumer
@@ -138,15 +138,12 @@ class PairReceiver:
             else:
                 fits = True
         timeout = self.owner.config.timeout_s
-        if fits and not t.kv_caches[0].is_contiguous():
-            self._land_frame_staged(t, frame)
-        elif fits:
+        if fits:
             ids = t.block_ids[: frame.num_blocks]
-            self.pair.recv_kv(t.kv_caches, frame.layers, ids, timeout)
+            self.pair.recv_kv(t.kv_caches, frame.layers, ids, timeout, self.staging[0])
             if self.checksum:  # over the blocks as they now hold the bytes, in the sender's order
-                runs = block_runs(ids)
                 for layer in frame.layers:
-                    t.checksums[layer] = layer_checksum(layer_buffers(t.kv_caches[layer], runs))
+                    t.checksums[layer] = blocks_checksum(t.kv_caches[layer], ids)
         else:
             self.pair.discard(frame.nbytes, timeout)
         self.owner.stats.add(bytes_received=frame.nbytes)
@@ -280,18 +277,6 @@ class PairReceiver:
         else:
             self._pushback.append(nxt)
 
-    def _land_frame_staged(self, t: Transfer, frame: Frame) -> None:
-        """tcp into a cache that is a slice of the heads (a route of a tensor-parallel pairing,
-        ``tp_ranks``): each layer through a staging buffer, then scattered into the blocks."""
-        ids = t.block_ids[: frame.num_blocks]
-        for layer in frame.layers:
-            kv = t.kv_caches[layer]
-            buf = self.staging[0].view(kv.dtype, (2, len(ids), *kv.shape[2:]))
-            self.pair.recv_into([tensor_buffer(buf)], self.owner.config.timeout_s)
-            scatter_blocks(kv, ids, buf)
-            if self.checksum:  # the same bytes in the same order as the blocks' own views would give
-                t.checksums[layer] = layer_checksum([tensor_buffer(buf)])
-
     def _post_recv(self, msg: LayerNotice) -> tuple[LayerNotice, torch.Tensor | None, list]:
         """Post the receive(s) for one message: straight into the blocks when the sizes match
         (tcp: any blocks; gloo/nccl: a run sent as keys then values), else into a staging
@@ -337,8 +322,7 @@ class PairReceiver:
         if self.checksum and self.transport != "cuda_ipc":  # over the blocks, in the sender's order
             ids = t.block_ids[: msg.shape[1]]
             for layer in msg.layers:
-                host = gather_blocks(t.kv_caches[layer], ids).cpu()  # held while the CRC reads it
-                t.checksums[layer] = layer_checksum([tensor_buffer(host)])
+                t.checksums[layer] = blocks_checksum(t.kv_caches[layer], ids)
         t.layers.update(msg.layers)
         t.nbytes += nbytes
         t.last_landed = time.monotonic()

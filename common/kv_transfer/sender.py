@@ -32,12 +32,12 @@ from common.kv_transfer.config import PairBrokenError, TransferConfig, TransferS
 from common.kv_transfer.messages import (Ack, Done, LayerNotice, Message, MessageError, Ok, Pull, decode,
                                          encode)
 from common.kv_transfer.p2p_group import dtype_name
-from common.kv_transfer.paged import ByteBudget, StagingBuffer, block_run, block_runs, gather_blocks
+from common.kv_transfer.paged import ByteBudget, StagingBuffer, block_run, gather_blocks
 from common.kv_transfer.streams import StreamOps, stream_ops
 from common.kv_transfer.inbox import READABLE, Inbox
-from common.kv_transfer.tcp_pair import MESSAGE, layer_buffers, tensor_buffer
+from common.kv_transfer.tcp_pair import MESSAGE
 from common.kv_transfer.transport import open_pair
-from common.kv_transfer.verify import layer_checksum
+from common.kv_transfer.verify import blocks_checksum
 
 if TYPE_CHECKING:
     from common.kv_transfer.control import ControlPlane
@@ -279,14 +279,14 @@ class PairSender:
         """gloo/nccl with checksums: each layer's CRC-32 over its bytes in wire order (keys, then
         values, block by block), as the consumer computes it over the blocks it landed them in
         (a GPU tensor is copied to the host: an explicit ``--kv-checksum on`` costs that)."""
-        if job.staged is not None:
-            layers = {x: job.staged[j] for j, x in enumerate(job.layers)}
-        else:
-            kv_caches, ids = self._source(job)
-            layers = {x: gather_blocks(kv_caches[x], ids) for x in job.layers}
-        for layer, kv in layers.items():
-            host = kv.contiguous().cpu()  # held while the CRC reads it: tensor_buffer keeps no reference
-            job.req.checksums[layer] = layer_checksum([tensor_buffer(host)])
+        if job.staged is not None:  # [layers, 2, blocks, ...]: each layer's blocks gathered already
+            every = list(range(job.staged.shape[2]))
+            for j, layer in enumerate(job.layers):
+                job.req.checksums[layer] = blocks_checksum(job.staged[j], every)
+            return
+        kv_caches, ids = self._source(job)
+        for layer in job.layers:
+            job.req.checksums[layer] = blocks_checksum(kv_caches[layer], ids)
 
     def _after_kv_written(self, job: SendJob) -> None:
         """gloo/nccl: order this thread's stream after the engine's event for the job's KV (its
@@ -300,13 +300,9 @@ class PairSender:
         DONE is next in the queue, it rides in the same send right behind the last byte."""
         kv_caches, ids = self._source(job)
         assert job.staged is None, "save_layer stages nothing for a tcp pair"
-        if not kv_caches[job.layers[0]].is_contiguous():  # a slice of the heads (tp_slices): gathered first
-            kv_caches = {x: gather_blocks(kv_caches[x], ids) for x in job.layers}
-            ids = list(range(len(ids)))
         if self.checksum:  # before the trailer is built: a DONE riding with the last layer carries its CRC
-            runs = block_runs(ids)
             for layer in job.layers:
-                job.req.checksums[layer] = layer_checksum(layer_buffers(kv_caches[layer], runs))
+                job.req.checksums[layer] = blocks_checksum(kv_caches[layer], ids)
         done = ahead if ahead is not None and ahead.kind == "done" and ahead.req is job.req \
             and not ahead.announced and not ahead.req.dropped else None
         trailer = self.pair.message_frame(encode(self._done(done.req))) if done is not None else b""

@@ -33,7 +33,7 @@ import torch
 from common.cluster_auth import ClusterKey
 from common.kv_transfer.config import PairBrokenError
 from common.kv_transfer.pair_auth import accept_peer, connect_hello
-from common.kv_transfer.paged import block_runs
+from common.kv_transfer.paged import StagingBuffer, block_runs, gather_blocks, scatter_blocks
 
 IOV_MAX = 1024  # per sendmsg/recvmsg call (Linux's limit)
 FRAME_MAGIC = b"PDKV"
@@ -178,7 +178,12 @@ class TcpPair:
         head = memoryview(Frame(request_id, tuple(layers), len(block_ids), nbytes).encode())
         runs = block_runs(block_ids)
         for i, layer in enumerate(layers):
-            bufs = layer_buffers(kv_caches[layer], runs)
+            kv = kv_caches[layer]
+            if kv.is_contiguous():
+                bufs = layer_buffers(kv, runs)
+            else:  # a slice of the heads (tensor parallelism): gathered first, alive until sent
+                kv = gather_blocks(kv, block_ids)
+                bufs = layer_buffers(kv, [slice(0, len(block_ids))])
             if i == 0:
                 bufs.insert(0, head)
             if i == len(layers) - 1 and trailer:
@@ -187,12 +192,20 @@ class TcpPair:
         return nbytes
 
     def recv_kv(self, kv_caches, layers: tuple[int, ...], block_ids: list[int],
-                timeout_s: float | None = None) -> None:
+                timeout_s: float | None = None, staging: StagingBuffer | None = None) -> None:
         """Receive a ``KV`` message's payload (its header read) straight into the blocks, layer
-        by layer: the first receive is posted as soon as the header is in."""
+        by layer: the first receive is posted as soon as the header is in. A cache that is a
+        slice of the heads (tensor parallelism: not contiguous) lands through ``staging``."""
         runs = block_runs(block_ids)
         for layer in layers:
-            self.recv_into(layer_buffers(kv_caches[layer], runs), timeout_s)
+            kv = kv_caches[layer]
+            if kv.is_contiguous():
+                self.recv_into(layer_buffers(kv, runs), timeout_s)
+                continue
+            assert staging is not None, "a head-slice cache needs a staging buffer"
+            buf = staging.view(kv.dtype, (2, len(block_ids), *kv.shape[2:]))
+            self.recv_into([tensor_buffer(buf)], timeout_s)
+            scatter_blocks(kv, block_ids, buf)
 
     @staticmethod
     def message_frame(payload: bytes) -> bytes:

@@ -24,6 +24,8 @@ import torch
 
 from common.kv_layout import KVLayout
 from common.kv_transfer.messages import Done
+from common.kv_transfer.paged import block_runs, gather_blocks
+from common.kv_transfer.tcp_pair import layer_buffers, tensor_buffer
 
 CHECKSUM_MODES = ("auto", "on", "off")
 
@@ -61,6 +63,16 @@ def layer_checksum(buffers: list[memoryview], crc: int = 0) -> int:
     for buf in buffers:
         crc = zlib.crc32(buf, crc)
     return crc
+
+
+def blocks_checksum(kv: torch.Tensor, block_ids: list[int]) -> int:
+    """CRC-32 of ``kv[:, block_ids]`` in the wire's order (keys, then values, block by block): read
+    in place from a contiguous CPU cache, else (a head slice of the cache, a GPU tensor) from a
+    gathered host copy, held while the CRC reads it (``tensor_buffer`` keeps no reference)."""
+    if kv.is_contiguous() and kv.device.type == "cpu":
+        return layer_checksum(layer_buffers(kv, block_runs(block_ids)))
+    host = gather_blocks(kv, block_ids).cpu()
+    return layer_checksum([tensor_buffer(host)])
 
 
 def expected_nbytes(layout: KVLayout, num_blocks: int) -> int:

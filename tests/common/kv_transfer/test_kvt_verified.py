@@ -102,9 +102,10 @@ def test_prefill_restarted_mid_transfer_never_lands_partial_kv(no_thread_leak):
         p.kill()
 
 
+@pytest.mark.parametrize("transport", ["gloo", "tcp"])
 @pytest.mark.parametrize("views", [False, True])
-def test_gloo_pairs_checksum_what_they_move_and_land_it(views, no_thread_leak):
-    """--kv-checksum on over gloo: both sides' CRC-32s agree on a clean transfer, from and into
+def test_pairs_checksum_what_they_move_and_land_it(views, transport, no_thread_leak):
+    """--kv-checksum on over gloo and tcp: both sides' CRC-32s agree on a clean transfer, from and into
     whole caches or head slices of them (tensor-parallel routes and KV ranks: not contiguous)."""
     import time
 
@@ -122,8 +123,8 @@ def test_gloo_pairs_checksum_what_they_move_and_land_it(views, no_thread_leak):
     else:
         d_kv_used = d_kv
     cfg = TransferConfig(**FAST, checksum="on")
-    with KVTransferEngine("127.0.0.1:0", layout, cfg, transport="gloo") as p, \
-            KVTransferEngine("127.0.0.1:0", layout, cfg, transport="gloo") as d:
+    with KVTransferEngine("127.0.0.1:0", layout, cfg, transport=transport) as p, \
+            KVTransferEngine("127.0.0.1:0", layout, cfg, transport=transport) as d:
         p.producer.table.hand_over("r")
         p.producer.finish("r", 5, p_kv, [1, 2, 3], 12)
         d.consumer.request("r", p.address, [4, 5, 6], 12, d_kv_used)
