@@ -147,6 +147,7 @@ class Daemon:
     def _first_kv_rank(self) -> tuple[KVLayout, list[torch.Tensor], str]:
         """The layout, cache (views) and transport of this rank's first KV endpoint: the rank's
         heads, or their first slice (``tp_slices``; refused in one line when they do not cut)."""
+        from common.kv_transfer.tp_endpoints import view_transport
         from common.kv_transfer.tp_slices import slice_caches, slice_heads, slice_layout
 
         llm, cfg, k = self.engine.engine, self.config, self.slices
@@ -156,9 +157,8 @@ class Daemon:
         if layout.num_kv_heads % k:
             raise StartupError(f"--kv-ranks {cfg.kv_rank_count}: each of the {cfg.tensor_parallel_size} rank(s) "
                                f"holds {layout.num_kv_heads} KV head(s), which do not cut into {k} equal slices")
-        transport = "nccl" if llm.device.type == "cuda" and cfg.kv_transport in ("auto", "cuda_ipc") \
-            else cfg.kv_transport  # cuda_ipc maps a whole exported cache, not a view of its heads
-        return slice_layout(layout, k), slice_caches(caches, slice_heads(layout.num_kv_heads, k, 0)), transport
+        return (slice_layout(layout, k), slice_caches(caches, slice_heads(layout.num_kv_heads, k, 0)),
+                view_transport(str(llm.device), cfg.kv_transport))
 
     def _start_ranks(self, connector: TransferConnector) -> None:
         """Tensor parallelism: every worker rank opens its KV endpoint at kv-port + rank, and rank 0's

@@ -36,18 +36,21 @@ def endpoint_spec(role: str, host: str, port: int, advertise_host: str | None, t
                        "vocab_size": vocab_size, "slices": slices}).encode()
 
 
+def view_transport(device: str, transport: str) -> str:
+    """``--kv-transport`` for an endpoint over a view of some of a cache's heads: cuda_ipc maps
+    the cache exported at its handshake, not a view, so on CUDA such an endpoint uses NCCL."""
+    return "nccl" if device.startswith("cuda") and transport in ("auto", "cuda_ipc") else transport
+
+
 def engine_opener(spec: dict, device: str, stats) -> Callable:
     """How a rank opens an endpoint over part of its heads (a route's consumer, ``tp_routes``; a KV
     rank's producer, ``tp_slices``): ``open_engine(layout, port=0)`` (0: any free port, as for a
-    consumer, which nobody dials), sharing the rank's counters. cuda_ipc maps the cache exported
-    at its handshake, not a view of some of its heads: on CUDA such an endpoint uses NCCL."""
+    consumer, which nobody dials), sharing the rank's counters, on ``view_transport``."""
     from common.cluster_auth import ClusterKey
     from common.kv_transfer.config import TransferConfig
     from common.kv_transfer.engine import KVTransferEngine
 
-    transport = spec["transport"]
-    if device.startswith("cuda") and transport in ("auto", "cuda_ipc"):
-        transport = "nccl"
+    transport = view_transport(device, spec["transport"])
 
     def open_engine(layout, port: int = 0):
         return KVTransferEngine(f"{spec['host']}:{port}", layout, TransferConfig(**spec["config"]), stats,
