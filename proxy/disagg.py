@@ -21,8 +21,12 @@ PULL, which would count P's queue and prefill as transfer). D asks only for the 
 so ``uncached_D`` tokens move; layers travel while P computes the next, so only what outlasts
 ``compute_P`` adds. The hand-off (the prefill leg, the PULL, DONE, the first decode step) is the
 fixed cost the proxy measures itself: each streamed request's time to first token beyond the
-other terms (EWMA per pair; the local path's likewise per decode node; only first tokens not
-mostly spent computing). The uncached parts come
+other terms (per pair; the local path's likewise per decode node; only first tokens not mostly
+spent computing), as the median of the last ``COST_SAMPLES`` measured within ``COST_TTL_S``
+(``PathCost``). A path only gets measured when it is taken, so one slow first token (a cold
+start, a pause) priced into a running average would keep ``auto`` off that path for good; a
+median ignores it once other samples come, and an expired estimate falls back to its prior,
+so the path is taken and measured again. The uncached parts come
 from the text of the prompts this proxy sent each node (64-character chunks, the tokens
 estimated at ``CHARS_PER_TOKEN``); the decode node knows its cache exactly and overrides a remote
 tag for a prompt it has cached (decode_node.connector), and the engine bounds the stall, so an
@@ -43,6 +47,10 @@ else local (``cheaper_local``).
 from __future__ import annotations
 
 import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,7 +61,9 @@ logger = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 3.6  # the embedded byte-level BPE on English text measured 3.6; real tokenizers ~4
 DEFAULT_REMOTE_OVERHEAD_S = 0.02  # until this proxy has timed a remote request of the pair
-EWMA_WEIGHT = 0.2
+COST_SAMPLES = 8  # a path's fixed cost is the median of its last 8 measured ...
+COST_TTL_S = 10.0  # ... not older than this
+MAX_COST_KEYS = 4096  # node addresses come and go: keep the tables bounded
 Path = Literal["local", "remote"]
 
 
@@ -73,14 +83,37 @@ class Decision:
         return self.path == "local"
 
 
-class DisaggPolicy:
-    """Decides per request; learns each path's overhead from the TTFTs it is told about."""
+class PathCost:
+    """One path's fixed cost per key (a node pair, or a decode node): the median of its last
+    ``COST_SAMPLES`` measured costs younger than ``COST_TTL_S``, else ``prior``."""
 
-    def __init__(self, mode: Literal["always", "never", "auto"]) -> None:
+    def __init__(self, prior: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.prior, self.clock = prior, clock
+        self._samples: dict[object, deque[tuple[float, float]]] = {}  # key -> (when, seconds)
+
+    def observe(self, key: object, seconds: float) -> None:
+        samples = self._samples.pop(key, None) or deque(maxlen=COST_SAMPLES)
+        samples.append((self.clock(), seconds))
+        self._samples[key] = samples  # last used goes last: the first is the one to drop
+        if len(self._samples) > MAX_COST_KEYS:
+            self._samples.pop(next(iter(self._samples)))
+
+    def get(self, key: object) -> float:
+        samples = self._samples.get(key)
+        now = self.clock()
+        while samples and now - samples[0][0] > COST_TTL_S:
+            samples.popleft()
+        return statistics.median(seconds for _, seconds in samples) if samples else self.prior
+
+
+class DisaggPolicy:
+    """Decides per request; learns each path's fixed cost from the TTFTs it is told about."""
+
+    def __init__(self, mode: Literal["always", "never", "auto"], clock: Callable[[], float] = time.monotonic) -> None:
         self.mode = mode
         self._prefixes = PrefixAware()  # its memory only: which prompt chunks went to which node
-        self._remote_overhead: dict[tuple[str, str], float] = {}  # (P, D) http addresses -> seconds
-        self._local_overhead: dict[str, float] = {}  # D -> seconds
+        self._remote_cost = PathCost(DEFAULT_REMOTE_OVERHEAD_S, clock)  # keyed by (P, D) http addresses
+        self._local_cost = PathCost(0.0, clock)  # keyed by D's http address
 
     def decide(self, prefill: RegistrationMessage, decode: RegistrationMessage, prompt: str) -> Decision:
         """``prompt``: the request's text (as prefix_aware reads it)."""
@@ -101,11 +134,10 @@ class DisaggPolicy:
         if bytes_per_token and decode.kv_transfer_bytes_per_s:
             transfer = max(uncached_d * bytes_per_token / decode.kv_transfer_bytes_per_s - compute_p, 0.0)
         before_handoff = (prefill.pending_prefill_tokens or 0) / rate_p + compute_p + transfer
-        est_remote = before_handoff + self._remote_overhead.get(
-            (prefill.http_address, decode.http_address), DEFAULT_REMOTE_OVERHEAD_S)
+        est_remote = before_handoff + self._remote_cost.get((prefill.http_address, decode.http_address))
         compute_d = uncached_d / rate_d
         compute_local = (decode.pending_prefill_tokens or 0) / rate_d + compute_d
-        est_local = compute_local + self._local_overhead.get(decode.http_address, 0.0)
+        est_local = compute_local + self._local_cost.get(decode.http_address)
         stall = (decode.num_decoding or 0) * compute_d
         figures = dict(est_local_s=est_local, est_remote_s=est_remote, stall_s=stall)
         if est_remote < est_local:
@@ -136,15 +168,10 @@ class DisaggPolicy:
             # steps says, its residual comes out <= 0, and learning it would price every
             # hand-off at nothing (then a short prompt's two estimates tie)
             return
-        overhead = ttft_s - decision.compute_s
         if decision.local:
-            table, key = self._local_overhead, decode.http_address
+            self._local_cost.observe(decode.http_address, ttft_s - decision.compute_s)
         else:
-            table, key = self._remote_overhead, (prefill.http_address, decode.http_address)
-        old = table.get(key)
-        table[key] = overhead if old is None else old + EWMA_WEIGHT * (overhead - old)
-        if len(table) > 4096:  # node addresses come and go: keep it bounded
-            table.pop(next(iter(table)))
+            self._remote_cost.observe((prefill.http_address, decode.http_address), ttft_s - decision.compute_s)
 
     def _cached_tokens(self, key: tuple[str, str], chunks: list[bytes]) -> float:
         return self._prefixes.matched(key, chunks) * self._prefixes.chunk_chars / CHARS_PER_TOKEN

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import queue
 import threading
 import time
@@ -139,11 +140,7 @@ class PairReceiver:
                 fits = True
         timeout = self.owner.config.timeout_s
         if fits:
-            ids = t.block_ids[: frame.num_blocks]
-            self.pair.recv_kv(t.kv_caches, frame.layers, ids, timeout, self.staging[0])
-            if self.checksum:  # over the blocks as they now hold the bytes, in the sender's order
-                for layer in frame.layers:
-                    t.checksums[layer] = blocks_checksum(t.kv_caches[layer], ids)
+            self.pair.recv_kv(t.kv_caches, frame.layers, t.block_ids[: frame.num_blocks], timeout, self.staging[0])
         else:
             self.pair.discard(frame.nbytes, timeout)
         self.owner.stats.add(bytes_received=frame.nbytes)
@@ -152,10 +149,7 @@ class PairReceiver:
         if reason:
             self.owner.failed(self.transfers.pop(t.request_id), reason)
             return
-        t.layers.update(frame.layers)
-        t.nbytes += frame.nbytes
-        t.last_landed = time.monotonic()
-        self.owner.advance(t, ConnectorState.RECEIVING)
+        self._landed(t, frame.layers, frame.num_blocks, frame.nbytes)
 
     def _on_new(self, t: Transfer) -> None:
         if self.pair is not None and not getattr(self.pair, "alive", lambda: True)():
@@ -304,9 +298,7 @@ class PairReceiver:
         return msg, buf, [self.pair.recv_async(parts)]
 
     def _land(self, msg: LayerNotice, buf: torch.Tensor | None) -> None:
-        nbytes = len(msg.layers) * torch.empty((), dtype=DTYPE_NAMES[msg.dtype]).element_size()
-        for d in msg.shape:
-            nbytes *= d
+        nbytes = len(msg.layers) * math.prod(msg.shape) * DTYPE_NAMES[msg.dtype].itemsize
         self.owner.stats.add(bytes_received=nbytes)
         t = self.transfers.get(msg.request_id)
         if t is None:
@@ -319,11 +311,16 @@ class PairReceiver:
                 return
             for j, layer in enumerate(msg.layers):
                 scatter_blocks(t.kv_caches[layer], ids, buf[j])
-        if self.checksum and self.transport != "cuda_ipc":  # over the blocks, in the sender's order
-            ids = t.block_ids[: msg.shape[1]]
-            for layer in msg.layers:
+        self._landed(t, msg.layers, msg.shape[1], nbytes)
+
+    def _landed(self, t: Transfer, layers, num_blocks: int, nbytes: int) -> None:
+        """``layers`` of ``t`` are in its first ``num_blocks`` blocks now."""
+        # the checksum is over the blocks as they now hold the bytes, in the sender's order
+        if self.checksum and self.transport != "cuda_ipc":
+            ids = t.block_ids[:num_blocks]
+            for layer in layers:
                 t.checksums[layer] = blocks_checksum(t.kv_caches[layer], ids)
-        t.layers.update(msg.layers)
+        t.layers.update(layers)
         t.nbytes += nbytes
         t.last_landed = time.monotonic()
         self.owner.advance(t, ConnectorState.RECEIVING)

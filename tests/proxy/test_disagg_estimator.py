@@ -10,7 +10,7 @@ import pytest
 
 from common.kv_transfer.config import TransferStats
 from common.registry_client import RegistrationMessage, transfer_figures
-from proxy.disagg import Decision, DisaggPolicy
+from proxy.disagg import COST_TTL_S, Decision, DisaggPolicy
 
 RATE = 2000.0  # prompt tokens/s
 BYTES_PER_TOKEN = 4096.0  # the embedded model: 4 layers x (K, V) x 2 KV heads x 64 x fp32
@@ -143,3 +143,33 @@ def test_the_transfer_rate_weighs_bytes_over_first_byte_to_done() -> None:
     for _ in range(50):
         stats.transfer_rate(4_000_000, 0.004)  # 1 GB/s from now on
     assert stats.recv_bytes_per_s == pytest.approx(1e9, rel=0.01)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_one_slow_first_token_does_not_keep_auto_off_a_path() -> None:
+    """A path is measured only when taken: the first local first token came 50 ms late (a cold
+    start), which prices local above remote for a short prompt. Once that sample is older
+    than COST_TTL_S the path is back at its prior, taken and measured again; among other
+    samples, one slow one does not move the median."""
+    clock = _Clock()
+    policy, p, d = DisaggPolicy("auto", clock=clock), _prefill(), _decode()
+    assert policy.decide(p, d, SHORT).path == "local"
+    policy.observe_ttft(Decision("local", "cheaper_local", compute_s=0.014), p, d, 0.064)
+    slow = policy.decide(p, d, SHORT)
+    assert (slow.path, slow.reason) == ("remote", "cheaper_remote")
+    assert slow.est_local_s == pytest.approx(slow.est_remote_s + 0.03, abs=0.002)
+    clock.now += COST_TTL_S + 1
+    again = policy.decide(p, d, SHORT)
+    assert (again.path, again.reason) == ("local", "cheaper_local")
+    for ttft in (0.030, 0.031, 0.029, 0.134, 0.030):  # ~16 ms of fixed cost, and one pause
+        policy.observe_ttft(Decision("local", "cheaper_local", compute_s=0.014), p, d, ttft)
+    steady = policy.decide(p, d, SHORT)
+    assert steady.est_local_s == pytest.approx(steady.est_remote_s - 0.004, abs=0.001)
+    assert steady.path == "local"
