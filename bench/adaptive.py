@@ -6,10 +6,22 @@ three proxies: ``auto`` (the daemons register with it, so it sees their measured
 given two threads: the same two processes' worth of CPU. Each configuration runs the same mixed
 workload at each rate (Poisson arrivals, streamed, greedy, ``--max-tokens`` output tokens each):
 short prompts of 16-128 tokens and long ones of 1,500-3,000 tokens, half of the long ones
-sharing a 1,000-token document. Every run's prompts start with a run-unique tag, so no run
-reuses another's prefix cache (within a run the shared document is cached: that is the
-workload, not an artefact). Reported per run: TTFT p50/p99 and ITL p50/p99 at the client (ms),
+sharing a 1,000-token document. Every run sends the same prompts with its own ``cache_salt``,
+so no run reuses another's prefix cache (within a run the shared document is cached: that is
+the workload, not an artefact) and every policy generates the same tokens (a run-unique text
+tag at the front of the prompts changed the outputs, and with them how many tokens came as
+one streamed chunk: noise in ITL and in a count of content chunks). Reported per run: TTFT p50/p99 and ITL p50/p99 at the client (ms),
 output tokens/s over the run, KV bytes the decode daemon received, and auto's local/remote split.
+
+Where the daemons run (``--layout``): a disaggregated cluster puts its prefill and decode nodes
+on separate machines, and the decisions ``auto`` makes assume that (a local prefill on the
+decode node costs the prefill node nothing). ``machines`` (the default, on two or more CPUs)
+lays that out on this machine: the prefill daemon alone on CPU 0 (its machine); the decode
+daemon, the proxies and this client on CPU 1 (the decode machine, which also carries the front
+end); the colocated node on both. ``shared`` lets the scheduler put every process anywhere, as
+``pdserve up`` does: then the client's and the proxies' threads land on the prefill node's CPU
+whenever the decode node's is busy, which it is under ``auto`` (its local prefills), and a long
+prompt's remote prefill pays for that.
 
 With ``--repeats R`` every (rate, policy) runs R times, the repeats interleaved (all rates and
 policies once, then again), and each figure is the median over its R runs: one 24-request run's
@@ -19,6 +31,7 @@ policy on every figure (latencies at most 1.05x the lower, tokens/s at least 0.9
 and below both fixed policies on TTFT p99 or ITL p99 at the highest rate.
 
     python bench/adaptive.py [--rates 1,2,4] [--requests 24] [--max-tokens 32] [--repeats 1]
+                               [--layout machines|shared]
 """
 
 from __future__ import annotations
@@ -88,24 +101,28 @@ def workload(n: int, seed: int) -> list[tuple[float, list[int]]]:
     return out
 
 
-def one(url: str, prompt: list[int], max_tokens: int, run: Run) -> None:
+def one(url: str, prompt: list[int], max_tokens: int, run: Run, salt: str) -> None:
     body = {"model": EMBEDDED_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
     t0 = time.perf_counter()
-    times = []
+    times, tokens = [], 0
     with HTTP.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
         for line in r.iter_lines():
-            if line.startswith("data: {") and any(c.get("text") for c in json.loads(line[6:])["choices"]):
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if any(c.get("text") for c in chunk["choices"]):  # what a client sees: text, as vLLM's bench
                 times.append(time.perf_counter())
+            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
     run.ttft_ms.append((times[0] - t0) * 1000)
     run.itl_ms += [(b - a) * 1000 for a, b in zip(times, times[1:])]
-    run.output_tokens += len(times)
+    run.output_tokens += tokens
 
 
 def measure(url: str, decode: Proc | None, proxy: Proc | None, rate: float, args: argparse.Namespace,
-            tag: list[int]) -> Run:
+            salt: str) -> Run:
     run = Run()
     jobs = workload(args.requests, args.seed)
     kv0 = metric(decode.url, "pdserve:kv_transfer_bytes_total") if decode else 0.0
@@ -115,7 +132,7 @@ def measure(url: str, decode: Proc | None, proxy: Proc | None, rate: float, args
         futures = []
         for offset, prompt in jobs:
             time.sleep(max(0.0, t0 + offset / rate - time.perf_counter()))
-            futures.append(pool.submit(one, url, tag + prompt, args.max_tokens, run))
+            futures.append(pool.submit(one, url, prompt, args.max_tokens, run, salt))
         for f in futures:
             f.result()
     run.seconds = time.perf_counter() - t0
@@ -139,6 +156,14 @@ def decisions(proxy: Proc) -> tuple[float, float]:
     return local, remote
 
 
+def pin(proc: Proc | None, cpus: set[int]) -> None:
+    """Every thread of ``proc`` (this process for None) onto ``cpus``; threads it starts later
+    inherit it."""
+    pid = os.getpid() if proc is None else proc.popen.pid
+    for task in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(task), cpus)
+
+
 def start_threads(role: str, tmp: Path, threads: int, *args: str) -> Proc:
     """``helpers.cluster.start`` for a colocated node with ``threads`` compute threads."""
     port = free_port()
@@ -160,9 +185,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1, help="runs per (rate, policy); figures are their medians")
+    ap.add_argument("--layout", choices=("machines", "shared"), default="machines",
+                    help="machines: the prefill daemon alone on CPU 0, everything else on CPU 1; "
+                         "shared: no pinning")
     args = ap.parse_args()
+    if args.layout == "machines" and not (hasattr(os, "sched_setaffinity") and {0, 1} <= os.sched_getaffinity(0)):
+        sys.exit("--layout machines needs CPUs 0 and 1 (Linux); use --layout shared")
     rates = [float(r) for r in args.rates.split(",")]
-    tok = Tokenizer.from_dir(ensure_embedded_model())
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-adaptive-"))
     procs: list[Proc] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the daemons are stopped on kill too
@@ -179,17 +208,22 @@ def main() -> None:
         never = start("proxy", tmp, *statics, "--disagg-policy", "never", name="proxy-never")
         both = start_threads("both", tmp, 2)
         procs += [always, never, both]
+        if args.layout == "machines":
+            pin(p, {0})
+            for proc in (d, auto, always, never, None):
+                pin(proc, {1})
+            pin(both, {0, 1})
         configs = [("always", always, d), ("never", never, d), ("auto", auto, d), ("colocated (2 threads)", both, None)]
         warm = workload(6, 99)
         for _, proxy, _ in configs:  # pairs built, first-call costs paid, rates measured: unmeasured
             for _, prompt in warm:
-                one(proxy.url, tok.encode(f"warm {uuid.uuid4().hex}") + prompt, 4, Run())
+                one(proxy.url, prompt, 4, Run(), f"warm {uuid.uuid4().hex}")
         runs: dict[tuple[float, str], list[Run]] = {}
         for repeat in range(args.repeats):
             for rate in rates:
                 for name, proxy, decode in configs:
-                    tag = tok.encode(f"run {uuid.uuid4().hex}: ")
-                    run = measure(proxy.url, decode, proxy if name == "auto" else None, rate, args, tag)
+                    salt = f"run {uuid.uuid4().hex}"
+                    run = measure(proxy.url, decode, proxy if name == "auto" else None, rate, args, salt)
                     runs.setdefault((rate, name), []).append(run)
                     print(f"repeat {repeat + 1}, rate {rate}: {name} done", file=sys.stderr)
         report(runs, args)
@@ -210,7 +244,8 @@ def figures(r: Run) -> dict[str, float]:
 def report(runs: dict[tuple[float, str], list[Run]], args: argparse.Namespace) -> None:
     print(f"\n{args.requests} requests per run, {args.max_tokens} output tokens each, 70 % short (16-128 "
           f"tokens), 30 % long (1,500-3,000; half share a 1,000-token document); embedded model, CPU; "
-          f"{'the median of ' + str(args.repeats) + ' runs' if args.repeats > 1 else 'one run'} per row\n")
+          f"{'the median of ' + str(args.repeats) + ' runs' if args.repeats > 1 else 'one run'} per row; "
+          f"layout {args.layout}\n")
     print("| rate (req/s) | policy | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | output tok/s | KV moved | "
           "auto local/remote |")
     print("|---|---|---|---|---|---|---|---|---|")
