@@ -10,8 +10,9 @@ sharing a 1,000-token document. Every run sends the same prompts with its own ``
 so no run reuses another's prefix cache (within a run the shared document is cached: that is
 the workload, not an artefact) and every policy generates the same tokens (a run-unique text
 tag at the front of the prompts changed the outputs, and with them how many tokens came as
-one streamed chunk: noise in ITL and in a count of content chunks). Reported per run: TTFT p50/p99 and ITL p50/p99 at the client (ms),
-output tokens/s over the run, KV bytes the decode daemon received, and auto's local/remote split.
+one streamed chunk: noise in ITL). Reported per run: TTFT p50/p99 and ITL p50/p99 at the client
+(ms), output tokens/s over the run (tokens from ``usage``), KV bytes the decode daemon received,
+and auto's local/remote split.
 
 Where the daemons run (``--layout``): a disaggregated cluster puts its prefill and decode nodes
 on separate machines, and the decisions ``auto`` makes assume that (a local prefill on the

@@ -168,10 +168,11 @@ class DisaggPolicy:
             # steps says, its residual comes out <= 0, and learning it would price every
             # hand-off at nothing (then a short prompt's two estimates tie)
             return
+        cost = ttft_s - decision.compute_s
         if decision.local:
-            self._local_cost.observe(decode.http_address, ttft_s - decision.compute_s)
+            self._local_cost.observe(decode.http_address, cost)
         else:
-            self._remote_cost.observe((prefill.http_address, decode.http_address), ttft_s - decision.compute_s)
+            self._remote_cost.observe((prefill.http_address, decode.http_address), cost)
 
     def _cached_tokens(self, key: tuple[str, str], chunks: list[bytes]) -> float:
         return self._prefixes.matched(key, chunks) * self._prefixes.chunk_chars / CHARS_PER_TOKEN

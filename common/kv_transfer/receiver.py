@@ -313,7 +313,7 @@ class PairReceiver:
                 scatter_blocks(t.kv_caches[layer], ids, buf[j])
         self._landed(t, msg.layers, msg.shape[1], nbytes)
 
-    def _landed(self, t: Transfer, layers, num_blocks: int, nbytes: int) -> None:
+    def _landed(self, t: Transfer, layers: list[int] | tuple[int, ...], num_blocks: int, nbytes: int) -> None:
         """``layers`` of ``t`` are in its first ``num_blocks`` blocks now."""
         # the checksum is over the blocks as they now hold the bytes, in the sender's order
         if self.checksum and self.transport != "cuda_ipc":

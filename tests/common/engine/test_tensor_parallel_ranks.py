@@ -145,7 +145,8 @@ def test_a_worker_that_dies_ends_its_node_with_no_process_left(nodes):
 def test_a_stopped_worker_still_dies_with_rank_0(tmp_path):
     """A worker that cannot read the end of its pipe (stopped here; hung alike) is killed by the
     kernel when rank 0 dies, so no rank outlives its node."""
-    code = ("import sys; from common.engine.config import EngineConfig; from common.engine.llm_engine import LLMEngine; "
+    code = ("import sys; from common.engine.config import EngineConfig; "
+            "from common.engine.llm_engine import LLMEngine; "
             "e = LLMEngine(EngineConfig(device='cpu', tensor_parallel_size=2, num_kv_blocks=16)); "
             "print(e.runner.leader.procs[0].pid, flush=True); sys.stdin.read()")
     rank0 = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
