@@ -2,10 +2,7 @@
 
 Under pytest-xdist (``make test`` runs two workers) the workers choose from disjoint ranges
 below the kernel's ephemeral range: a port one worker chose and released a moment before its
-server binds it can then never be handed to the other worker's server in between. Within a
-worker the ports go round the range in order, not drawn at random: a port handed out a moment
-ago, whose server has not bound it yet, is not handed out again until the other 4,999 have been
-(a random draw once gave a test's colocated node the port of its prefill node).
+server binds it can then never be handed to the other worker's server in between.
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ import random
 import socket
 
 _SPAN = 5000  # ports a worker chooses from: worker N has [10000 + N * _SPAN, 10000 + (N + 1) * _SPAN)
-_turn = [random.randrange(_SPAN)]  # where this process goes on round its range
 
 
 def _worker_range() -> range | None:
@@ -34,7 +30,7 @@ def free_ports(count: int) -> list[int]:
         while len(socks) < count:
             sock = socket.socket()
             try:
-                sock.bind(("127.0.0.1", _next(ports) if ports is not None else 0))
+                sock.bind(("127.0.0.1", random.choice(ports) if ports is not None else 0))
             except OSError:  # taken: another draw
                 sock.close()
                 continue
@@ -43,11 +39,6 @@ def free_ports(count: int) -> list[int]:
     finally:
         for sock in socks:
             sock.close()
-
-
-def _next(ports: range) -> int:
-    _turn[0] += 1
-    return ports[_turn[0] % len(ports)]
 
 
 def free_port() -> int:
