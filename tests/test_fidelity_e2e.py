@@ -156,6 +156,21 @@ def test_logprobs_are_present_at_every_position(cluster: dict[str, Proc]) -> Non
     assert all(len(top) >= 2 for top in logprobs["top_logprobs"])
 
 
+def test_chat_top_logprobs_are_exactly_n(cluster: dict[str, Proc]) -> None:
+    """OpenAI's count: N entries even where the sampled token is not among them (it keeps its own
+    ``logprob``); completions' ``logprobs: N`` adds the sampled token as vLLM does (up to N+1)."""
+    path, body = chat(temperature=2.0, seed=5, max_tokens=40, logprobs=True, top_logprobs=1, ignore_eos=True)
+    for proc in (cluster["both"], cluster["concurrent"]):
+        content = post(proc, path, body).json()["choices"][0]["logprobs"]["content"]
+        assert [len(entry["top_logprobs"]) for entry in content] == [1] * 40
+        outside = [e for e in content if e["top_logprobs"][0]["token"] != e["token"]]
+        assert outside and all(e["logprob"] < e["top_logprobs"][0]["logprob"] for e in outside)
+    path, body = completion(temperature=2.0, seed=5, max_tokens=40, logprobs=1, ignore_eos=True)
+    logprobs = post(cluster["both"], path, body).json()["choices"][0]["logprobs"]
+    assert all(token in top and len(top) <= 2 for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"]))
+    assert max(len(top) for top in logprobs["top_logprobs"]) == 2
+
+
 BAD_REQUESTS = {
     "max-tokens-negative": completion(max_tokens=-1),
     "temperature-too-high": completion(temperature=5.0),
@@ -171,6 +186,8 @@ BAD_REQUESTS = {
     "n-past-max": completion(n=17),
     "wrong-model": completion(model="no-such-model"),
     "chat-messages-missing": ("/v1/chat/completions", {"model": MODEL}),
+    "chat-top-logprobs-without-logprobs": chat(top_logprobs=2),
+    "chat-top-logprobs-false": chat(logprobs=False, top_logprobs=0),
     "not-json": ("/v1/completions", b"{not json"),
     "empty-body": ("/v1/completions", b""),
     "nested-too-deep": ("/v1/completions", b'{"prompt": ' + b"[" * 100 + b"]" * 100 + b"}"),

@@ -49,13 +49,14 @@ async def create_chat_completion(
     public_id = response_id(request_id, "chatcmpl-")
     headers = response_headers(request, public_id)
     with openai_errors(request_id):
+        _check_logprobs(body)
         ctx.check_model(body)
         num_chars = sum(m.num_chars() for m in body.messages)
         ctx.check_prompt_chars(num_chars, "messages")
         prompt = await ctx.off_loop(num_chars, chat_prompt_token_ids, ctx.tokenizer, body)
         prepared = await ctx.prepare(body, [prompt], request)
         run = GenerationRun(ctx, prepared)
-        formatter = _ChatChunks(ctx, public_id, body.logprobs, body.n)
+        formatter = _ChatChunks(ctx, public_id, body.logprobs, body.n, body.top_logprobs or 0)
         if body.stream:
             stream = sse_stream(run, formatter, body.include_usage, request_id, body.continuous_usage)
             return ClosingStreamingResponse(stream, headers)
@@ -78,11 +79,22 @@ async def create_chat_completion(
     return JSONResponse(reply, headers=headers)
 
 
+def _check_logprobs(body: ChatCompletionRequest) -> None:
+    """``top_logprobs`` only with ``logprobs: true`` (OpenAI refuses it otherwise; ignoring it
+    would answer without the logprobs the client asked for)."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs",
+                          code="invalid_value")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+        raise OpenAIError("top_logprobs must be in [0, 20]", param="top_logprobs", code="invalid_value")
+
+
 async def _choice(ctx: ServingContext, body: ChatCompletionRequest, result: ChoiceResult) -> dict[str, Any]:
     logprobs = None
     if body.logprobs:  # one decode per candidate token: a long reply's worth goes off the loop
         size = len(result.token_ids) * DECODES_PER_TOKEN * (1 + (body.top_logprobs or 0))
-        logprobs = await ctx.off_loop(size, chat_logprobs, ctx.tokenizer, result.token_ids, result.logprobs)
+        logprobs = await ctx.off_loop(size, chat_logprobs, ctx.tokenizer, result.token_ids, result.logprobs,
+                                      body.top_logprobs or 0)
     return {
         "index": result.index,
         "message": {"role": "assistant", "content": result.text},
@@ -94,9 +106,11 @@ async def _choice(ctx: ServingContext, body: ChatCompletionRequest, result: Choi
 class _ChatChunks:
     """``chat.completion.chunk`` stream chunks: a role delta first, then content deltas."""
 
-    def __init__(self, ctx: ServingContext, request_id: str, with_logprobs: bool, n: int = 1) -> None:
+    def __init__(self, ctx: ServingContext, request_id: str, with_logprobs: bool, n: int = 1,
+                 top_logprobs: int = 0) -> None:
         self.ctx = ctx
         self.with_logprobs = with_logprobs
+        self.top_logprobs = top_logprobs
         self.n = n
         self.base = {
             "id": request_id,
@@ -118,7 +132,8 @@ class _ChatChunks:
             return None
         logprobs = None
         if self.with_logprobs:
-            logprobs = chat_logprobs(self.ctx.tokenizer, out.new_token_ids, out.new_logprobs or [])
+            logprobs = chat_logprobs(self.ctx.tokenizer, out.new_token_ids, out.new_logprobs or [],
+                                     self.top_logprobs)
         return self._chunk({"content": out.new_text}, None, logprobs, index)
 
     def finish(self, index: int, finish_reason: str) -> dict[str, Any]:

@@ -27,11 +27,18 @@ def completion_logprobs(
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, Any]:
-    """``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`` of chat completions."""
+def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[dict[int, float]],
+                  top_n: int) -> dict[str, Any]:
+    """``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`` of chat completions.
+
+    ``top_logprobs`` holds exactly the ``top_n`` most likely tokens, as OpenAI's does: the
+    engine's map also carries the sampled token when it fell outside them (completions report
+    it, up to N+1 entries as vLLM and OpenAI's legacy API do); here it is only ``logprob``.
+    """
     content = []
     for token_id, candidates in zip(token_ids, logprobs):
         text = _token_text(tokenizer, token_id)
+        top = sorted(candidates.items(), key=lambda item: -item[1])[:top_n]  # stable: ties keep top-k order
         content.append(
             {
                 "token": text,
@@ -39,7 +46,7 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[dict[int,
                 "bytes": list(text.encode()),
                 "top_logprobs": [
                     {"token": (t_text := _token_text(tokenizer, t)), "logprob": lp, "bytes": list(t_text.encode())}
-                    for t, lp in candidates.items()
+                    for t, lp in top
                 ],
             }
         )

@@ -11,6 +11,7 @@ from serving_fakes import CharTokenizer, FakeEngine
 from common.config import NodeConfig
 from common.metrics import NodeMetrics
 from common.serving.app import build_app
+from common.serving.logprobs import chat_logprobs
 
 
 @pytest.fixture
@@ -90,9 +91,27 @@ def test_chat_completion(client: TestClient, engine: FakeEngine) -> None:
     assert data["object"] == "chat.completion"
     assert data["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
     assert data["choices"][0]["logprobs"]["content"][0]["token"] == "a"
+    assert [len(e["top_logprobs"]) for e in data["choices"][0]["logprobs"]["content"]] == [1, 1]
     expected = list(b"<system>s\n<user>hi\n<assistant>")  # add_special_tokens=False: no BOS
     assert engine.calls[0].prompt_token_ids == expected
     assert data["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_chat_top_logprobs_leave_out_a_sampled_token_outside_the_top_n() -> None:
+    """The engine's map holds the top N plus the sampled token; chat reports exactly N."""
+    candidates = {ord("x"): -0.2, ord("y"): -0.9, ord("a"): -3.0}  # "a" sampled, third most likely
+    entry = chat_logprobs(CharTokenizer(), [ord("a")], [candidates], 2)["content"][0]
+    assert entry["logprob"] == -3.0
+    assert [(t["token"], t["logprob"]) for t in entry["top_logprobs"]] == [("x", -0.2), ("y", -0.9)]
+    assert chat_logprobs(CharTokenizer(), [ord("a")], [candidates], 0)["content"][0]["top_logprobs"] == []
+
+
+@pytest.mark.parametrize("fields", [{"top_logprobs": 2}, {"top_logprobs": 0, "logprobs": False},
+                                    {"top_logprobs": 21, "logprobs": True}])
+def test_chat_top_logprobs_need_logprobs_and_a_range(client: TestClient, fields: dict) -> None:
+    reply = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **fields})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "top_logprobs"
 
 
 BAD_COMPLETIONS = [
