@@ -72,7 +72,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return _llama3_inv_freq(inv_freq, scaling)
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
-    raise NotImplementedError(f"rope scaling type {kind!r} is not supported (supported: llama3, linear)")
+    if kind == "freq_factors":  # a GGUF's rope_freqs tensor: the divisor of each frequency, precomputed
+        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
+    raise NotImplementedError(f"rope scaling type {kind!r} is not supported (supported: llama3, linear, freq_factors)")
 
 
 class RotaryEmbedding(nn.Module):
