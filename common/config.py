@@ -11,12 +11,12 @@ re-exported here so ``from common.config import load_config`` keeps working.
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
-from common.defaults import EMBEDDED_MODEL_NAME  # torch-free, so the launcher need not load the model
+from common.defaults import DEFAULT_CACHE_DIR, EMBEDDED_MODEL_NAME  # torch-free, so the launcher need not load the model
+from common.model.sources import check_model_spec  # torch-free too: checked once, when the flags are read
 from common.options import ENV_PREFIX, USED_BY, env_name, flag_name, load_config
 
 from common.cluster_auth import check_key_file
@@ -25,7 +25,7 @@ from common.registry_client import MAX_HEARTBEAT_INTERVAL_S
 
 __all__ = [
     "EMBEDDED_MODEL_NAME", "ENV_PREFIX", "PROXY_HTTP_PORT", "PROXY_REGISTRY_PORT", "ROLE_HTTP_PORTS",
-    "ROLE_KV_PORTS", "NodeConfig", "Role", "check_model_dir", "env_name", "flag_name", "load_config",
+    "ROLE_KV_PORTS", "NodeConfig", "Role", "check_model_spec", "env_name", "flag_name", "load_config",
     "routable_host",
 ]
 
@@ -40,18 +40,6 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 DAEMONS = {USED_BY: ("prefill", "decode")}
 PREFILL_ONLY = {USED_BY: ("prefill",)}
 DECODE_ONLY = {USED_BY: ("decode",)}
-
-
-def check_model_dir(value: str) -> str:
-    """``value`` when it names a Hugging Face model directory; ValueError saying what is wrong otherwise.
-
-    Checked at start so a typo is one line and exit 2, not a traceback from the loader."""
-    path = Path(value).expanduser()
-    if not path.is_dir():
-        raise ValueError("no such model directory")
-    if not (path / "config.json").is_file():
-        raise ValueError("not a Hugging Face model directory (no config.json in it)")
-    return value
 
 
 def routable_host() -> str | None:
@@ -165,7 +153,10 @@ class NodeConfig(HttpServerOptions, EngineConfig):
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level")
     log_file: str | None = Field(None, description="Also write logs to this file")
-    cache_dir: str = Field("~/.cache/pdserve", description="Where the embedded model is generated")
+    cache_dir: str = Field(
+        DEFAULT_CACHE_DIR, description="Where the default model is fetched to, GGUF files are converted and "
+        "the embedded model is generated"
+    )
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body (413 above)")
     keep_alive_timeout_s: float = Field(
         5.0, gt=0, le=3600, description="Idle keep-alive connections close after (the proxy's pool drops them at 4 s)"
@@ -195,8 +186,8 @@ class NodeConfig(HttpServerOptions, EngineConfig):
 
     @field_validator("model")
     @classmethod
-    def _model_dir(cls, value: str | None) -> str | None:
-        return None if value is None else check_model_dir(value)
+    def _model_spec(cls, value: str | None) -> str | None:
+        return None if value is None else check_model_spec(value)
 
     @model_validator(mode="after")
     def _tensor_parallel_role(self) -> NodeConfig:

@@ -25,8 +25,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.cluster_auth import ClusterKey
+from common.defaults import DEFAULT_CACHE_DIR
 from common.config import (
-    EMBEDDED_MODEL_NAME, PROXY_HTTP_PORT, PROXY_REGISTRY_PORT, ROLE_HTTP_PORTS, ROLE_KV_PORTS,
+    PROXY_HTTP_PORT, PROXY_REGISTRY_PORT, ROLE_HTTP_PORTS, ROLE_KV_PORTS,
 )
 from common.kv_topology import MAX_TP_SIZE
 from pdserve.run_dir import PIDS_FILE, down, is_alive, is_ours, read_pids, write_pids
@@ -227,13 +228,12 @@ def _failure(spec: ProcessSpec, log_dir: Path, why: str) -> str:
 
 
 def model_args(options: UpOptions) -> tuple[str, ...]:
-    """The daemons' model flags; generates the embedded model first when it is the one."""
-    if options.model:
-        return ("--model", options.model)
-    from common.model.embedded import ensure_embedded_model  # torch: lazy
+    """The daemons' model flags: the model fetched, converted or generated here first, once, so
+    the two daemons do not race to do it (and a download's progress shows in this terminal)."""
+    from common.model.sources import resolve_model  # torch for the embedded model: lazy
 
-    # Both daemons load this one directory under the embedded model's public name.
-    return ("--model", str(ensure_embedded_model()), "--served-model-name", EMBEDDED_MODEL_NAME)
+    model_dir, name = resolve_model(options.model, DEFAULT_CACHE_DIR)
+    return ("--model", str(model_dir), "--served-model-name", name)
 
 
 def memory_args(tp: int = 1) -> tuple[str, ...]:

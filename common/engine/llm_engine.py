@@ -39,7 +39,8 @@ from common.engine.sequence import Sequence
 from common.engine.step_meter import StepMeter
 from common.kv_layout import DTYPES, KVLayout
 from common.model.attention import choose_kernels
-from common.model.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
+from common.defaults import DEFAULT_CACHE_DIR, EMBEDDED_MODEL_SPEC
+from common.model.sources import resolve_model
 
 
 class LLMEngine:
@@ -49,9 +50,10 @@ class LLMEngine:
         self.kv_worker = self.connector.worker
         self.device = config.resolved_device()
         dtype = config.resolved_dtype()
-        model_dir = Path(config.model) if config.model else Path(ensure_embedded_model())
+        # A node resolved --model to a directory already (pdserve/node.py: its default is the real
+        # model); an engine built directly, as the tests build theirs, defaults to the embedded one.
+        model_dir, default_name = resolve_model(config.model or EMBEDDED_MODEL_SPEC, DEFAULT_CACHE_DIR)
         model, self.model_config = load_model_on_ranks(config, model_dir, self.device, DTYPES[dtype])
-        default_name = model_dir.name if config.model else EMBEDDED_MODEL_NAME
         self.model_name = config.served_model_name or default_name
         self.tokenizer = _load_tokenizer(model_dir)
         self.kv_layout: KVLayout = self.model_config.kv_layout(config.block_size, dtype)
@@ -115,7 +117,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         check_prompt(prompt_token_ids, self.max_model_len)
-        params.validate()
+        params.validate(self.model_config.vocab_size)
         seq = Sequence(request_id, list(prompt_token_ids), params,
                        kv_transfer_params=dict(kv_transfer_params or {}),
                        grammar=params.grammar.matcher() if params.grammar is not None else None)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from common.kv_layout import KVLayout
+if TYPE_CHECKING:  # torch: the command line reads this module's errors without it
+    from common.kv_layout import KVLayout
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -120,6 +121,8 @@ class ModelConfig:
 
     def kv_layout(self, block_size: int, dtype: str) -> KVLayout:
         """The paged KV cache layout this model needs at ``block_size`` and ``dtype``."""
+        from common.kv_layout import KVLayout
+
         return KVLayout(
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,

@@ -49,7 +49,7 @@ def ensure_converted(file: str | Path, cache_root: str | Path) -> Path:
     if (target / SOURCE_FILE).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.parent / f".{target.name}.lock"):
+    with locked(target.parent / f".{target.name}.lock"):
         if (target / SOURCE_FILE).is_file():  # another process converted it while we waited
             return target
         tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
@@ -64,7 +64,7 @@ def ensure_converted(file: str | Path, cache_root: str | Path) -> Path:
 
 
 @contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
+def locked(lock_path: Path) -> Iterator[None]:
     with lock_path.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:

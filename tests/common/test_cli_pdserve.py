@@ -67,7 +67,7 @@ def test_bad_flag_value_is_one_line_and_exit_2() -> None:
 def test_serve_with_a_missing_model_is_one_line_and_exit_2() -> None:
     proc = _pdserve("serve", "--model", "/nonexistent")
     assert proc.returncode == 2
-    assert proc.stderr == "pdserve serve: error: --model: no such model directory (got /nonexistent)\n"
+    assert proc.stderr == "pdserve serve: error: --model: no such model directory or .gguf file (got /nonexistent)\n"
 
 
 @pytest.mark.parametrize("command", ["prefill", "decode", "serve", "proxy"])
