@@ -93,6 +93,24 @@ def chat(**extra: Any) -> tuple[str, dict]:
     return "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 10, **extra}
 
 
+# each changes the greedy / seeded answer (test_each_sampling_field_changes_the_answer)
+SAMPLING_FIELDS = {
+    "presence-penalty": completion(temperature=0, presence_penalty=2.0, max_tokens=16, ignore_eos=True),
+    "frequency-penalty": completion(temperature=0, frequency_penalty=1.0, max_tokens=16, logprobs=1, ignore_eos=True),
+    "repetition-penalty": completion(temperature=0, repetition_penalty=3.0, max_tokens=16, ignore_eos=True),
+    # the prompt ends in greedy's own repetitive answer, so its next greedy token (745) is a prompt token
+    "repetition-penalty-first-token": completion(temperature=0, repetition_penalty=3.0, max_tokens=1, prompt=[
+        344, 1662, 828, 78, 288, 353, 90, 81, 291, 82, 91, 1629, 88, 330, 86, 835, 638, 638, 638, 638, 638, 745,
+        844, 745]),
+    "min-p": completion(temperature=1.5, seed=4, min_p=0.7, max_tokens=16, ignore_eos=True),
+    "top-k": completion(temperature=1.5, seed=9, top_k=3, max_tokens=16, ignore_eos=True),
+    "logit-bias": completion(temperature=0, logit_bias={"42": 100, "300": 30}, frequency_penalty=1.0,
+                             max_tokens=8, ignore_eos=True),
+    "min-tokens": completion(temperature=0, logit_bias={"1": 100}, min_tokens=5, max_tokens=8),
+    "chat-all": chat(temperature=0.9, seed=2, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
+                     min_p=0.05, top_k=20, logit_bias={"42": 5}, min_tokens=3, logprobs=True, top_logprobs=2),
+}
+
 REQUESTS = {
     "greedy": completion(temperature=0, ignore_eos=True),
     "greedy-logprobs": completion(temperature=0, logprobs=3, ignore_eos=True),
@@ -110,6 +128,8 @@ REQUESTS = {
     "n4-seeded-logprobs-stop": completion(temperature=1.0, seed=21, n=4, logprobs=2, max_tokens=16, stop=["e"]),
     "n4-first-token-only": completion(temperature=1.0, seed=6, n=4, max_tokens=1),
     "chat-n3-seeded": chat(temperature=1.0, seed=13, n=3, logprobs=True, top_logprobs=1),
+    # vLLM's sampling fields: the prefill node's first token obeys them as the decode node's rest
+    **{f"field-{name}": req for name, req in SAMPLING_FIELDS.items()},
 }
 
 
@@ -156,6 +176,22 @@ def test_logprobs_are_present_at_every_position(cluster: dict[str, Proc]) -> Non
     assert all(len(top) >= 2 for top in logprobs["top_logprobs"])
 
 
+def _without(body: dict, name: str) -> dict:
+    fields = {"presence-penalty": ("presence_penalty",), "frequency-penalty": ("frequency_penalty",),
+              "min-p": ("min_p",), "top-k": ("top_k",), "logit-bias": ("logit_bias", "frequency_penalty"),
+              "min-tokens": ("min_tokens",)}.get(name)
+    drop = fields or [k for k in body if k.endswith("_penalty") or k in ("min_p", "top_k", "logit_bias")]
+    return {k: v for k, v in body.items() if k not in drop}
+
+
+@pytest.mark.parametrize("name", list(SAMPLING_FIELDS))
+def test_each_sampling_field_changes_the_answer(cluster: dict[str, Proc], name: str) -> None:
+    """So the parity above is not vacuous: without the field the colocated node answers otherwise."""
+    path, body = SAMPLING_FIELDS[name]
+    with_field, without = (post(cluster["both"], path, b).json()["choices"][0] for b in (body, _without(body, name)))
+    assert with_field.get("text", with_field.get("message")) != without.get("text", without.get("message"))
+
+
 def test_chat_top_logprobs_are_exactly_n(cluster: dict[str, Proc]) -> None:
     """OpenAI's count: N entries even where the sampled token is not among them (it keeps its own
     ``logprob``); completions' ``logprobs: N`` adds the sampled token as vLLM does (up to N+1)."""
@@ -188,6 +224,12 @@ BAD_REQUESTS = {
     "chat-messages-missing": ("/v1/chat/completions", {"model": MODEL}),
     "chat-top-logprobs-without-logprobs": chat(top_logprobs=2),
     "chat-top-logprobs-false": chat(logprobs=False, top_logprobs=0),
+    "presence-penalty-too-high": completion(presence_penalty=2.5),
+    "repetition-penalty-zero": completion(repetition_penalty=0),
+    "min-p-above-one": completion(min_p=1.5),
+    "logit-bias-outside-vocab": completion(logit_bias={"2048": 1}),
+    "logit-bias-too-strong": chat(logit_bias={"5": -101}),
+    "top-k-minus-two": chat(top_k=-2),
     "not-json": ("/v1/completions", b"{not json"),
     "empty-body": ("/v1/completions", b""),
     "nested-too-deep": ("/v1/completions", b'{"prompt": ' + b"[" * 100 + b"]" * 100 + b"}"),

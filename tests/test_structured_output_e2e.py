@@ -130,7 +130,13 @@ def test_openai_sdk_response_format(cluster: dict[str, Proc]) -> None:
         temperature=0, response_format=JSON_SCHEMA_FORMAT)
     jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
     assert reply.usage.prompt_tokens_details.cached_tokens is not None
+    sampled = client.chat.completions.create(  # vLLM's sampling fields, as an SDK user sends them
+        model="pdserve-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, presence_penalty=0.5,
+        frequency_penalty=0.5, logit_bias={"42": 5}, logprobs=True, top_logprobs=3,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 4})
+    assert sampled.usage.completion_tokens >= 4
+    assert all(len(t.top_logprobs) == 3 for t in sampled.choices[0].logprobs.content)
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="pdserve-tiny", messages=[{"role": "user", "content": "hi"}],
-                                       presence_penalty=0.5)
+                                       presence_penalty=2.5)
     assert caught.value.body["param"] == "presence_penalty"

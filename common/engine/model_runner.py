@@ -252,7 +252,8 @@ class ModelRunner:
         if not sampled_seqs:
             return RunnerOutput([], [], [])
         logits = self.model.compute_logits(hidden[sample_rows])
-        rows = [SampleRow(s.params, s.num_tokens, len(s.output_token_ids), s.grammar) for s in sampled_seqs]
+        rows = [SampleRow(s.params, s.num_tokens, len(s.output_token_ids), s.grammar, s.prompt_token_ids,
+                          s.output_token_ids) for s in sampled_seqs]
         logits, rows, extra = expand_rows(logits, rows, sampled_seqs)
         out = self.sampler(logits, rows)
         firsts = split_choices(sampled_seqs, out.token_ids, out.logprobs, extra) if extra else {}

@@ -18,18 +18,21 @@ the host by llguidance, copied once) applied to its logits first; rows without o
 nothing, and a batch without any skips the step entirely.
 
 ``min_tokens`` (vLLM's meaning): until a row has generated that many tokens, its stop
-token ids and EOS (unless ``ignore_eos``) are masked out. Logprobs are the model's raw
-ones (before temperature and masks), like vLLM's default.
+token ids and EOS (unless ``ignore_eos``) are masked out. Then, in vLLM's order,
+``logit_bias``, the penalties (``logits_processors.py``), greedy argmax or temperature,
+``min_p``, top-k, top-p. Logprobs are the model's raw ones (before temperature and masks),
+like vLLM's default.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from common.engine.grammar_masks import GrammarMasks
+from common.engine.logits_processors import apply_logit_bias, apply_min_p, apply_penalties
 from common.engine.sampling_params import SamplingParams
 from common.engine.structured_output import GrammarMatcher
 
@@ -47,6 +50,9 @@ class SampleRow:
     position: int  # index the new token takes in prompt + output: a seeded draw depends on it
     num_output_tokens: int = 0  # tokens generated so far (for min_tokens)
     grammar: GrammarMatcher | None = None  # structured output: only the tokens it allows
+    # the sequence's own lists (not copies), read only by rows with penalties
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -67,7 +73,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         """``logits`` is ``[len(rows), vocab]`` on the sampler's device."""
         logits = logits.float()
-        token_ids = self._sample(self._mask_stop_tokens(self._mask_grammar(logits, rows), rows), rows)
+        processed = self._mask_stop_tokens(self._mask_grammar(logits, rows), rows)
+        processed = apply_penalties(apply_logit_bias(processed, rows, self._to_device), rows, self._to_device)
+        token_ids = self._sample(processed, rows)
         ids = token_ids.tolist()  # the step's one device->host copy of the tokens
         return SamplerOutput(ids, self._logprobs(logits, token_ids, ids, rows))
 
@@ -85,7 +93,7 @@ class Sampler:
         seeded = [r.params.seed is not None for r in rows]
         floats = self._to_device([temps, top_ps], torch.float32)
         ints = self._to_device([top_ks, seeds, [r.position for r in rows], greedy, seeded], torch.int64)
-        scaled = logits / floats[0].unsqueeze(1)
+        scaled = apply_min_p(logits / floats[0].unsqueeze(1), rows, self._to_device)
         if any(top_ks):
             scaled = _top_k_mask(scaled, ints[0], max(top_ks))
         probs = torch.softmax(scaled, dim=-1)

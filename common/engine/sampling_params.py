@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -9,6 +10,7 @@ if TYPE_CHECKING:
     from common.engine.structured_output import Grammar
 
 MAX_CACHE_SALT_CHARS = 256
+MAX_LOGIT_BIAS = 300  # entries: one step's bias is built from them for every row that has one
 
 
 class SamplingParamsError(ValueError):
@@ -24,6 +26,14 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    # penalties (vLLM's meanings): presence/frequency subtract from the logits of tokens already
+    # generated (once / per occurrence); repetition divides the positive and multiplies the negative
+    # logits of every token in prompt or output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     seed: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0  # stop tokens and EOS are masked until this many tokens are generated
@@ -44,13 +54,18 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
     def choice(self, index: int) -> SamplingParams:
         """Choice ``index``'s own settings (n=1): choice 0 keeps the seed, so it answers as n=1
         would; choice i > 0 draws from a seed derived from (seed, i), the same on every node."""
         seed = self.seed if self.seed is None or index == 0 else choice_seed(self.seed, index)
         return replace(self, n=1, seed=seed)
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Every range (``vocab_size``, when known, bounds ``logit_bias``'s token ids)."""
         if self.n < 1:
             raise SamplingParamsError("n must be at least 1", "n")
         if not 0.0 <= self.temperature <= 2.0:
@@ -59,6 +74,14 @@ class SamplingParams:
             raise SamplingParamsError("top_p must be in (0, 1]", "top_p")
         if self.top_k < -1:
             raise SamplingParamsError("top_k must be -1 (disabled) or >= 1", "top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError("min_p must be in [0, 1]", "min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingParamsError(f"{name} must be in [-2, 2]", name)
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise SamplingParamsError("repetition_penalty must be a finite number above 0", "repetition_penalty")
+        self._validate_logit_bias(vocab_size)
         if self.max_tokens < 1:
             raise SamplingParamsError("max_tokens must be at least 1", "max_tokens")
         if self.min_tokens < 0:
@@ -71,6 +94,19 @@ class SamplingParams:
             raise SamplingParamsError("logprobs must be in [0, 20]", "logprobs")
         if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
             raise SamplingParamsError(f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
+
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingParamsError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}",
+                                      "logit_bias")
+        for token, bias in self.logit_bias.items():
+            if not -100.0 <= bias <= 100.0:
+                raise SamplingParamsError(f"logit_bias of token {token} is {bias}; biases must be in [-100, 100]",
+                                          "logit_bias")
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise SamplingParamsError(f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})",
+                                          "logit_bias")
 
 
 _MASK64 = 2**64 - 1

@@ -85,7 +85,7 @@ def convert(file: str | Path, directory: str | Path) -> None:
     by_name = {t.name: t for t in reader.tensors}
     config = dict(model.config)
     if ROPE_FREQS in by_name:
-        factors = _dequantize(model, by_name[ROPE_FREQS], by_name[ROPE_FREQS].tensor_type.name)
+        factors = dequantize_tensor(model.path, by_name[ROPE_FREQS])
         config["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": [float(f) for f in factors.ravel()]}
     tensors = {t.hf_name: _tensor(model, by_name[t.gguf_name], t) for t in model.tensors}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
@@ -101,23 +101,23 @@ def convert(file: str | Path, directory: str | Path) -> None:
 
 
 def _tensor(model: GGUFModel, raw: Any, tensor: GGUFTensor) -> np.ndarray:
-    values = _dequantize(model, raw, tensor.type_name).reshape(tensor.shape)
+    values = dequantize_tensor(model.path, raw).reshape(tensor.shape)
     if tensor.unpermute_heads:
         values = unpermute_rows(values, tensor.unpermute_heads)
     return np.ascontiguousarray(values)
 
 
-def _dequantize(model: GGUFModel, raw: Any, type_name: str) -> np.ndarray:
-    from gguf import GGMLQuantizationType
+def dequantize_tensor(path: Path, raw: Any) -> np.ndarray:
+    """The values of gguf reader tensor ``raw`` (of file ``path``): float32, or float16 for F16."""
     from gguf.quants import dequantize
 
     data = np.asarray(raw.data)
-    if type_name == "F16":
+    if raw.tensor_type.name == "F16":
         return data.view(np.float16)
     try:
-        return dequantize(data, GGMLQuantizationType[type_name]).astype(np.float32, copy=False)
+        return dequantize(data, raw.tensor_type).astype(np.float32, copy=False)
     except (ValueError, NotImplementedError) as exc:
-        raise GGUFError(f"{model.path}: tensor {raw.name}: cannot dequantize {type_name} ({exc})") from None
+        raise GGUFError(f"{path}: tensor {raw.name}: cannot dequantize {raw.tensor_type.name} ({exc})") from None
 
 
 def unpermute_rows(weights: np.ndarray, heads: int) -> np.ndarray:

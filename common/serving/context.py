@@ -132,7 +132,7 @@ class ServingContext:
             if result is not None:
                 await result
         try:
-            params.validate()
+            params.validate(self.vocab_size)
         except SamplingParamsError as exc:
             param = exc.param
             if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:

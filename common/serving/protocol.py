@@ -2,7 +2,7 @@
 
 Strict mode makes ``"max_tokens": "5"`` or ``"prompt": [true]`` a 400 instead of a silent
 coercion. Undeclared fields are kept (``model_extra``) and checked by ``unhonoured.py``:
-the OpenAI / vLLM ones this server does not implement (``logit_bias``, ``tools``...) are a
+the OpenAI / vLLM ones this server does not implement (``tools``, ``length_penalty``...) are a
 400 unless sent at a value that asks for nothing; ``user`` and a few others are ignored on
 purpose; names nobody defines are ignored. Integers are bounded here (a 2^70 seed would overflow
 the sampler's int64) and every text must be encodable (a lone surrogate ``"\ud800"``
@@ -36,6 +36,8 @@ Text = Annotated[str, AfterValidator(_encodable)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]  # semantic ranges: SamplingParams.validate
 Prompt = Text | list[Text] | list[TokenId] | list[list[TokenId]]
+# logit_bias keys are token ids written as JSON strings (OpenAI's shape); ranges: SamplingParams.validate
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 
 
 class StreamOptions(BaseModel):
@@ -71,6 +73,11 @@ class SamplingRequest(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: Count = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[TokenIdKey, float] | None = None
     seed: Annotated[int, Field(ge=-(2**63), le=INT64_MAX)] | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list)
@@ -107,6 +114,11 @@ class SamplingRequest(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
             seed=self.seed,
             max_tokens=self.requested_max_tokens(),
             min_tokens=self.min_tokens,

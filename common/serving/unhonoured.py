@@ -1,12 +1,11 @@
 """Request fields pdserve knows but does not act on: refused unless they ask for nothing.
 
 OpenAI and vLLM clients send fields this server does not implement. A field sent at its
-neutral value (``presence_penalty: 0``, ``tools: []``, vLLM bench's ``repetition_penalty:
-1.0``) changes nothing, so it is accepted; any other value would be silently ignored, so it
-is a 400 naming the field. A few fields are accepted whatever their value because ignoring
-them is what they mean here (``IGNORED``, with the reason). Names in neither table are
-ignored as before (vLLM does the same), so a client that adds a new field keeps working;
-the README lists all three groups.
+neutral value (``tools: []``, ``length_penalty: 1.0``) changes nothing, so it is accepted;
+any other value would be silently ignored, so it is a 400 naming the field. A few fields are
+accepted whatever their value because ignoring them is what they mean here (``IGNORED``, with
+the reason). Names in neither table are ignored as before (vLLM does the same), so a client
+that adds a new field keeps working; the README lists all three groups.
 """
 
 from __future__ import annotations
@@ -22,9 +21,6 @@ _EMPTY: tuple[Any, ...] = (None, [], {}, "")
 # field -> the values that ask for nothing (accepted as a no-op); anything else is a 400
 REFUSED: dict[str, tuple[Any, ...]] = {
     # OpenAI
-    "logit_bias": _EMPTY,
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "tools": _EMPTY,
     "tool_choice": (None, "none", "auto"),  # without tools both mean plain text
     "functions": _EMPTY,
@@ -39,8 +35,6 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "verbosity": _NONE,
     "web_search_options": _NONE,
     # vLLM's extensions
-    "repetition_penalty": (None, 1, 1.0),
-    "min_p": (None, 0, 0.0),
     "length_penalty": (None, 1, 1.0),
     "use_beam_search": (None, False),
     "include_stop_str_in_output": (None, False),

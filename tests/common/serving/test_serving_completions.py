@@ -75,6 +75,17 @@ def test_sampling_fields_reach_the_engine(client: TestClient, engine: FakeEngine
     assert (params.stop, params.stop_token_ids, params.ignore_eos) == (["zz"], [9], True)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_vllm_sampling_fields_reach_the_engine(client: TestClient, engine: FakeEngine, path: str) -> None:
+    fields = dict(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.3, min_p=0.05, top_k=7,
+                  min_tokens=2, logit_bias={"5": 10, "255": -100.0}, max_tokens=4)
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    assert client.post(path, json={**body, **fields}).status_code == 200
+    p = engine.calls[0].params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == (0.5, -1.0, 1.3, 0.05)
+    assert (p.top_k, p.min_tokens, p.logit_bias) == (7, 2, {5: 10.0, 255: -100.0})
+
+
 def test_logprobs(client: TestClient) -> None:
     data = _complete(client, prompt="x", max_tokens=2, logprobs=1).json()
     logprobs = data["choices"][0]["logprobs"]
@@ -133,6 +144,23 @@ BAD_COMPLETIONS = [
     ({"prompt": "x" * 60, "max_tokens": 10}, "max_tokens"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "min_p": -0.1}, "min_p"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"256": 1}}, "logit_bias"),  # past the vocabulary (256)
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": [5]}, "logit_bias"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "x", "min_tokens": 5, "max_tokens": 4}, "min_tokens"),
 ]
 
 
