@@ -3,10 +3,14 @@
 :func:`load_config` turns any pydantic model into a command line: every field becomes
 ``--field-name`` (bools ``--flag/--no-flag``), plus ``--config PATH``. Precedence, highest
 first: CLI flags, ``PDSERVE_<FIELD_NAME>`` environment variables, the TOML file (a
-``[<command>]`` table overrides its top-level keys), the model's defaults. Top-level keys are
-shared by every command; a command's table may set only the options that command uses (a
-field's ``json_schema_extra={USED_BY: (...)}`` names them). A bad value prints one line naming
-the option and the problem and exits with status 2.
+``[<command>]`` table overrides its top-level keys), the model's defaults.
+
+One rule for options only some commands use (a field's ``json_schema_extra={USED_BY: (...)}``
+names them, e.g. ``--kv-port`` for prefill and decode): any other command neither lists nor
+accepts them, as a flag, a ``PDSERVE_*`` variable, a top-level TOML key or a key in its own
+table. Each is one line naming where the value came from and which commands use it, and exit
+status 2; a value that would be silently ignored is never accepted. A bad value prints one line
+naming the option and the problem and exits with status 2 too.
 """
 
 from __future__ import annotations
@@ -58,6 +62,18 @@ def used_by(info: FieldInfo, command: str) -> bool:
     return commands is None or command in commands  # type: ignore[operator]
 
 
+def unused_fields(cls: type[BaseModel], command: str) -> dict[str, FieldInfo]:
+    """The fields ``command`` does not read (another command's own options)."""
+    return {name: info for name, info in cls.model_fields.items() if not used_by(info, command)}
+
+
+def _not_used(where: str, prog: str, info: FieldInfo) -> str:
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    users = [f"pdserve {c}" for c in extra.get(USED_BY, ())]  # type: ignore[union-attr]
+    verb = "uses" if len(users) == 1 else "use"
+    return f"{prog}: error: {where} is not used by {prog} (only {' and '.join(users)} {verb} it)\n"
+
+
 def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
@@ -83,8 +99,13 @@ def load_config(
     """
     defaults, fixed = defaults or {}, fixed or {}
     env = os.environ if env is None else env
-    parser = _build_parser(cls, prog, description, defaults, fixed)
+    unused = unused_fields(cls, prog.split()[-1])
+    parser = _build_parser(cls, prog, description, defaults, fixed, unused)
     args = vars(parser.parse_args(argv))
+    for name in [n for n in unused if n in args]:
+        parser.exit(2, _not_used(flag_name(name), prog, unused[name]))
+    for name in [n for n in unused if env_name(n) in env]:
+        parser.exit(2, _not_used(f"{env_name(name)} (in the environment)", prog, unused[name]))
     values: dict[str, Any] = dict(defaults)
     sources: dict[str, _Source] = {}
     config_path = args.pop("config", None) or env.get(ENV_PREFIX + "CONFIG")
@@ -105,7 +126,8 @@ def load_config(
 
 
 def _build_parser(
-    cls: type[BaseModel], prog: str, description: str, defaults: dict[str, Any], fixed: dict[str, Any]
+    cls: type[BaseModel], prog: str, description: str, defaults: dict[str, Any], fixed: dict[str, Any],
+    unused: dict[str, FieldInfo],
 ) -> argparse.ArgumentParser:
     parser = OneLineParser(prog=prog, description=description, argument_default=argparse.SUPPRESS)
     parser.add_argument(
@@ -120,7 +142,8 @@ def _build_parser(
         default = defaults.get(name, info.get_default(call_default_factory=True))
         shown = "unset" if default is None else default
         help_text = f"{info.description or ''} (default: {shown}; env: {env_name(name)})"
-        kwargs: dict[str, Any] = {"help": help_text.replace("%", "%%")}
+        # another command's option: parsed only to name it in the error, never listed
+        kwargs: dict[str, Any] = {"help": argparse.SUPPRESS if name in unused else help_text.replace("%", "%%")}
         if info.annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif _is_list(info.annotation):
@@ -144,14 +167,16 @@ def _read_toml(
         parser.exit(2, f"{prog}: error: --config: cannot read {path}: {exc}\n")
     command = prog.split()[-1]
     section_names = {prog, command}
+    unused = unused_fields(cls, command)
     # every table is a command's section (no option is a table): `[proxy]` is not the `proxy` option
     top = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    for name in [k for k in top if k in unused]:
+        parser.exit(2, _not_used(f"--config: top-level key '{name}' of {path}", prog, unused[name])
+                    .replace(" it)", " it; set it in their own tables)"))
     for key, value in data.items():
         if key in section_names and isinstance(value, dict):
-            for name in value:  # top-level keys are shared by every command; a command's table is its own
-                if name in cls.model_fields and not used_by(cls.model_fields[name], command):
-                    parser.exit(2, f"{prog}: error: --config: key '{name}' in table [{key}] of {path} is not "
-                                   f"used by {prog}\n")
+            for name in [k for k in value if k in unused]:
+                parser.exit(2, _not_used(f"--config: key '{name}' in table [{key}] of {path}", prog, unused[name]))
             top.update(value)
     for key in top:
         if key not in cls.model_fields or key in fixed:

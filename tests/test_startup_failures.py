@@ -109,7 +109,8 @@ def test_a_checkpoint_the_loader_refuses_is_one_line(model_dir: Path, tmp_path: 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize(("command", "device"), [("serve", "cuda"), ("decode", "cuda:0")])
 def test_cuda_without_a_gpu_is_one_line(command: str, device: str, tmp_path: Path) -> None:
-    proc = _pdserve(command, "--port", str(free_port()), "--kv-port", str(free_port()),
+    kv_port = ("--kv-port", str(free_port())) if command != "serve" else ()  # serve has no KV endpoint
+    proc = _pdserve(command, "--port", str(free_port()), *kv_port,
                     "--cache-dir", str(tmp_path / "cache"), env={"PDSERVE_DEVICE": device})
     assert proc.returncode == 1
     assert _error_line(proc) == (f"pdserve {command}: error: --device {device}: CUDA is not available on this "

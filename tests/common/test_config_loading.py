@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from common.config import NodeConfig, load_config, routable_host
+from common.config import NodeConfig, env_name, flag_name, load_config, routable_host
+from common.options import used_by
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,16 +91,65 @@ def test_unknown_toml_key_is_an_error(tmp_path: Path) -> None:
     assert "unknown key 'prot'" in proc.stderr and proc.stderr.count("\n") == 1
 
 
-def test_a_command_table_refuses_a_key_its_command_does_not_use(tmp_path: Path) -> None:
-    """[serve] kv_port would be silently ignored (a colocated node has no KV endpoint): refused, one line."""
-    path = _write(tmp_path, "kv_port = 15000\n[serve]\nkv_port = 14000\n")
-    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--config", path], capture_output=True,
-                          text=True, cwd=ROOT, timeout=60)
+DAEMON_ONLY = [n for n, info in NodeConfig.model_fields.items() if not used_by(info, "serve")]
+
+
+def test_the_daemons_own_options_are_known() -> None:
+    assert {"kv_host", "kv_port", "proxy", "heartbeat_interval_s", "kv_lease_s", "kv_ranks"} <= set(DAEMON_ONLY)
+
+
+def _serve(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")} | (env or {})
+    return subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", *argv], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60, env=full_env)
+
+
+@pytest.mark.parametrize("form", ["flag", "env", "top-level key", "[serve] key"])
+def test_serve_refuses_a_daemon_option_in_every_form(tmp_path: Path, form: str) -> None:
+    """One rule: a value serve would silently ignore (a colocated node has no KV endpoint and
+    registers nowhere) is one line naming where it came from and who uses it, exit 2."""
+    path = _write(tmp_path, {"top-level key": "kv_port = 15000\n", "[serve] key": "[serve]\nkv_port = 15000\n"}
+                  .get(form, ""))
+    argv = {"flag": ("--kv-port", "15000"), "env": ()}.get(form, ("--config", path))
+    proc = _serve(tmp_path, *argv, env={"PDSERVE_KV_PORT": "15000"} if form == "env" else None)
+    where = {"flag": "--kv-port", "env": "PDSERVE_KV_PORT (in the environment)",
+             "top-level key": f"--config: top-level key 'kv_port' of {path}",
+             "[serve] key": f"--config: key 'kv_port' in table [serve] of {path}"}[form]
+    hint = "; set it in their own tables" if form == "top-level key" else ""
     assert proc.returncode == 2
-    assert proc.stderr == (f"pdserve serve: error: --config: key 'kv_port' in table [serve] of {path} "
-                           "is not used by pdserve serve\n")
+    assert proc.stderr == (f"pdserve serve: error: {where} is not used by pdserve serve (only pdserve prefill "
+                           f"and pdserve decode use it{hint})\n")
+
+
+@pytest.mark.parametrize("name", DAEMON_ONLY)
+def test_serve_neither_lists_nor_accepts_any_daemon_option(name: str) -> None:
+    flag = flag_name(name)
+    with pytest.raises(SystemExit) as exited:
+        load_config(NodeConfig, [flag, "1"], "pdserve serve", env={})
+    assert exited.value.code == 2
+    with pytest.raises(SystemExit):
+        load_config(NodeConfig, [], "pdserve serve", env={env_name(name): "1"})
+    assert flag not in _help("serve")
+
+
+def test_one_daemon_refuses_the_others_option_and_reads_its_own(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[prefill]\nkv_ranks = 2\n[decode]\nkv_peers = '10.0.0.5:14579'\n")
     prefill = load_config(NodeConfig, ["--config", path], "pdserve prefill", fixed={"role": "prefill"}, env={})
-    assert prefill.kv_port == 15000  # a top-level key is shared: the daemons read it, serve ignores it
+    decode = load_config(NodeConfig, ["--config", path], "pdserve decode", fixed={"role": "decode"}, env={})
+    assert (prefill.kv_ranks, decode.kv_peer_list) == (2, frozenset({"10.0.0.5:14579"}))
+    with pytest.raises(SystemExit):
+        load_config(NodeConfig, [], "pdserve decode", fixed={"role": "decode"}, env={"PDSERVE_KV_RANKS": "2"})
+    assert "--kv-ranks" not in _help("decode") and "--kv-peers" not in _help("prefill")
+    shared = _write(tmp_path, "kv_port = 15000\n")  # both daemons use it: a top-level key serves both
+    assert load_config(NodeConfig, ["--config", shared], "pdserve decode", fixed={"role": "decode"},
+                       env={}).kv_port == 15000
+
+
+def _help(command: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", command, "--help"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert proc.returncode == 0
+    return proc.stdout
 
 
 def test_bad_value_in_file_names_the_file(tmp_path: Path) -> None:
@@ -110,8 +161,8 @@ def test_bad_value_in_file_names_the_file(tmp_path: Path) -> None:
 def test_help_documents_every_option() -> None:
     proc = _run(["--help"])
     assert proc.returncode == 0
-    for name in NodeConfig.model_fields:
-        if name != "role":
+    for name, info in NodeConfig.model_fields.items():
+        if name != "role" and used_by(info, "decode"):
             assert "--" + name.replace("_", "-") in proc.stdout, name
     assert "--config" in proc.stdout and "--no-enable-chunked-prefill" in proc.stdout
 
@@ -119,7 +170,8 @@ def test_help_documents_every_option() -> None:
 def test_model_must_be_a_model_directory(tmp_path: Path) -> None:
     missing = _run(["--model", str(tmp_path / "nonexistent")])
     assert missing.returncode == 2
-    expected = f"pdserve decode: error: --model: no such model directory (got {tmp_path}/nonexistent)\n"
+    expected = (f"pdserve decode: error: --model: no such model directory or .gguf file "
+                f"(got {tmp_path}/nonexistent)\n")
     assert missing.stderr == expected
     not_a_model = _run(["--model", str(tmp_path)])
     assert not_a_model.returncode == 2 and "no config.json" in not_a_model.stderr
@@ -139,7 +191,8 @@ def test_a_wildcard_bind_never_registers_loopback() -> None:
         cfg = load_config(NodeConfig, argv, "pdserve decode", fixed={"role": "decode"}, env={})
         assert cfg.kv_host == routable and not cfg.kv_host.startswith("127.") and cfg.kv_host_chosen
         assert cfg.kv_addr == f"{routable}:14580"
-    given = load_config(NodeConfig, ["--host", "0.0.0.0", "--kv-host", "node7"], "pdserve serve", env={})
+    given = load_config(NodeConfig, ["--host", "0.0.0.0", "--kv-host", "node7"], "pdserve decode",
+                        fixed={"role": "decode"}, env={})
     assert (given.kv_host, given.kv_host_chosen) == ("node7", False)
     colocated = load_config(NodeConfig, ["--host", "0.0.0.0"], "pdserve serve", env={})
     assert colocated.host == "0.0.0.0"  # transfers nothing, registers nowhere: never refused
