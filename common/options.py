@@ -125,6 +125,16 @@ def load_config(
         parser.exit(2, f"{prog}: error: {_first_error(cls, exc, sources)}\n")
 
 
+def fields_given(cls: type[BaseModel], argv: list[str], prog: str, fixed: dict[str, Any] | None = None) -> set[str]:
+    """The fields ``argv`` (already accepted by :func:`load_config`) sets, as flags or in its
+    ``--config`` file: what a launcher that adds its own flags must not let it set too."""
+    fixed = fixed or {}
+    parser = _build_parser(cls, prog, "", {}, fixed, unused_fields(cls, prog.split()[-1]))
+    given = vars(parser.parse_args(argv))
+    path = given.pop("config", None)
+    return set(given) | (set(_read_toml(parser, cls, path, prog, fixed)) if path else set())
+
+
 def _build_parser(
     cls: type[BaseModel], prog: str, description: str, defaults: dict[str, Any], fixed: dict[str, Any],
     unused: dict[str, FieldInfo],

@@ -59,6 +59,10 @@ class UpOptions:
     timeout: float = 120.0
     prefill_tp: int = 1  # --tensor-parallel-size of each daemon: one divides the other (tp_mismatch)
     decode_tp: int = 1
+    # appended to each process's own flags (pass_through.py checks them first)
+    proxy_args: tuple[str, ...] = ()
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
 
     @property
     def prefill_kv_ranks(self) -> int:
@@ -119,20 +123,21 @@ def process_specs(options: UpOptions, model_args: tuple[str, ...]) -> list[Proce
             "proxy", "proxy", options.proxy_port,
             (options.proxy_port, options.registry_port),
             ("--host", LOOPBACK, "--port", str(options.proxy_port),
-             "--registry-port", str(options.registry_port)),
+             "--registry-port", str(options.registry_port), *options.proxy_args),
         ),
         ProcessSpec(
             "prefill", "prefill_node", options.prefill_port,
             (options.prefill_port, *kv_ports(options.prefill_kv_port, options.prefill_kv_ranks)),
             ("--port", str(options.prefill_port), "--kv-port", str(options.prefill_kv_port),
              "--tensor-parallel-size", str(options.prefill_tp), "--kv-ranks", str(options.prefill_kv_ranks),
-             "--proxy", registry, *model_args),
+             "--proxy", registry, *model_args, *options.prefill_args),
         ),
         ProcessSpec(
             "decode", "decode_node", options.decode_port,
             (options.decode_port, *kv_ports(options.decode_kv_port, options.decode_tp)),
             ("--port", str(options.decode_port), "--kv-port", str(options.decode_kv_port),
-             "--tensor-parallel-size", str(options.decode_tp), "--proxy", registry, *model_args),
+             "--tensor-parallel-size", str(options.decode_tp), "--proxy", registry, *model_args,
+             *options.decode_args),
         ),
     ]
 

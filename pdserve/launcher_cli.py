@@ -4,7 +4,9 @@
 that works from this shell. SIGINT, SIGTERM or SIGHUP while it waits stops whatever had
 started (exit 128 + the signal). Ports must be fixed (1..65535), ``--model`` must be a
 model pdserve loads (a directory, a GGUF, ``embedded``) and the tensor-parallel sizes 1..64 and equal on both sides: anything else is
-one line and exit 2, before anything starts.
+one line and exit 2, before anything starts. The same holds for the options passed through to
+the three processes (``--proxy-arg``, ``--node-arg``, ``--prefill-arg``, ``--decode-arg``:
+:mod:`pdserve.pass_through`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from common.defaults import DEFAULT_MODEL_NAME, EMBEDDED_MODEL_SPEC
 from common.kv_topology import MAX_TP_SIZE
 from pdserve.launcher import PORT_FLAGS, LaunchError, UpOptions, auto_decode_kv_port, tp_mismatch
 from common.options import OneLineParser
+from pdserve.pass_through import PassThroughError, check, split_args
 from pdserve.run_dir import down
 
 
@@ -61,7 +64,8 @@ def model_spec(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="pdserve", description="the three processes on loopback with one command")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    up_p = sub.add_parser("up", help="start proxy + prefill + decode on loopback")
+    up_p = sub.add_parser("up", help="start proxy + prefill + decode on loopback",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)  # PASS_THROUGH_HELP's lines
     up_p.add_argument("--run-dir", type=Path, default=UpOptions.run_dir,
                       help="where pids.json and logs/ go (default: .pdserve)")
     for name in PORT_FLAGS:
@@ -85,9 +89,34 @@ def build_parser() -> argparse.ArgumentParser:
                            f"package index)")
     up_p.add_argument("--timeout", type=float, default=120.0,
                       help="seconds to wait for all three to be ready (default: 120)")
+    extra = up_p.add_argument_group("options of the three processes", PASS_THROUGH_HELP)
+    for name, whose in PASS_THROUGH.items():
+        extra.add_argument(f"--{name}-arg", action="append", default=[], metavar="OPTION", help=f"for {whose}")
     down_p = sub.add_parser("down", help="stop what `pdserve up` started")
     down_p.add_argument("--run-dir", type=Path, default=UpOptions.run_dir)
     return parser
+
+
+PASS_THROUGH_HELP = """\
+Any option of pdserve proxy, prefill or decode (their --help lists them) is
+appended to that process's flags, except those up sets itself (the ports, the
+registry address, the TP sizes and --kv-ranks, --model, the cluster key), and
+checked before anything starts. Repeatable; join an option and its value with
+'=' or quote them together:
+  pdserve up --proxy-arg=--disagg-policy=always --proxy-arg='--migration-limit 0' \\
+             --proxy-arg=--policy=least_loaded --node-arg=--max-num-seqs=32"""
+PASS_THROUGH = {"proxy": "the proxy", "node": "both daemons", "prefill": "the prefill daemon only",
+                "decode": "the decode daemon only"}
+
+
+def pass_through_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
+    """Each process's extra options, each list checked as its command would (PassThroughError)."""
+    given = {name: split_args(getattr(args, f"{name}_arg")) for name in PASS_THROUGH}
+    for flag, command in (("proxy", "proxy"), ("node", "prefill"), ("node", "decode"), ("prefill", "prefill"),
+                          ("decode", "decode")):
+        check(f"--{flag}-arg", command, given[flag])
+    return {"proxy": given["proxy"], "prefill": given["node"] + given["prefill"],
+            "decode": given["node"] + given["decode"]}
 
 
 def served_model_name(proxy_url: str) -> str:
@@ -153,11 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     why = tp_mismatch(prefill_tp, decode_tp)
     if why:
         parser.exit(2, f"pdserve up: error: {why} (see --help)\n")
+    try:
+        extra = pass_through_args(args)
+    except PassThroughError as exc:
+        parser.exit(2, f"pdserve up: error: {exc}\n")
     if args.decode_kv_port is None:
         args.decode_kv_port = auto_decode_kv_port(args.prefill_kv_port, max(prefill_tp, decode_tp), decode_tp)
     options = UpOptions(
         run_dir=args.run_dir, model=args.model, timeout=args.timeout,
         prefill_tp=prefill_tp, decode_tp=decode_tp,
+        proxy_args=extra["proxy"], prefill_args=extra["prefill"], decode_args=extra["decode"],
         **{name: getattr(args, name) for name in PORT_FLAGS},
     )
     # Ctrl-C arrives as KeyboardInterrupt; SIGTERM / SIGHUP (a supervisor, a closed terminal) the same way.

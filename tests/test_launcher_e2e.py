@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from common.defaults import DEFAULT_MODEL_NAME
 from helpers.ports import free_ports
 from pdserve import launcher, launcher_cli
 
@@ -183,7 +184,7 @@ def test_up_waits_for_ready_prints_how_to_use_it_and_down_stops_all(tmp_path, mo
             zip(("proxy", "prefill", "decode"), ports[:3]))
         assert all(launcher.is_alive(e["pid"]) for e in entries)
         assert f"curl -s http://127.0.0.1:{ports[0]}/v1/chat/completions" in out
-        assert '"model": "pdserve-tiny"' in out
+        assert f'"model": "{DEFAULT_MODEL_NAME}"' in out  # the stand-ins list no model
         assert all((run_dir / "logs" / f"{n}.log").exists() for n in ("proxy", "prefill", "decode"))
 
         # The command it prints works from this shell as printed, whatever PATH holds.
@@ -250,9 +251,45 @@ def test_up_refuses_a_port_it_cannot_wait_for_in_one_line(tmp_path, value):
 def test_up_refuses_a_missing_model_in_one_line(tmp_path):
     result = run_launcher("up", "--run-dir", str(tmp_path / "run"), "--model", str(tmp_path / "nope"))
     assert result.returncode == 2
-    assert result.stderr == (f"pdserve up: error: argument --model: no such model directory "
+    assert result.stderr == (f"pdserve up: error: argument --model: no such model directory or .gguf file "
                              f"(got {tmp_path / 'nope'}) (see --help)\n")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (["--proxy-arg=--disagg-policy=sometimes"],
+     "--proxy-arg: --disagg-policy: should be 'always', 'never' or 'auto' (got sometimes) (see pdserve proxy --help)"),
+    (["--proxy-arg", "--migration-limit 500"],
+     "--proxy-arg: --migration-limit: must be between 0 and 100 (got 500) (see pdserve proxy --help)"),
+    (["--proxy-arg=--port=9999"], "--proxy-arg: --port is set by pdserve up (use --proxy-port)"),
+    (["--node-arg=--kv-peers=10.0.0.5:14579"],
+     "--node-arg: --kv-peers is not used by pdserve prefill (only pdserve decode uses it) "
+     "(see pdserve prefill --help)"),
+    (["--decode-arg=--tensor-parallel-size=2"],
+     "--decode-arg: --tensor-parallel-size is set by pdserve up (use --tensor-parallel-size, --prefill-tp or "
+     "--decode-tp)"),
+    (["--prefill-arg=--no-such-option"],
+     "--prefill-arg: unrecognized arguments: --no-such-option (see pdserve prefill --help)"),
+])
+def test_up_refuses_a_pass_through_option_its_process_would_refuse_in_one_line(tmp_path, args, error):
+    result = run_launcher("up", "--run-dir", str(tmp_path / "run"), "--model", fake_model(tmp_path), *args)
+    assert result.returncode == 2
+    assert result.stderr == f"pdserve up: error: {error}\n"
+    assert not (tmp_path / "run").exists()  # checked before anything started
+
+
+def test_up_help_shows_the_pass_through() -> None:
+    out = run_launcher("up", "--help").stdout
+    assert all(f"--{name}-arg OPTION" in out for name in ("proxy", "node", "prefill", "decode"))
+    assert "--proxy-arg=--disagg-policy=always --proxy-arg='--migration-limit 0'" in out
+
+
+def test_pass_through_options_go_after_ups_own_flags() -> None:
+    options = launcher.UpOptions(proxy_args=("--policy", "least_loaded"), prefill_args=("--kv-lease-s=60",),
+                                 decode_args=("--max-num-seqs", "8"))
+    proxy, prefill, decode = launcher.process_specs(options, ("--model", "m"))
+    assert proxy.args[-2:] == ("--policy", "least_loaded") and "--registry-port" in proxy.args
+    assert prefill.args[-1] == "--kv-lease-s=60" and decode.args[-2:] == ("--max-num-seqs", "8")
 
 
 def test_up_reports_a_process_that_dies_and_stops_the_rest(tmp_path):
@@ -275,7 +312,11 @@ def test_up_chat_metrics_down(tmp_path):
     run_dir = tmp_path / "run"
     ports = free_ports(6)
     try:
-        result = run_launcher(*up_args(run_dir, ports), "--timeout", "240", timeout=300)
+        # the proxy's and the daemons' own options through the pass-through: with --disagg-policy never
+        # the decode node prefills every prompt itself, so the prefill node never sees one
+        passed = ("--proxy-arg=--disagg-policy=never", "--proxy-arg", "--migration-limit 0",
+                  "--proxy-arg=--policy=least_loaded", "--node-arg=--max-num-seqs=8", "--decode-arg=--kv-lease-s=20")
+        result = run_launcher(*up_args(run_dir, ports), "--timeout", "240", *passed, timeout=300)
         assert result.returncode == 0, result.stdout + result.stderr
         assert f"http://127.0.0.1:{ports[0]}" in result.stdout
         assert "pdserve down" in result.stdout
@@ -293,6 +334,11 @@ def test_up_chat_metrics_down(tmp_path):
             metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
             assert metrics.status_code == 200
             assert "pdserve:" in metrics.text
+        prompts = {port: _prompt_tokens(port) for port in ports[1:3]}
+        assert prompts == {ports[1]: 0.0, ports[2]: reply.usage.prompt_tokens}
+        argv = {e["name"]: Path(f"/proc/{e['pid']}/cmdline").read_bytes().split(b"\0") for e in entries}
+        assert [b"--migration-limit", b"0"] == argv["proxy"][argv["proxy"].index(b"--migration-limit"):][:2]
+        assert b"--max-num-seqs=8" in argv["prefill"] and b"--kv-lease-s=20" in argv["decode"]
 
         stopped = run_launcher("down", "--run-dir", str(run_dir))
         assert stopped.returncode == 0
@@ -301,3 +347,12 @@ def test_up_chat_metrics_down(tmp_path):
         assert not (run_dir / "pids.json").exists()
     finally:
         launcher.down(run_dir, grace=5.0, quiet=True)
+
+
+def _prompt_tokens(port: int) -> float:
+    """A node's ``pdserve:prompt_tokens_total`` (0 before its first finished request)."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve:prompt_tokens_total{"))
