@@ -17,6 +17,7 @@ from common.serving.generation import ChoiceResult, GenerationRun
 from common.serving.logprobs import chat_logprobs
 from common.serving.protocol import ChatCompletionRequest
 from common.serving.streaming import ClosingStreamingResponse, sse_stream
+from common.serving.tools import ToolCallText, ToolPlan, plan_tool_call, template_tools
 
 router = APIRouter()
 
@@ -30,7 +31,7 @@ def chat_prompt_token_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[i
                           param="messages")
     messages = [m.as_template_input() for m in body.messages]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_tools(body))
     except Exception as exc:
         # The tokenizer raises ChatTemplateError (a template that rejects these messages,
         # or a model without one); either way the client sent something we cannot render.
@@ -51,12 +52,14 @@ async def create_chat_completion(
     with openai_errors(request_id):
         _check_logprobs(body)
         ctx.check_model(body)
+        tool_plan = plan_tool_call(body)
         num_chars = sum(m.num_chars() for m in body.messages)
         ctx.check_prompt_chars(num_chars, "messages")
         prompt = await ctx.off_loop(num_chars, chat_prompt_token_ids, ctx.tokenizer, body)
-        prepared = await ctx.prepare(body, [prompt], request)
+        grammar = None if tool_plan is None else await ctx.response_formats.schema(tool_plan.schema, "tools")
+        prepared = await ctx.prepare(body, [prompt], request, grammar)
         run = GenerationRun(ctx, prepared)
-        formatter = _ChatChunks(ctx, public_id, body.logprobs, body.n, body.top_logprobs or 0)
+        formatter = _ChatChunks(ctx, public_id, body.logprobs, body.n, body.top_logprobs or 0, tool_plan)
         if body.stream:
             stream = sse_stream(run, formatter, body.include_usage, request_id, body.continuous_usage)
             return ClosingStreamingResponse(stream, headers)
@@ -67,7 +70,7 @@ async def create_chat_completion(
         failed = next((r for r in results if r.finish_reason == "error"), None)
         if failed is not None:
             raise engine_error(failed.error)
-        choices = [await _choice(ctx, body, result) for result in results]
+        choices = [await _choice(ctx, body, result, tool_plan) for result in results]
     reply = {
         "id": public_id,
         "object": "chat.completion",
@@ -89,28 +92,29 @@ def _check_logprobs(body: ChatCompletionRequest) -> None:
         raise OpenAIError("top_logprobs must be in [0, 20]", param="top_logprobs", code="invalid_value")
 
 
-async def _choice(ctx: ServingContext, body: ChatCompletionRequest, result: ChoiceResult) -> dict[str, Any]:
+async def _choice(ctx: ServingContext, body: ChatCompletionRequest, result: ChoiceResult,
+                  tool_plan: ToolPlan | None) -> dict[str, Any]:
     logprobs = None
     if body.logprobs:  # one decode per candidate token: a long reply's worth goes off the loop
         size = len(result.token_ids) * DECODES_PER_TOKEN * (1 + (body.top_logprobs or 0))
         logprobs = await ctx.off_loop(size, chat_logprobs, ctx.tokenizer, result.token_ids, result.logprobs,
                                       body.top_logprobs or 0)
-    return {
-        "index": result.index,
-        "message": {"role": "assistant", "content": result.text},
-        "logprobs": logprobs,
-        "finish_reason": result.finish_reason,
-    }
+    message, finish_reason = {"role": "assistant", "content": result.text}, result.finish_reason
+    if tool_plan is not None:
+        message, finish_reason = ToolCallText(tool_plan).message(result.text, result.finish_reason)
+    return {"index": result.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 class _ChatChunks:
     """``chat.completion.chunk`` stream chunks: a role delta first, then content deltas."""
 
     def __init__(self, ctx: ServingContext, request_id: str, with_logprobs: bool, n: int = 1,
-                 top_logprobs: int = 0) -> None:
+                 top_logprobs: int = 0, tool_plan: ToolPlan | None = None) -> None:
         self.ctx = ctx
         self.with_logprobs = with_logprobs
         self.top_logprobs = top_logprobs
+        # a tool call: each choice's text becomes tool_calls deltas
+        self.tool_calls = [ToolCallText(tool_plan) for _ in range(n)] if tool_plan is not None else None
         self.n = n
         self.base = {
             "id": request_id,
@@ -128,16 +132,22 @@ class _ChatChunks:
         return [self._chunk({"role": "assistant", "content": ""}, None, index=i) for i in range(self.n)]
 
     def delta(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
-        if not out.new_text and not (self.with_logprobs and out.new_token_ids):
+        delta: dict[str, Any] | None = {"content": out.new_text} if out.new_text else None
+        if self.tool_calls is not None:
+            delta = self.tool_calls[index].delta(out.new_text)
+        if delta is None and not (self.with_logprobs and out.new_token_ids):
             return None
         logprobs = None
         if self.with_logprobs:
             logprobs = chat_logprobs(self.ctx.tokenizer, out.new_token_ids, out.new_logprobs or [],
                                      self.top_logprobs)
-        return self._chunk({"content": out.new_text}, None, logprobs, index)
+        return self._chunk(delta or ({} if self.tool_calls is not None else {"content": ""}), None, logprobs, index)
 
     def finish(self, index: int, finish_reason: str) -> dict[str, Any]:
-        return self._chunk({}, finish_reason, index=index)
+        if self.tool_calls is None:
+            return self._chunk({}, finish_reason, index=index)
+        last, finish_reason = self.tool_calls[index].finish(finish_reason)
+        return self._chunk(last or {}, finish_reason, index=index)
 
     def usage(self, usage: dict[str, int]) -> dict[str, Any]:
         return {**self.base, "choices": [], "usage": usage}

@@ -22,6 +22,7 @@ from fastapi import Request
 from common.config import NodeConfig
 from common.engine.protocol import EngineClient
 from common.engine.sampling_params import SamplingParams, SamplingParamsError
+from common.engine.structured_output import Grammar
 from common.logging_setup import current_request_id
 from common.metrics import NodeMetrics
 from common.request_id import Tags, parse_tags
@@ -113,10 +114,13 @@ class ServingContext:
         return None
 
     async def prepare(self, body: SamplingRequest, prompts: list[list[int]],
-                      request: Request) -> PreparedRequest:
-        """Validate what the route tokenized and apply the node role's rules."""
+                      request: Request, grammar: Grammar | None = None) -> PreparedRequest:
+        """Validate what the route tokenized and apply the node role's rules; ``grammar`` (a tool
+        call's) replaces the one ``response_format`` asks for."""
         params = body.sampling_params()
-        params.grammar = await self.response_formats.grammar(body.response_format)
+        if grammar is None:
+            grammar = await self.response_formats.grammar(body.response_format)
+        params.grammar = grammar
         request_id = request_id_of(request)
         tags = parse_tags(request_id)
         self._check_role(tags, len(prompts))

@@ -169,6 +169,37 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": content}
 
 
+MAX_TOOLS = 128  # OpenAI's limit
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule: safe inside JSON
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; None: no arguments
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    """``{"type": "function", "function": {"name": ...}}``: call exactly this function."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -176,6 +207,8 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Count | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None  # served by common.serving.tools
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     def requested_max_tokens(self) -> int:
         if self.max_completion_tokens is not None:

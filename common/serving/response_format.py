@@ -42,6 +42,13 @@ class ResponseFormats:
         except GrammarError as exc:
             raise OpenAIError(str(exc), param=exc.param, code="invalid_value") from None
 
+    async def schema(self, schema: dict[str, Any], param: str) -> Grammar:
+        """A grammar for JSON under ``schema`` (a tool call's), a 400 naming ``param`` if it cannot be built."""
+        try:
+            return await asyncio.to_thread(self._compiler_or_400().json_schema, schema)
+        except GrammarError as exc:
+            raise OpenAIError(str(exc), param=param, code="invalid_value") from None
+
     def _compiler_or_400(self) -> GrammarCompiler:
         if self._compiler is None:
             backend = getattr(self._tokenizer, "backend_json", None)

@@ -1,7 +1,7 @@
 """Request fields pdserve knows but does not act on: refused unless they ask for nothing.
 
 OpenAI and vLLM clients send fields this server does not implement. A field sent at its
-neutral value (``tools: []``, ``length_penalty: 1.0``) changes nothing, so it is accepted;
+neutral value (``functions: []``, ``length_penalty: 1.0``) changes nothing, so it is accepted;
 any other value would be silently ignored, so it is a 400 naming the field. A few fields are
 accepted whatever their value because ignoring them is what they mean here (``IGNORED``, with
 the reason). Names in neither table are ignored as before (vLLM does the same), so a client
@@ -21,8 +21,6 @@ _EMPTY: tuple[Any, ...] = (None, [], {}, "")
 # field -> the values that ask for nothing (accepted as a no-op); anything else is a 400
 REFUSED: dict[str, tuple[Any, ...]] = {
     # OpenAI
-    "tools": _EMPTY,
-    "tool_choice": (None, "none", "auto"),  # without tools both mean plain text
     "functions": _EMPTY,
     "function_call": (None, "none", "auto"),
     "suffix": _EMPTY,
@@ -62,14 +60,18 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "priority": (None, 0),
 }
 REFUSED_CHAT = {"echo": (None, False)}  # vLLM's chat echo; completions' echo is refused in its route
-REFUSED_COMPLETIONS = {"top_logprobs": (None, 0)}  # a chat field: completions take ``logprobs: N``
+REFUSED_COMPLETIONS = {  # chat fields
+    "top_logprobs": (None, 0),  # completions take ``logprobs: N``
+    "tools": _EMPTY,  # chat's ``tools`` are served by common.serving.tools
+    "tool_choice": (None, "none", "auto"),  # without tools both mean plain text
+}
 
 # accepted with any value: ignoring them is what they mean here
 IGNORED: dict[str, str] = {
     "user": "an end-user id for the provider's abuse monitoring; nothing here is per user",
     "safety_identifier": "the same as user",
     "metadata": "tags for stored completions; nothing is stored",
-    "parallel_tool_calls": "only has a meaning with tools, which are refused",
+    "parallel_tool_calls": "a tool call here is always one call (tool_choice required or a named function)",
     "prompt_cache_key": "a routing hint for OpenAI's cache; the prefix cache here keys on the tokens",
     "request_id": "vLLM's; the id is X-Request-Id (or generated), which P and D must share",
     "kv_transfer_params": "vLLM's disaggregation proxy sends it; our transfer is keyed by the tagged id",

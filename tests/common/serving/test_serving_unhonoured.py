@@ -30,7 +30,7 @@ def _post(client: TestClient, route: tuple[str, dict], **fields: Any):
 
 @pytest.mark.parametrize("route", [CHAT, COMPLETION], ids=["chat", "completions"])
 @pytest.mark.parametrize(("name", "value"), [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
+    ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}),
     ("service_tier", "flex"), ("store", True), ("length_penalty", 1.2),
     ("guided_json", {"type": "object"}), ("use_beam_search", True), ("reasoning_effort", "low"),
 ])
@@ -55,6 +55,13 @@ def test_chat_echo_and_completions_top_logprobs(client: TestClient) -> None:
     assert _post(client, CHAT, echo=True).json()["error"]["param"] == "echo"
     assert _post(client, CHAT, echo=False).status_code == 200
     assert _post(client, COMPLETION, top_logprobs=3).json()["error"]["param"] == "top_logprobs"
+
+
+@pytest.mark.parametrize(("name", "value"), [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                             ("tool_choice", "required")])
+def test_completions_refuse_the_chat_tool_fields(client: TestClient, name: str, value: Any) -> None:
+    assert _post(client, COMPLETION, **{name: value}).json()["error"]["param"] == name
+    assert _post(client, COMPLETION, tools=[], tool_choice="none").status_code == 200
 
 
 def test_true_is_not_a_neutral_number(client: TestClient) -> None:
