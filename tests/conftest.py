@@ -38,6 +38,7 @@ LONGEST_FIRST = (
     "tests/deploy/test_fresh_install.py",  # 53 s
     "tests/decode_node/test_tp_disagg.py",  # 45 s
     "tests/bench/test_ttft_parity.py",  # 31 s
+    "tests/real_model/test_real_model_e2e.py",  # 116 s on a loaded machine (the real model, fetched once)
     "tests/decode_node/test_disagg_prefix.py",  # 23 s
     "tests/security/test_bad_input_matrix.py",  # 20 s
     "tests/multihost/test_multihost_parity.py",  # 17 s
