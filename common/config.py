@@ -151,6 +151,12 @@ class NodeConfig(HttpServerOptions, EngineConfig):
     cluster_key_file: str | None = Field(
         None, description="Shared secret file (same on proxy and nodes): daemons serve only signed ids"
     )
+    insecure_keyless_network: bool = Field(
+        False, description="Start without --cluster-key-file on an address other than loopback (--host, "
+        "--kv-host): anyone who reaches the node's ports can then send it requests past the proxy's API key, "
+        "make it connect anywhere and pull or drop KV. Without it a keyless daemon refuses such an address",
+        json_schema_extra=DAEMONS,
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level")
     log_file: str | None = Field(None, description="Also write logs to this file")
     cache_dir: str = Field(

@@ -28,7 +28,7 @@ from common.metrics import NodeMetrics
 from common.serving.app import build_app
 from common.serving.context import PrepareHook
 from common.serving.http_server import HttpLimits, server_config
-from pdserve.startup import check_port_free, one_line_failures
+from pdserve.startup import check_keyless_binds, check_port_free, one_line_failures
 
 if TYPE_CHECKING:
     from common.engine.async_engine import AsyncLLMEngine
@@ -73,8 +73,12 @@ def start_logging(config: NodeConfig) -> None:
 
 
 def check_ports(config: NodeConfig) -> None:
-    """The HTTP port (and a daemon's KV port) free (StartupError); needs no torch, so a daemon's
-    ``__main__`` asks it before it imports the daemon's modules."""
+    """The HTTP port (and a daemon's KV port) free, and a keyless daemon on loopback only
+    (StartupError); needs no torch, so a daemon's ``__main__`` asks it before it imports the
+    daemon's modules."""
+    if config.role != "both":  # a colocated node has no peers: a key would change nothing
+        check_keyless_binds(config.cluster_key_file is not None, config.insecure_keyless_network,
+                            {"--host": config.host, "--kv-host": config.kv_host or ""})
     check_port_free(config.host, config.port or 0, "--port")
     if config.role != "both":
         check_port_free(config.host, config.kv_port or 0, "--kv-port")

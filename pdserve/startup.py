@@ -5,6 +5,10 @@ on a machine without CUDA, a cluster key file that went away) prints one line,
 ``pdserve <command>: error: <what is wrong>``, and exits 1; a bad option value was already
 refused with exit 2 when the flags were read (common/options.py). Ports are checked first, so
 a node whose port is taken says so before it spends minutes loading a model.
+
+Keyless is loopback only (:func:`check_keyless_binds`): a daemon or proxy without a cluster key
+that would listen on any other address refuses to start unless ``--insecure-keyless-network``
+says the network is trusted.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from common.cluster_auth import is_loopback
 
 START_FAILED_EXIT_CODE = 1
 
@@ -43,6 +49,25 @@ def check_port_free(host: str, port: int, option: str) -> None:
             problem = "is in use by another process" if in_use else f"cannot be bound ({exc.strerror})"
             raise StartupError(f"{option}: port {port} on {host} {problem}; stop that process or "
                                f"choose another {option}") from None
+
+
+def check_keyless_binds(keyed: bool, insecure: bool, addresses: dict[str, str]) -> None:
+    """StartupError when a keyless process would listen on a non-loopback address.
+
+    ``addresses`` maps each option to the address it makes this process listen on (a daemon's
+    data-plane pairs listen on ``--kv-host``). Without a key anyone who reaches those ports can
+    register nodes, send requests past the proxy's API key and make a daemon connect anywhere,
+    so only ``--insecure-keyless-network`` (a network you trust) lets it start there."""
+    if keyed or insecure:
+        return
+    open_ = [f"{option} {host or '0.0.0.0'}" for option, host in addresses.items() if not is_loopback(host)]
+    if open_:
+        verb = "is" if len(open_) == 1 else "are"
+        raise StartupError(f"{', '.join(open_)} {verb} not loopback and no --cluster-key-file is set: without a "
+                           "key anyone who reaches these ports can register nodes, send requests past the API "
+                           "key and make this process connect anywhere; set --cluster-key-file (the same file "
+                           "on the proxy and every daemon), or pass --insecure-keyless-network on a network "
+                           "you trust")
 
 
 def _reported_failures() -> tuple[type[BaseException], ...]:

@@ -1,8 +1,9 @@
 """``pdserve proxy`` / ``python -m proxy``: the proxy's start-up, top to bottom.
 
 Flags -> logging (every line names the proxy and its address, uvicorn's own lines too) -> the
-HTTP and registry ports checked (a taken port is one line and exit 1, pdserve/startup.py) ->
-the app (its lifespan starts the registry) -> uvicorn until SIGTERM / SIGINT.
+HTTP and registry addresses and ports checked (keyless: loopback only, unless
+--insecure-keyless-network; a taken port is one line and exit 1, pdserve/startup.py) -> the
+app (its lifespan starts the registry) -> uvicorn until SIGTERM / SIGINT.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import uvicorn
 from common.config import load_config
 from common.logging_setup import configure_logging
 from common.serving.http_server import HttpLimits, server_config
-from pdserve.startup import check_port_free, one_line_failures
+from pdserve.startup import check_keyless_binds, check_port_free, one_line_failures
 from proxy.app import build_app
 from proxy.config import ProxyConfig
 
@@ -26,6 +27,8 @@ PROG = "pdserve proxy"
 def serve(config: ProxyConfig) -> None:
     """Run the proxy until interrupted."""
     configure_logging(config.log_level, f"proxy:{config.host}:{config.port}", config.log_file)
+    check_keyless_binds(config.cluster_key_file is not None, config.insecure_keyless_network,
+                        {"--host": config.host, "--registry-host": config.registry_host})
     check_port_free(config.host, config.port, "--port")
     check_port_free(config.registry_host, config.registry_port, "--registry-port")
     app = build_app(config)

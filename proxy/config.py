@@ -61,6 +61,11 @@ class ProxyConfig(HttpServerOptions):
     cluster_key_file: str | None = Field(
         None, description="Shared secret file (same on every node): signs ids, authenticates registration."
     )
+    insecure_keyless_network: bool = Field(
+        False, description="Start without --cluster-key-file on an address other than loopback (--host, "
+        "--registry-host): anyone who reaches the registry can then register nodes and get clients' prompts. "
+        "Without it a keyless proxy refuses such an address."
+    )
     max_nodes: int = Field(1024, ge=1, le=1_000_000, description="Most nodes the registry holds.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Opening a connection to a node.")
     prefill_timeout_s: float = Field(300.0, gt=0, description="The whole prefill leg, queueing included.")

@@ -10,9 +10,10 @@ Static nodes from config are never evicted.
 Anyone who can reach the port can send anything, so every message passes, in order:
 libzmq's size cap (an oversized message closes its connection before it is buffered),
 the sender's rate limit, the cluster key's seal (when a key is set), the one validating
-model, and ``max_nodes``. A rejected message is dropped, counted by reason
-(:meth:`rejected`), and logged at most once per sender per minute. Nothing a message holds
-can end the thread.
+model, keyless the sender's own address (:func:`from_own_address`: a node may register, or say
+goodbye for, only the host its connection comes from), and ``max_nodes``. A rejected message
+is dropped, counted by reason (:meth:`rejected`), and logged at most once per sender per
+minute. Nothing a message holds can end the thread.
 
 Nodes are indexed by (model, KV fingerprint), the unit the router pairs within; the
 router reads :meth:`groups`, a snapshot rebuilt only when membership changes.
@@ -20,6 +21,7 @@ router reads :meth:`groups`, a snapshot rebuilt only when membership changes.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
@@ -94,6 +96,7 @@ class ServiceRegistry:
         self.max_nodes = max_nodes
         self.rate_per_s = rate_per_s  # per sender; a daemon beats every ~2 s
         self._sealer = registry_sealer(key)
+        self._keyless = key is None
         self._clock = clock
         self._lock = threading.Lock()
         self._nodes: dict[tuple[str, str], Node] = {}
@@ -278,16 +281,23 @@ class ServiceRegistry:
     def _receive(self, sock: zmq.Socket) -> None:
         for _ in range(1000):  # then sweep: a flood must not starve eviction
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            sender, body = frames[0], frames[1:]
+            sender, body = frames[0].bytes, [f.bytes for f in frames[1:]]
+            peer = peer_address(frames[1]) if len(frames) > 1 else None
             reason = self._admit(sender)
             if reason is None:
                 payload, reason = self._sealer.open(body) if body else (None, "frame_count")
                 if payload is not None:
                     try:
                         msg = decode(payload)
+                        if self._keyless and not from_own_address(msg, peer):
+                            self._reject("address_not_source")
+                            self._log(sender, f"registration refused: without a cluster key a node registers only "
+                                      f"its own address, and {msg.http_address} / {msg.zmq_address} is not "
+                                      f"{peer}, where the message came from")
+                            continue
                         joining = msg.type == "P" and not msg.goodbye and self.get("P", msg.http_address) is None
                         reason = self.register(msg)
                         if reason is None and msg.type == "D":
@@ -349,3 +359,42 @@ class ServiceRegistry:
         if state is not None and now - state.last_log >= 60.0:
             state.last_log = now
             logger.warning("%s (sender %s; more from it are not logged for a minute)", message, sender.hex())
+
+
+def peer_address(frame: zmq.Frame) -> str | None:
+    """The address a message's connection comes from (libzmq's ``Peer-Address``, tcp); None
+    where the transport cannot tell."""
+    try:
+        return frame.get("Peer-Address")
+    except (zmq.ZMQError, KeyError, ValueError):
+        return None
+
+
+def from_own_address(msg: RegistrationMessage, peer: str | None) -> bool:
+    """Do both addresses the message names (HTTP and KV) lie on the host its connection comes from?
+
+    Keyless this is all that ties a registration, or a goodbye, to its sender: a stranger can no
+    longer register a node at someone else's address or say goodbye for a live node on another
+    host. Processes on one host share its address, so they still cannot be told apart; an address
+    given as a name (other than ``localhost``) is refused: the check compares IP addresses, and
+    resolving strangers' names would stall this thread. True when the transport cannot tell."""
+    if peer is None:
+        return True
+    try:
+        source = _normal(ipaddress.ip_address(peer))
+    except ValueError:
+        return False
+    for address in (msg.http_address, msg.zmq_address):
+        host = address.rpartition(":")[0].strip("[]")
+        try:
+            named = _normal(ipaddress.ip_address("127.0.0.1" if host == "localhost" else host))
+        except ValueError:
+            return False
+        if named != source:
+            return False
+    return True
+
+
+def _normal(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An IPv4 address written as IPv6 (``::ffff:a.b.c.d``) as plain IPv4."""
+    return ip.ipv4_mapped or ip if isinstance(ip, ipaddress.IPv6Address) else ip

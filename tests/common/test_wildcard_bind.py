@@ -40,7 +40,9 @@ def test_a_daemon_on_all_interfaces_registers_its_routable_address(tmp_path: Pat
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)  # stands in for the proxy's registry
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    node = start("decode", tmp_path, "--host", "0.0.0.0", "--proxy", f"127.0.0.1:{port}", wait=False)
+    # keyless on every interface: refused without --insecure-keyless-network (tests/security/test_keyless_network.py)
+    node = start("decode", tmp_path, "--host", "0.0.0.0", "--proxy", f"127.0.0.1:{port}",
+                 "--insecure-keyless-network", wait=False)
     try:
         message = _first_registration(router, deadline_s=120)
         assert message["http_address"] == f"{address}:{node.port}"

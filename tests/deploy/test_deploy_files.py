@@ -103,6 +103,19 @@ def test_compose_commands_point_at_each_other_by_service_name(compose):
         assert int(flag(command, "--kv-port")) == PORTS[f"{role}_kv"]
 
 
+def test_every_deploy_file_runs_its_cluster_keyed(compose):
+    """They bind 0.0.0.0, which a keyless daemon or proxy refuses (issue 33): each process gets
+    the key (Kubernetes: test_k8s_manifests.py), and none opts out with --insecure-keyless-network."""
+    for name in ("proxy", "prefill", "decode"):
+        assert compose["services"][name]["environment"]["PDSERVE_CLUSTER_KEY_FILE"] == "/run/secrets/cluster_key"
+        assert "cluster_key" in compose["services"][name]["secrets"]
+    lines = (DEPLOY / "systemd" / "pdserve.env").read_text().splitlines()
+    assert "PDSERVE_CLUSTER_KEY_FILE=/etc/pdserve/cluster.key" in lines
+    for path in [*DEPLOY.glob("*.yml"), *DEPLOY.glob("k8s/*.yaml"), *DEPLOY.glob("systemd/*")]:
+        text = path.read_text()
+        assert "insecure-keyless-network" not in text and "INSECURE_KEYLESS" not in text, path
+
+
 def test_compose_publishes_default_ports_and_shares_the_model_cache(compose):
     services = compose["services"]
     for name in ("proxy", "prefill", "decode"):

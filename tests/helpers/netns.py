@@ -189,6 +189,8 @@ class Bed:
         if role == "both":
             cmd.append("serve")
         cmd += ["--host", "0.0.0.0", "--port", str(port)]
+        if role != "both":  # the bed is keyless: its namespaces are a network the tests trust
+            cmd.append("--insecure-keyless-network")
         if role in ("prefill", "decode", "both"):
             cmd += ["--kv-host", host.ip, "--kv-port", str(kv_port)]
         else:

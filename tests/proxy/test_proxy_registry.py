@@ -49,14 +49,14 @@ def test_rich_heartbeat_registers_and_refreshes(registry, dealer):
 
 
 def test_silent_node_is_evicted_by_the_sweep(registry, dealer):
-    dealer.send(msgpack.packb({"type": "D", "http_address": "h:1", "zmq_address": "h:2"}))
+    dealer.send(msgpack.packb({"type": "D", "http_address": "127.0.0.1:1", "zmq_address": "127.0.0.1:2"}))
     assert wait_for(lambda: registry.counts()["D"] == 1)
     # Nobody else sends anything: only the periodic sweep can evict it.
     assert wait_for(lambda: registry.counts()["D"] == 0, timeout=3)
 
 
 def test_beating_node_stays(registry, dealer):
-    beat = msgpack.packb({"type": "P", "http_address": "h:1", "zmq_address": "h:2"})
+    beat = msgpack.packb({"type": "P", "http_address": "127.0.0.1:1", "zmq_address": "127.0.0.1:2"})
     for _ in range(8):
         dealer.send(beat)
         wait_for(lambda: False, timeout=0.1)
@@ -65,9 +65,9 @@ def test_beating_node_stays(registry, dealer):
 
 def test_bad_messages_are_ignored(registry, dealer):
     dealer.send(b"\xc1 not msgpack")
-    dealer.send(msgpack.packb({"type": "X", "http_address": "h:1", "zmq_address": "h:2"}))
+    dealer.send(msgpack.packb({"type": "X", "http_address": "127.0.0.1:1", "zmq_address": "127.0.0.1:2"}))
     dealer.send(msgpack.packb([1, 2]))
-    dealer.send(msgpack.packb({"type": "P", "http_address": "h:1", "zmq_address": "h:2"}))
+    dealer.send(msgpack.packb({"type": "P", "http_address": "127.0.0.1:1", "zmq_address": "127.0.0.1:2"}))
     assert wait_for(lambda: registry.counts()["P"] == 1)
     assert registry.counts()["D"] == 0
 
@@ -94,7 +94,7 @@ def test_taken_port_raises():
 
 
 def test_slow_beating_node_gets_three_of_its_intervals(registry, dealer):
-    dealer.send(encode(RegistrationMessage("P", "h:1", "h:2", heartbeat_interval_s=0.3)))
+    dealer.send(encode(RegistrationMessage("P", "127.0.0.1:1", "127.0.0.1:2", heartbeat_interval_s=0.3)))
     assert wait_for(lambda: registry.counts()["P"] == 1)
     wait_for(lambda: False, timeout=0.6)  # past the registry's 0.4 s, within 3 x 0.3 s
     assert registry.counts()["P"] == 1

@@ -105,7 +105,7 @@ def test_fuzzed_registry_keeps_listening_and_routes_a_good_node(proxy_with_nodes
 
 
 def _node(i: int) -> bytes:
-    return msgpack.packb({"type": "D", "http_address": f"10.0.0.1:{1000 + i}", "zmq_address": "10.0.0.1:9",
+    return msgpack.packb({"type": "D", "http_address": f"127.0.0.1:{1000 + i}", "zmq_address": "127.0.0.1:9",
                           "model": "m", "kv_fingerprint": "f"})
 
 
@@ -157,8 +157,8 @@ def test_a_flood_of_registrations_cannot_crowd_out_routing(proxy_with_nodes):
     assert wait_for(lambda: registry.counts() == {"P": 1, "D": 1})
     flood = dealers.new()
     for i in range(5000):
-        flood.send(msgpack.packb({"type": "PD"[i % 2], "http_address": f"10.9.{i // 250}.{i % 250}:80",
-                                  "zmq_address": "10.9.0.1:81", "model": "m", "kv_fingerprint": f"fp{i}"}))
+        flood.send(msgpack.packb({"type": "PD"[i % 2], "http_address": f"127.0.0.1:{20000 + i}",
+                                  "zmq_address": "127.0.0.1:81", "model": "m", "kv_fingerprint": f"fp{i}"}))
     assert wait_for(lambda: registry.rejected().get("full", 0) == 5000 - (registry.max_nodes - 2), timeout=30)
     assert sum(registry.counts().values()) == registry.max_nodes
     for _ in range(20):
