@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _pdserve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": os.environ.get("HOME", "/tmp")}
+    base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": os.environ.get("HOME", "/tmp"),
+            "PDSERVE_MODEL": "embedded"}
     return subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=180, env={**base, **(env or {})})
 

@@ -23,7 +23,7 @@ def _start_crashing_decode(tmp) -> Proc:
     log = tmp / "decode-crashing.log"
     cmd = [sys.executable, str(ROOT / "tests/helpers/crashing_node.py"), "decode_node",
            "--port", str(port), "--kv-port", str(kv_port)]
-    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PDSERVE_MODEL": "embedded"}
     with open(log, "wb") as out:
         popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                  start_new_session=True)
