@@ -77,15 +77,23 @@ class UpstreamError(ProxyError):
         super().__init__(message, status=status, body=_completed(body, status, self.code))
         self.role, self.node = role, node
 
+    def sse_event(self) -> bytes:
+        """A node's refusal of the request (4xx) reaches the client as the node wrote it, also
+        mid-stream; a node's own failure is told in the proxy's words, naming the node."""
+        if self.status < 500 and self._body is not None:
+            return b"data: " + self._body + b"\n\ndata: [DONE]\n\n"
+        return super().sse_event()
+
 
 class UpstreamUnreachable(ProxyError):
     """Could not connect to or talk with a node (or it answered nothing usable)."""
 
     status, code, kind = 502, "upstream_unreachable", "upstream_unreachable"
 
-    def __init__(self, role: str, node: str, detail: str):
+    def __init__(self, role: str, node: str, detail: str, reached: bool = True):
         super().__init__(f"{role} node {node} failed: {detail}")
         self.role, self.node = role, node
+        self.reached = reached  # False: no connection was made (refused, connect timeout), nothing was sent
 
 
 class UpstreamTimeout(ProxyError):
@@ -126,6 +134,22 @@ class StreamIdle(ProxyError):
 
 class ClientDisconnected(Exception):
     """The client went away; both legs are aborted and nothing is answered."""
+
+
+def node_code(exc: BaseException) -> str | None:
+    """The ``code`` word of the error body a node sent (an error status's body, or a stream's error
+    event), None when there is none."""
+    raw = getattr(exc, "event", None) or getattr(exc, "_body", None)
+    if not isinstance(raw, bytes):
+        return None
+    raw = raw.strip()
+    raw = raw[5:] if raw.startswith(b"data:") else raw
+    try:
+        error = json.loads(raw).get("error")
+    except (ValueError, AttributeError):
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def is_retryable(exc: BaseException) -> bool:

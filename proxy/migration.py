@@ -6,7 +6,8 @@ A streamed request's life here:
    event the client got (an event and its note are one unit: no id counts before its text went
    out, no text goes out without its ids);
 2. the leg fails after the stream began (the connection broke, the node was evicted or sent
-   nothing for ``--stream-idle-timeout-s``, its prefill leg failed, or it sent an error event):
+   nothing for ``--stream-idle-timeout-s``, its prefill leg failed, or it sent an error event
+   that blames the node; one that blames the request, ``invalid_request_error``, is relayed):
    ``Migration.cause`` names why, and while ``--migration-limit`` allows, the dispatcher picks
    another pair (without the node that failed) and sends ``resume_body``: the client's body with
    the ids already streamed (``pdserve_resume_token_ids``) and the token budget that is left;
@@ -22,9 +23,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from common.engine.outputs import KV_TRANSFER_FAILED
 from common.serving.resume import RESUME_FIELD, TOKEN_IDS_NOTE
 from proxy.errors import (ProxyError, StreamIdle, UpstreamError, UpstreamStalled, UpstreamTimeout,
-                          UpstreamUnreachable)
+                          UpstreamUnreachable, node_code)
 
 _NOTE = TOKEN_IDS_NOTE.encode()
 _MAX_PARTIAL = 1 << 20  # an event larger than this without its end is relayed as it is
@@ -87,7 +89,9 @@ class StreamLedger:
         if payload == b"[DONE]":
             self.done = True
         elif payload is not None and payload.startswith(b'{"error"'):
-            raise StreamError(self.node, event + b"\n\n")
+            if not _request_fault(payload):
+                raise StreamError(self.node, event + b"\n\n")
+            self.finished = True  # the request's own fault: relayed as it is, never resumed elsewhere
         elif payload is not None:
             event = self._data(payload, event, ids)
         self.token_ids += ids
@@ -146,15 +150,23 @@ class Migration:
         ``prefill``: the attempt's prefill node (None for a local prefill). The failed node is avoided."""
         role = getattr(exc, "role", None)
         node = getattr(exc, "node", None) or ""
+        if isinstance(exc, UpstreamError) and exc.status < 500:
+            return None  # the node refused the request itself (4xx): another would too
         if role == "prefill" and isinstance(exc, ProxyError):
             self.failed_prefills.add(node)
             return "prefill_failed"
         if isinstance(exc, StreamError):  # most often its KV transfer failed: the prefill end is suspect
             if prefill is not None:
                 self.failed_prefills.add(prefill)
+            if node_code(exc) == KV_TRANSFER_FAILED:  # it says so: the decode node may serve the next try
+                return "prefill_failed"
             return "decode_error"
         if role != "decode":
             return None
+        if node_code(exc) == KV_TRANSFER_FAILED and isinstance(exc, UpstreamError):  # the prefill end failed
+            if prefill is not None:
+                self.failed_prefills.add(prefill)
+            return "prefill_failed"
         if isinstance(exc, (StreamIdle, UpstreamStalled, UpstreamTimeout)):
             cause = "decode_stalled"
         elif isinstance(exc, UpstreamUnreachable):
@@ -184,6 +196,16 @@ class Migration:
         if done:
             body[RESUME_FIELD] = list(ledger.token_ids)
         return body
+
+
+def _request_fault(payload: bytes) -> bool:
+    """An error event that blames the request (OpenAI's ``invalid_request_error``, e.g. a
+    response_format the grammar engine could not follow): no other node would do better."""
+    try:
+        error = json.loads(payload).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("type") == "invalid_request_error"
 
 
 def _note_ids(note: bytes) -> list[int] | None:

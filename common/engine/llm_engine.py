@@ -18,6 +18,7 @@ test) calls every method. Requests live in ``_requests`` from ``add_request`` un
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from pathlib import Path
 
@@ -30,17 +31,20 @@ from common.engine.cuda_graph import graph_memory
 from common.engine.gpu_memory import DEFAULT_GPU_MEMORY_UTILIZATION, activation_reserve, kv_cache_budget
 from common.engine.kv_connector import KVConnector, KVConnectorMetadata, no_connector
 from common.engine.model_runner import ModelRunner
-from common.engine.outputs import RequestOutput
+from common.engine.outputs import KV_TRANSFER_FAILED, RequestOutput
 from common.engine.parallel import load_model_on_ranks
 from common.engine.protocol import EngineStats
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.sequence import Sequence
+from common.engine.structured_output import RESPONSE_FORMAT_PARAM
 from common.engine.step_meter import StepMeter
 from common.kv_layout import DTYPES, KVLayout
 from common.model.attention import choose_kernels
 from common.defaults import DEFAULT_CACHE_DIR, EMBEDDED_MODEL_SPEC
 from common.model.sources import resolve_model
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -246,6 +250,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             new_logprobs=logprobs,
             error=seq.error,
+            **_error_origin(seq),
             kv_transfer_params=seq.kv_transfer_params,
         )
 
@@ -262,6 +267,22 @@ class LLMEngine:
                 if out.request_id in tokens:
                     tokens[out.request_id] += out.new_token_ids
         return [tokens[rid] for rid in ids]
+
+
+def _error_origin(seq: Sequence) -> dict[str, str]:
+    """Whose fault a sequence's error is, for its output: the request's (``error_param``, the field
+    at fault) when its grammar could not be followed; the prefill end's (``error_code``
+    ``kv_transfer_failed``) when it failed before its prompt was computed, which only a decode node
+    waiting for its prompt's KV does; {} otherwise (the node's)."""
+    if seq.finish_reason != "error":
+        return {}
+    if seq.grammar is not None and seq.grammar.failed:
+        logger.warning("request %s: the grammar engine gave up: %s", seq.request_id, seq.grammar.detail)
+        grammar = seq.params.grammar
+        return {"error_param": grammar.param if grammar is not None else RESPONSE_FORMAT_PARAM}
+    if seq.num_computed_tokens < seq.num_prompt_tokens:
+        return {"error_code": KV_TRANSFER_FAILED}
+    return {}
 
 
 def check_prompt(prompt_token_ids: list[int], max_model_len: int) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+KV_TRANSFER_FAILED = "kv_transfer_failed"  # RequestOutput.error_code: the prompt's KV never came
 
 
 @dataclass
@@ -20,5 +21,11 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens the computing node found in its prefix cache
     new_logprobs: list[dict[int, float]] | None = None  # per new token: {token_id: logprob}
     error: str | None = None  # set with finish_reason "error" (e.g. KV transfer failed)
+    # set with ``error`` when the request itself is at fault (the field to name in a 400, e.g. its
+    # response_format), None when the node is: only a node's fault is worth another node's try
+    error_param: str | None = None
+    # a word for a node's error that says where it came from: "kv_transfer_failed" (the prompt's KV
+    # never arrived: the prefill end failed, so a retry elsewhere need not avoid this node)
+    error_code: str | None = None
     kv_transfer_params: dict = field(default_factory=dict)  # e.g. first token for the decode side
     index: int = 0  # the choice (``SamplingParams.n`` > 1: one request, n choices)

@@ -69,7 +69,7 @@ async def create_chat_completion(
             return Response(status_code=499)  # never sent: the client is gone
         failed = next((r for r in results if r.finish_reason == "error"), None)
         if failed is not None:
-            raise engine_error(failed.error)
+            raise engine_error(failed.error, failed.error_param, failed.error_code)
         choices = [await _choice(ctx, body, result, tool_plan) for result in results]
     reply = {
         "id": public_id,

@@ -84,7 +84,7 @@ async def create_completion(
             return Response(status_code=499)  # never sent: the client is gone
         failed = next((r for r in results if r.finish_reason == "error"), None)
         if failed is not None:
-            raise engine_error(failed.error)
+            raise engine_error(failed.error, failed.error_param, failed.error_code)
         with_logprobs = body.logprobs is not None
         size = sum(len(r.token_ids) for r in results) * DECODES_PER_TOKEN * (1 + (body.logprobs or 0))
         choices = await ctx.off_loop(size if with_logprobs else 0, _choices, ctx, results, with_logprobs)

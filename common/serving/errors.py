@@ -127,8 +127,14 @@ def error_kind(status: int) -> str | None:
     return "invalid_request"
 
 
-def engine_error(message: str | None) -> OpenAIError:
-    return OpenAIError(message or "the engine failed the request", status=502, code="engine_error")
+def engine_error(message: str | None, param: str | None = None, code: str | None = None) -> OpenAIError:
+    """The engine ended a request with an error: a 400 naming ``param`` when the request is at fault
+    (its response_format could not be followed), else a 502 (the node's: another node may serve it),
+    whose ``code`` says where it came from (``kv_transfer_failed``: the prefill end), else ``engine_error``."""
+    if param is not None:
+        return OpenAIError(message or "the request cannot be served", status=400, param=param,
+                           code="response_format_failed")
+    return OpenAIError(message or "the engine failed the request", status=502, code=code or "engine_error")
 
 
 @contextmanager

@@ -32,6 +32,8 @@ class ChoiceResult:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    error_param: str | None = None  # the error is the request's own: this field is at fault
+    error_code: str | None = None  # a node's error: where it came from (RequestOutput.error_code)
     num_prompt_tokens: int = 0
 
     @property
@@ -87,6 +89,8 @@ class GenerationRun:
                 if out.finished:
                     result.finish_reason = out.finish_reason
                     result.error = out.error
+                    result.error_param = out.error_param
+                    result.error_code = out.error_code
         return results
 
     async def _choices(self, prompt: int) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -169,7 +173,8 @@ class GenerationRun:
             elapsed = now - self.prepared.arrival_time
             num_prompt = out.num_prompt_tokens or len(self.prepared.prompts[index // self.n])
             if out.finish_reason == "error":
-                metrics.observe_error("engine")
+                if out.error_param is None:  # the request's own fault is counted where it is answered
+                    metrics.observe_error("engine")
                 logger.warning("request %s failed after %.1f ms: %s", out.request_id, elapsed * 1e3, out.error)
                 return
             metrics.observe_finished(out.finish_reason or "stop", num_prompt, elapsed)

@@ -3,8 +3,9 @@
 Every node compiles the request it gets for its own tokenizer (a prefill node and a decode
 node get the same body from the proxy), so no grammar travels between processes.
 Compiling runs in a worker thread: a large schema takes milliseconds, and llguidance
-releases the GIL while it builds the lexer. A schema it cannot compile, or one past the
-size/depth bounds, is a 400 naming ``response_format.json_schema.schema``.
+releases the GIL while it builds the lexer. A schema it cannot compile, one no finite value
+satisfies, or one past the size/depth bounds, is a 400 naming
+``response_format.json_schema.schema``, before any token.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class ResponseFormats:
     async def schema(self, schema: dict[str, Any], param: str) -> Grammar:
         """A grammar for JSON under ``schema`` (a tool call's), a 400 naming ``param`` if it cannot be built."""
         try:
-            return await asyncio.to_thread(self._compiler_or_400().json_schema, schema)
+            return await asyncio.to_thread(self._compiler_or_400().json_schema, schema, param)
         except GrammarError as exc:
             raise OpenAIError(str(exc), param=param, code="invalid_value") from None
 

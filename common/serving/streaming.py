@@ -81,7 +81,9 @@ async def sse_stream(
         async with aclosing(run.events()) as events:
             async for index, out in events:
                 if out.finish_reason == "error":
-                    error = engine_error(out.error)
+                    error = engine_error(out.error, out.error_param, out.error_code)
+                    if out.error_param is not None:  # a node's fault was counted by the run
+                        run.ctx.metrics.observe_error("invalid_request")
                     error.request_id = request_id  # its body never shows the routing tag
                     yield sse_event(error.body())
                     failed = True
