@@ -6,6 +6,8 @@ and the registry's listener thread, so nothing outlives the app.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,6 +25,7 @@ from proxy.config import ProxyConfig
 from proxy.errors import NoNodeAvailable, ProxyError
 from proxy.legs import Legs
 from proxy.model_cards import ModelCards
+from proxy.pairing import PairingWatch
 from proxy.metrics import ProxyMetrics
 from proxy.registry import ServiceRegistry
 from proxy.relay import Dispatcher
@@ -51,10 +54,12 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
     registry = registry or registry_from_config(config)
     router = Router(registry, config.policy, config.node_stall_timeout_s, config.unreachable_cooldown_s)
     metrics = ProxyMetrics()
+    pairing = PairingWatch()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         registry.start()
+        watching = asyncio.ensure_future(_watch_pairing(pairing, registry))
         async with PooledTransport(max_idle_per_origin=config.max_idle_connections,
                                    connect_timeout_s=config.connect_timeout_s) as transport:
             legs = Legs(transport, config, metrics, unreachable=router.unreachable)
@@ -63,6 +68,9 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
             try:
                 yield
             finally:
+                watching.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watching
                 registry.stop()
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)
@@ -75,7 +83,7 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
         app.add_middleware(ApiKeyOnly, api_key=config.api_key,
                            on_refused=lambda: metrics.count_error("unauthorized"))
     app.include_router(_openai_routes(config, router))
-    _add_ops_routes(app, router, registry, metrics)
+    _add_ops_routes(app, router, registry, metrics, pairing)
     bound_writes(app, config.stream_write_timeout_s)
     return app
 
@@ -121,16 +129,34 @@ def _openai_routes(config: ProxyConfig, router: Router) -> APIRouter:
     return api
 
 
-def _add_ops_routes(app: FastAPI, router: Router, registry: ServiceRegistry, metrics: ProxyMetrics) -> None:
+async def _watch_pairing(pairing: PairingWatch, registry: ServiceRegistry, interval_s: float = 1.0) -> None:
+    """Logs a node no live peer can pair with soon after it registers, whether or not /ready is asked."""
+    while True:
+        pairing.check(registry.groups())
+        await asyncio.sleep(interval_s)
+
+
+def _add_ops_routes(app: FastAPI, router: Router, registry: ServiceRegistry, metrics: ProxyMetrics,
+                    pairing: PairingWatch) -> None:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
 
     @app.get("/ready")
     async def ready() -> Response:
+        """Ready once a compatible pair is registered. ``nodes`` counts the registered nodes by role,
+        ``ready_nodes`` those that can pair; ``unpaired`` names each other one and why."""
+        unpaired = pairing.check(registry.groups())
+        counts = registry.counts()
+        ready_nodes = dict(counts)
+        for u in unpaired:
+            ready_nodes[u.type] -= 1
         if router.has_pair() and registry.listening:
-            return JSONResponse({"status": "ready", "nodes": registry.counts()})
-        message = f"no compatible prefill/decode pair registered yet (nodes: {registry.counts()})"
+            return JSONResponse({"status": "ready", "nodes": counts, "ready_nodes": ready_nodes,
+                                 "unpaired": [u.to_dict() for u in unpaired]})
+        message = f"no compatible prefill/decode pair registered yet (nodes: {counts})"
+        if unpaired:
+            message += "; " + "; ".join(f"{u.type} {u.http_address}: {u.reason}" for u in unpaired[:8])
         return JSONResponse(error_body(message, error_type(503), None, NoNodeAvailable.code), status_code=503)
 
     @app.get("/metrics")

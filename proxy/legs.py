@@ -17,7 +17,7 @@ from common.registry_client import RegistrationMessage
 from common.serving.resume import TOKEN_IDS_HEADER
 from proxy.config import ProxyConfig
 from proxy.errors import UpstreamError, UpstreamTimeout, UpstreamUnreachable
-from proxy.http_client import ConnectTimeout, TransportError
+from proxy.http_client import ConnectError, ConnectTimeout, TransportError
 from proxy.metrics import ProxyMetrics
 from proxy.transport import PooledTransport, Response
 
@@ -113,9 +113,10 @@ async def _guard(role: str, node: str, phase: str, seconds: float,
             yield
     except ConnectTimeout as exc:  # a node that cannot be reached: retryable, unlike a slow one
         unreachable(role, node)
-        raise UpstreamUnreachable(role, node, f"connect timeout: {exc}") from exc
+        raise UpstreamUnreachable(role, node, f"connect timeout: {exc}", reached=False) from exc
     except TimeoutError as exc:
         raise UpstreamTimeout(role, node, phase, seconds) from exc
     except TransportError as exc:  # refused, reset: the node is down or going
         unreachable(role, node)
-        raise UpstreamUnreachable(role, node, f"{type(exc).__name__}: {exc}") from exc
+        raise UpstreamUnreachable(role, node, f"{type(exc).__name__}: {exc}",
+                                  reached=not isinstance(exc, ConnectError)) from exc

@@ -6,9 +6,12 @@ A request's lifecycle here:
    addresses (or ``local:0`` for P: the decode node prefills it) and sent as X-Request-Id.
 2. start the legs: ``concurrent`` (both at once, the default) or ``prefill_first``
    (P to its end, then D: vLLM's order); a local prefill has only the decode leg.
-3. wait until the answer can begin. P failed -> D is cancelled, and a P that refused
-   (unreachable, 503) is retried once on another P with a new id. D failed -> P is
-   cancelled. The client left -> both are cancelled.
+3. wait until the answer can begin. P failed -> D is cancelled, and a P that failed as a node
+   (unreachable, 503) is retried once on another P with a new id; with none left (or no P
+   registered at all) the decode node computes the prompt itself. D failed -> P is cancelled,
+   and a D that died runs it again elsewhere (a D that says its KV never came is not avoided);
+   with every D gone, 503 ``no_node_available``. A node's 4xx is the request's fault: relayed,
+   never retried. The client left -> both are cancelled.
 4. relay: non-stream -> D's JSON as is; stream -> D's bytes chunk by chunk, never
    buffered. If P fails after streaming began, or D sends nothing for
    ``--stream-idle-timeout-s``, the client gets an SSE error event and [DONE] (the
@@ -52,6 +55,7 @@ from proxy.prefix_policy import prompt_text
 from proxy.routing import Pair, Router
 
 logger = logging.getLogger(__name__)
+_MAX_PREFILL_TRIES = 2  # prefill nodes that may fail one request before its decode node prefills it
 _CLIENT_CLOSED = 499  # nginx's status for "client closed request": logged, never sent
 
 
@@ -110,18 +114,18 @@ class Dispatcher:
         model = body.get("model") if is_text(body.get("model")) else None  # else the nodes refuse it
         p_bytes = await off_loop(len(body_bytes), prefill_body, body, path)
         stream = body.get("stream") is True
-        failed_prefills: set[str] = set()
         wants_text = self.config.policy == "prefix_aware" or self.config.disagg_policy == "auto"
         prompt = prompt_text(body) if wants_text else ""
         rerun_of: ProxyError | None = None  # the decode failure being run again elsewhere
         while True:
             try:
-                pair = self.router.pick(model, frozenset(failed_prefills), prompt, frozenset(migration.failed_decodes))
-            except NoNodeAvailable:
+                pair, decision = self._pick(model, prompt, migration.failed_prefills, migration.failed_decodes)
+            except NoNodeAvailable as exc:
+                if isinstance(rerun_of, UpstreamUnreachable) and not rerun_of.reached:  # every one it could use is gone
+                    raise NoNodeAvailable(f"no live decode node: {rerun_of}; {exc}") from None
                 if rerun_of is not None:  # no other decode node: the client gets the failure itself
                     raise rerun_of from None
                 raise
-            decision = self._decide(pair, prompt)
             uid = uuid.uuid4().hex if attempts else incoming.uid
             p_addr = LOCAL_PREFILL if decision.local else pair.prefill.zmq_address
             tagged = make_request_id(p_addr, pair.decode.zmq_address, uid)
@@ -142,20 +146,20 @@ class Dispatcher:
                 if self._rerun(call, exc, migration):  # a stream too: its first byte had not gone out
                     rerun_of = exc
                     continue
-                if failed_prefills or not is_retryable(exc):
+                if decision.local or not is_retryable(exc):
                     raise
-                failed_prefills.add(pair.prefill.http_address)
+                migration.failed_prefills.add(pair.prefill.http_address)
                 self.metrics.count_retry()
-                logger.warning("request %s: prefill refused (%s), retrying on another node", call.public_id,
-                               exc)
+                logger.warning("request %s: prefill failed (%s), retrying on another prefill node or, with none "
+                               "left, on the decode node", call.public_id, exc)
             except BaseException:
                 await self._close(call)
                 raise
 
     def _rerun(self, call: Call, exc: ProxyError, migration: Migration) -> bool:
-        """An answer whose decode node died or stalled before its first byte reached the client (a
-        non-stream one, or a stream not yet begun) runs again on another decode node (greedy and
-        seeded requests give the same answer)."""
+        """An answer whose decode node died or stalled, or whose KV never came from its prefill node,
+        before its first byte reached the client (a non-stream one, or a stream not yet begun) runs
+        again without the node at fault (greedy and seeded requests give the same answer)."""
         if getattr(exc, "role", None) != "decode" or migration.count >= migration.limit:
             return False
         cause = migration.cause(exc, _prefill_of(call))
@@ -163,9 +167,42 @@ class Dispatcher:
             return False
         migration.count += 1
         self.metrics.count_migration(cause)
-        logger.warning("request %s: %s; running it on another decode node (%s, migration %d of %d)",
+        logger.warning("request %s: %s; running it again without the node at fault (%s, migration %d of %d)",
                        call.public_id, exc, cause, migration.count, migration.limit)
         return True
+
+    def _pick(self, model: str | None, prompt: str, failed_prefills: set[str],
+              failed_decodes: set[str]) -> tuple[Pair, Decision]:
+        """A pair and where its prompt is prefilled. Once a prefill node has failed the request and
+        no other is left (or two have failed), or when no prefill node is registered at all, the
+        decode node computes the prompt itself: a slower first token, not an error (counted as
+        ``proxy_prefill_decisions_total{path="local",reason="prefill_failed"|"no_prefill_node"}``)."""
+        if len(failed_prefills) < _MAX_PREFILL_TRIES:
+            try:
+                pair = self.router.pick(model, frozenset(failed_prefills), prompt, frozenset(failed_decodes))
+                return pair, self._decide(pair, prompt)
+            except NoNodeAvailable as exc:
+                if not failed_prefills:
+                    return self._decode_alone(model, prompt, failed_decodes, exc)
+        pair = self.router.pick(model, frozenset(), prompt, frozenset(failed_decodes))
+        decision = Decision("local", "prefill_failed")
+        self.metrics.count_decision(decision.path, decision.reason)
+        return pair, decision
+
+    def _decode_alone(self, model: str | None, prompt: str, failed_decodes: set[str],
+                      lack: NoNodeAvailable) -> tuple[Pair, Decision]:
+        """With no prefill node registered at all (the last one was evicted), a decode node computes the
+        prompt itself; ``lack`` (the router's NoNodeAvailable) is raised for anything else: no decode
+        node either, or none compatible with the prefill nodes there are."""
+        if self.router.registry.counts()["P"]:
+            raise lack
+        try:
+            pair = self.router.pick_decode(model, prompt, frozenset(failed_decodes))
+        except NoNodeAvailable:
+            raise lack from None
+        decision = Decision("local", "no_prefill_node")
+        self.metrics.count_decision(decision.path, decision.reason)
+        return pair, decision
 
     def _decide(self, pair: Pair, prompt: str) -> Decision:
         decision = self.disagg.decide(pair.prefill, pair.decode, prompt)

@@ -135,6 +135,19 @@ class Router:
         d = self._choose(self._decode_policy, decodes, prompt, "decode")
         return Pair(p.info, d.info)
 
+    def pick_decode(self, model: str | None, prompt: str = "",
+                    exclude_decode: frozenset[str] = frozenset()) -> Pair:
+        """A decode node for ``model`` that computes the prompt itself, for when no prefill node is
+        registered: ``Pair(d, d)``, to be sent with a local prefill (the decode leg only). Raises
+        NoNodeAvailable when there is none either."""
+        decodes = sorted((d for g in self.registry.groups() if model is None or g.model is None or g.model == model
+                          for d in g.decodes if d.info.http_address not in exclude_decode),
+                         key=lambda n: n.info.http_address)
+        if not decodes:
+            raise NoNodeAvailable("no prefill and no decode node is registered (besides ones that just failed)")
+        d = self._choose(self._decode_policy, decodes, prompt, "decode")
+        return Pair(d.info, d.info)
+
     def _choose(self, policy: Policy, nodes: list[Node], prompt: str, role: str) -> Node:
         """The policy's pick among ``nodes``, skipping any whose engine is stuck past the stall
         limit, and any a leg just failed to reach while another can take the request (checked on
