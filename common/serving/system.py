@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from fastapi import APIRouter, Depends
@@ -20,7 +21,7 @@ async def health(ctx: ServingContext = Depends(get_context)) -> Response:
     dead = getattr(ctx.engine, "dead_reason", None)
     if dead is not None:
         return JSONResponse({"status": "engine dead", "error": dead}, status_code=503)
-    return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "ok", "pid": os.getpid()})  # pid: a supervisor (or test) knows who answered
 
 
 @router.get("/ready")

@@ -48,14 +48,20 @@ class Proc:
             return "(no log)"
 
     def wait_ready(self, timeout: float = 120.0) -> None:
+        """Until /ready says 200 from this process: /health's pid must be ours, so another process
+        answering on the port (one that got the same port) is not taken for it."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.log_tail()}")
             try:
                 if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    pid = httpx.get(self.url + "/health", timeout=2).json().get("pid", self.popen.pid)
+                    if pid != self.popen.pid:
+                        raise RuntimeError(f"{self.name}: port {self.port} is answered by pid {pid}, not by the "
+                                           f"process started ({self.popen.pid}):\n{self.log_tail()}")
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"{self.name} not ready after {timeout} s:\n{self.log_tail()}")
