@@ -7,7 +7,8 @@ and never migrates; a decode node that no prefill node can pair with (TP 2 besid
 listed as not ready in the proxy's /ready; the only prefill node killed mid-prefill leaves the
 decode node to compute the prompt (200, the colocated text), and so on once it is evicted; with
 every decode node dead a new request is a 503 ``no_node_available`` before the registry has even
-evicted them.
+evicted them. Keyless and with a cluster key (the issue saw the request after the kill fail with
+a key too).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from common.cluster_auth import ClusterKey
 from helpers.cluster import Proc, metric, start, stop_all
 from helpers.waiting import wait_until
 
@@ -35,15 +37,24 @@ ENGINE_LIMIT = {"type": "object", "patternProperties": {"^a$": {"$ref": "#"}}, "
 LIBRARY_WORDS = ("Too many items", "ff_tokens", "lexeme", "non-verbose", "parser error", "llguidance")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
+class Nodes(dict[str, Proc]):
+    """The cluster's processes by name, and the flags that give a process the cluster key (or none)."""
+
+    key_args: tuple[str, ...] = ()
+
+
+@pytest.fixture(scope="module", params=["keyless", "keyed"])
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
     tmp = tmp_path_factory.mktemp("fallbacks")
+    procs = Nodes()
+    if request.param == "keyed":
+        procs.key_args = ("--cluster-key-file", str(ClusterKey.generate(tmp / "cluster.key")))
     # the drills' dead nodes stay listed this long: their fallbacks must not wait for an eviction
-    proxy = start("proxy", tmp, "--disagg-policy", "always", "--heartbeat-timeout-s", "4",
+    proxy = start("proxy", tmp, *procs.key_args, "--disagg-policy", "always", "--heartbeat-timeout-s", "4",
                   "--migration-limit", "2", wait=False)
-    procs = {"proxy": proxy}
+    procs["proxy"] = proxy
     try:
-        node = ("--proxy", f"127.0.0.1:{proxy.kv_port}", "--heartbeat-interval-s", "0.5")
+        node = (*procs.key_args, "--proxy", f"127.0.0.1:{proxy.kv_port}", "--heartbeat-interval-s", "0.5")
         procs["prefill"] = start("prefill", tmp, *node, wait=False)
         procs["decode1"] = start("decode", tmp, *node, name="decode1", wait=False)
         procs["decode2"] = start("decode", tmp, *node, name="decode2", wait=False)
@@ -140,12 +151,12 @@ def test_bad_sampling_parameters_are_a_400_naming_the_field(cluster: dict[str, P
     assert _migrations(cluster["proxy"]) == before
 
 
-def test_a_decode_node_no_prefill_node_pairs_with_is_not_ready(cluster: dict[str, Proc], tmp_path) -> None:
+def test_a_decode_node_no_prefill_node_pairs_with_is_not_ready(cluster: Nodes, tmp_path) -> None:
     """TP 2 decode beside a TP 1 prefill node (no --kv-ranks 2): registered, listed as not ready
     for its role with the reason, and a warning in the proxy's log."""
     proxy = cluster["proxy"]
-    odd = start("decode", tmp_path, "--proxy", f"127.0.0.1:{proxy.kv_port}", "--heartbeat-interval-s", "0.5",
-                "--tensor-parallel-size", "2", name="decode-tp2")
+    odd = start("decode", tmp_path, *cluster.key_args, "--proxy", f"127.0.0.1:{proxy.kv_port}",
+                "--heartbeat-interval-s", "0.5", "--tensor-parallel-size", "2", name="decode-tp2")
     try:
         address = f"127.0.0.1:{odd.port}"
         wait_until(lambda: _ready(proxy).get("nodes") == {"P": 1, "D": 3}, "the TP 2 decode node registered")
@@ -168,6 +179,10 @@ def test_the_only_prefill_node_killed_mid_prefill(cluster: dict[str, Proc]) -> N
     body = _body(prompt=f"Drill {time.time_ns()}: {PROMPT}")
     want = httpx.post(cluster["both"].url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
     decodes = [cluster["decode1"], cluster["decode2"]]
+    undisturbed = time.perf_counter()
+    assert httpx.post(proxy.url + "/v1/completions", json=_body(prompt=f"Before {time.time_ns()}: {PROMPT}"),
+                      timeout=120).status_code == 200
+    undisturbed = time.perf_counter() - undisturbed
     blamed = _migrations(proxy, "decode")
     prefill.popen.send_signal(signal.SIGSTOP)  # the decode node surely waits for its KV
     result: dict = {}
@@ -186,7 +201,8 @@ def test_the_only_prefill_node_killed_mid_prefill(cluster: dict[str, Proc]) -> N
     assert r.json()["choices"][0]["text"] == want
     # the decode node whose KV never came is not blamed for it (with one decode node, it serves the retry)
     assert _migrations(proxy, "decode") == blamed
-    print(f"\nfallback answer {result['at'] - started:.2f} s after sending (prefill node frozen, then killed)")
+    print(f"\nfallback answer {result['at'] - started:.2f} s after sending (prefill node frozen, then killed), "
+          f"undisturbed {undisturbed:.2f} s")
     again = _body(prompt=f"Again {time.time_ns()}: {PROMPT}")
     want = httpx.post(cluster["both"].url + "/v1/completions", json=again, timeout=120).json()["choices"][0]["text"]
     status, events = _events(proxy, {**again, "stream_options": {"include_usage": True}})
