@@ -105,6 +105,17 @@ def test_pre_tokenizer_splits_like_transformers(tmp_path, pre) -> None:
         assert ours.encode("2025", add_special_tokens=False) == [i for ids in digits for i in ids]
 
 
+def one_tensor_back(file: Path, values: np.ndarray, kind: str) -> np.ndarray:
+    """``values`` (raw blocks when uint8) written as the only tensor of a GGUF, read back by our dequantization."""
+    writer = gguf.GGUFWriter(str(file), "llama")
+    add_tensor(writer, "t", values, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dequantize_tensor(file, open_reader(file).tensors[0])
+
+
 # Where each K-quant block keeps its fp16 scale(s): random bytes elsewhere, sane scales there.
 SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
                  "Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,)}
@@ -124,14 +135,7 @@ def test_dequantization_equals_transformers_kernels(tmp_path, kind) -> None:
         scales = rng.uniform(0.001, 0.05, (rows, blocks)).astype(np.float16)
         data[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(rows, blocks, 2)
     data = data.reshape(rows, blocks * size)
-    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
-    add_tensor(writer, "t", data, kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    raw = open_reader(tmp_path / "t.gguf").tensors[0]
-    ours = dequantize_tensor(tmp_path / "t.gguf", raw)
+    ours = one_tensor_back(tmp_path / "t.gguf", data, kind)
     expected = hf_dequantize(torch.from_numpy(data.copy()).flatten(), int(qtype)).reshape(rows, -1).numpy()
     assert ours.shape == (rows, blocks * block)
     np.testing.assert_allclose(ours, expected, rtol=1e-6, atol=1e-6)
@@ -140,13 +144,7 @@ def test_dequantization_equals_transformers_kernels(tmp_path, kind) -> None:
 @pytest.mark.parametrize("kind", ["F16", "BF16", "Q5_0", "Q5_1"])
 def test_other_types_round_trip(tmp_path, kind) -> None:
     values = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
-    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
-    add_tensor(writer, "t", values, kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    ours = dequantize_tensor(tmp_path / "t.gguf", open_reader(tmp_path / "t.gguf").tensors[0]).reshape(4, 64)
+    ours = one_tensor_back(tmp_path / "t.gguf", values, kind).reshape(4, 64)
     tolerance = {"F16": 1e-3, "BF16": 1e-2, "Q5_0": 0.15, "Q5_1": 0.15}[kind]
     assert np.abs(ours.astype(np.float32) - values).max() <= tolerance
 
