@@ -30,6 +30,8 @@ from proxy.errors import (ProxyError, StreamIdle, UpstreamError, UpstreamStalled
 
 _NOTE = TOKEN_IDS_NOTE.encode()
 _MAX_PARTIAL = 1 << 20  # an event larger than this without its end is relayed as it is
+# 4xx statuses that speak of the node, not the request: another node may well serve it
+_NODE_REFUSALS = frozenset({408, 409, 429})  # timed out reading, a stale role or epoch, too busy
 
 
 class StreamError(ProxyError):
@@ -150,7 +152,7 @@ class Migration:
         ``prefill``: the attempt's prefill node (None for a local prefill). The failed node is avoided."""
         role = getattr(exc, "role", None)
         node = getattr(exc, "node", None) or ""
-        if isinstance(exc, UpstreamError) and exc.status < 500:
+        if isinstance(exc, UpstreamError) and exc.status < 500 and exc.status not in _NODE_REFUSALS:
             return None  # the node refused the request itself (4xx): another would too
         if role == "prefill" and isinstance(exc, ProxyError):
             self.failed_prefills.add(node)
@@ -171,7 +173,7 @@ class Migration:
             cause = "decode_stalled"
         elif isinstance(exc, UpstreamUnreachable):
             cause = "decode_lost"
-        elif isinstance(exc, UpstreamError) and exc.status >= 500:
+        elif isinstance(exc, UpstreamError) and (exc.status >= 500 or exc.status in _NODE_REFUSALS):
             cause = "decode_error"
         else:
             return None  # the node refused the request itself (4xx): another would too

@@ -88,3 +88,24 @@ def test_causes_and_the_nodes_they_rule_out() -> None:
     assert m.cause(UpstreamError("decode", "d2", 400, b"{}")) is None
     assert m.cause(StreamError("d3", b""), prefill="p1") == "decode_error"
     assert m.failed_decodes == {"d1"} and m.failed_prefills == {"p1"}
+
+
+def test_an_error_event_that_blames_the_request_is_relayed_and_ends_the_stream() -> None:
+    ledger = StreamLedger("d1")
+    event = (b'data: {"error": {"message": "the response_format cannot be followed", "type": '
+             b'"invalid_request_error", "param": "response_format", "code": "response_format_failed"}}\n\n')
+    assert ledger.feed(event) == event  # relayed as the node wrote it: never resumed elsewhere
+    assert not ledger.resumable
+
+
+def test_whose_fault_decides_what_is_avoided() -> None:
+    """A request's fault (4xx) never migrates, a prefill node's 4xx neither; a node's refusal that
+    speaks of the node (409 stale role, 429 busy) does; a decode node whose KV never came blames its
+    prefill node, not itself."""
+    m = Migration("/v1/completions", {}, 2)
+    assert m.cause(UpstreamError("prefill", "p1", 400, b"{}")) is None
+    assert m.cause(UpstreamError("decode", "d1", 409, b"{}")) == "decode_error"
+    kv_lost = b'{"error":{"message":"data plane failed","type":"server_error","param":null,"code":"kv_transfer_failed"}}'
+    assert m.cause(UpstreamError("decode", "d2", 502, kv_lost), prefill="p2") == "prefill_failed"
+    assert m.cause(StreamError("d3", b"data: " + kv_lost + b"\n\n"), prefill="p3") == "prefill_failed"
+    assert m.failed_decodes == {"d1"} and m.failed_prefills == {"p2", "p3"}
