@@ -8,6 +8,10 @@ A local prefill (the proxy decided the decode node should compute the prompt its
 no prefill leg) names :data:`LOCAL_PREFILL` as the prefill address: ``local:0`` is no KV
 endpoint (port 0), so a daemon that does not know the marker fails it plainly, and under a
 cluster key the marker is covered by the id's signature like any address.
+
+A prefill node asked through ``kv_transfer_params`` (common/serving/kv_params.py) does not know
+which decode node will pull; the transfer id it makes names :data:`ANY_DECODE` as decode address
+(port 0: no endpoint). The producer never reads a decode address (a pull names the id itself).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 _PREFILL_RE = re.compile(r"___prefill_addr_(.*):(\d+)___")
 _DECODE_RE = re.compile(r"___decode_addr_(.*):(\d+)")
 LOCAL_PREFILL = "local:0"  # the prefill address of a request the decode node prefills itself
+ANY_DECODE = "any:0"  # the decode address of a kv_transfer_params transfer id: whoever pulls it
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ The proxy's prefill leg runs with ``max_tokens: 1``, so a body the decode node r
 (bad ``max_tokens``, prompt too long for this node…) may still have been prefilled; the
 prefill node would hold that KV until its lease ends. An ASGI middleware (not Starlette's
 BaseHTTPMiddleware, which would buffer and re-wrap every streamed response) watches the
-status and, on a 4xx for a tagged id, tells the prefill node to drop the request. The same
+status and, on a 4xx for a tagged id, tells the prefill node to drop the request (for
+``kv_transfer_params``, once the serving layer verified them: the transfer id and prefill node
+they name; never for params refused as forged, expired or spent). The same
 holds for the 499 a non-streaming reply ends with when the proxy hangs up (it gave up on the
 request: a prefill timeout, the client gone): nobody will ask for that KV either.
 
@@ -42,13 +44,20 @@ class ReleaseRefusedKV:
                 self._release(scope, message["status"])
             await send(message)
 
+        scope.setdefault("state", {})  # shared with the request inside, even through a copied scope
         await self.app(scope, receive, watch)
 
     def _release(self, scope: Scope, status: int) -> None:
         request_id = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
         tags = parse_tags(request_id)
-        if tags is None or request_id is None or tags.local_prefill:  # a local prefill left no KV anywhere
+        # kv_transfer_params the serving layer verified: the transfer id and prefill node they name
+        via_params = scope.get("state", {}).get("pdserve_kv_release")
+        if via_params is not None:
+            request_id, prefill_addr = via_params
+        elif tags is None or request_id is None or tags.local_prefill:  # a local prefill left no KV anywhere
             return
+        else:
+            prefill_addr = tags.prefill_addr
         why = "the proxy gave up on it" if status == CLIENT_CLOSED else f"refused here ({status})"
-        logger.info("request %s %s: telling %s to drop its KV", request_id, why, tags.prefill_addr)
-        self.release(request_id, tags.prefill_addr)
+        logger.info("request %s %s: telling %s to drop its KV", request_id, why, prefill_addr)
+        self.release(request_id, prefill_addr)

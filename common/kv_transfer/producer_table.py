@@ -16,7 +16,9 @@ table's ``lock`` (KVProducer holds it while it also queues the sends a change ca
 | RELEASED     | ``ack``, or ``drop`` of a finished request: blocks freeable | gone (``poll_freeable``), DROPPED if dropped |
 | DROPPED      | ``drop`` (abort, failure, lease, discard): ``why`` kept to answer a late PULL | RELEASED (``finish``: its blocks) |
 
-A dropped record stays (the newest ``MAX_DROPPED``) so a PULL that comes late is told why.
+A dropped record stays (the newest ``MAX_DROPPED``) so a PULL that comes late is told why; so
+does a released one whose id any decode node may pull (``kv_transfer_params``), so that a second
+pull is told "already pulled" at once instead of waiting a lease for a prefill that never comes.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.engine.kv_connector import ConnectorState
+from common.request_id import ANY_DECODE, parse_tags
 
 if TYPE_CHECKING:
     from common.kv_transfer.sender import PairSender
 
 S = ConnectorState
 MAX_DROPPED = 10_000
+ALREADY_PULLED = "KV already pulled (a kv_transfer_params transfer id is pulled once)"
 FINISHED = (S.HELD, S.SENDING, S.AWAITING_ACK)  # prefill done: the record knows its blocks
 
 
@@ -187,6 +191,8 @@ class ProducerTable:
         out = {rid for rid, req in self.records.items() if req.state is S.RELEASED}
         for rid in out:
             req = self.records.pop(rid)
+            if req.why is None and _any_decode(rid):  # a kv_transfer_params id is pulled once: say so after
+                req.why = ALREADY_PULLED
             if req.why is not None:
                 req.state = S.DROPPED
                 self._tombstone(req)
@@ -199,3 +205,8 @@ class ProducerTable:
             oldest = next(rid for rid, r in self.records.items() if r.state is S.DROPPED)
             del self.records[oldest]
             self._num_dropped -= 1
+
+
+def _any_decode(request_id: str) -> bool:
+    tags = parse_tags(request_id)
+    return tags is not None and tags.decode_addr == ANY_DECODE

@@ -14,6 +14,7 @@ bypassed by calling a daemon directly. GETs (health, readiness, metrics, models)
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -41,7 +42,8 @@ class SignedIdsOnly:
             return
         request_id, signature = _headers(scope)
         reason = self.refusal(request_id, signature)
-        if reason is None:
+        # kv_transfer_params' routers sign nothing: an untagged id may carry them (kv_params.py checks them)
+        if reason is None or (signature is None and parse_tags(request_id) is None):
             body = await _read_body(receive, self.max_bytes)
             if body is None:
                 return  # the client left
@@ -51,9 +53,9 @@ class SignedIdsOnly:
                                                        "body", "request_too_large", request_id):
                     await send(message)
                 return
-            if hashlib.sha256(body).hexdigest() != self.key.signed_body_digest(signature or ""):
+            if reason is None and hashlib.sha256(body).hexdigest() != self.key.signed_body_digest(signature or ""):
                 reason = "the body is not the one the request id was signed with"
-            else:
+            elif reason is None or _asks_kv_params(body, self.role):
                 await self.app(scope, replay_body(body, receive), send)
                 return
         logger.warning("refused %s: %s", scope.get("path"), reason)
@@ -78,6 +80,16 @@ class SignedIdsOnly:
         if tags is None:
             return None
         return tags.prefill_addr if self.role == "prefill" else tags.decode_addr
+
+
+def _asks_kv_params(body: bytes, role: str) -> bool:
+    """Does ``body`` take the ``kv_transfer_params`` path on a ``role`` node (its flag is true)?"""
+    flag = {"prefill": "do_remote_decode", "decode": "do_remote_prefill"}.get(role)
+    try:
+        params = json.loads(body).get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        return False
+    return flag is not None and isinstance(params, dict) and params.get(flag) is True
 
 
 def _headers(scope: Scope) -> tuple[str | None, str | None]:

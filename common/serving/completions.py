@@ -96,6 +96,8 @@ async def create_completion(
         "choices": choices,
         "usage": run.usage(),
     }
+    if prepared.kv_params is not None and ctx.config.role == "prefill":  # where its KV waits for a pull
+        reply["kv_transfer_params"] = prepared.kv_params.reply(next(iter(results[0].token_ids), None))
     return JSONResponse(reply, headers=headers)
 
 

@@ -2,7 +2,8 @@
 request into a :class:`PreparedRequest` the engine can run.
 
 Preparation order: request id (the ``X-Request-Id`` header exactly as received, else
-``cmpl-<uuid hex>``) -> model name -> prompt token ids -> role and request-id tags -> the
+``cmpl-<uuid hex>``) -> model name -> prompt token ids -> role and request-id tags (or, for an
+untagged id, the ``kv_transfer_params`` path's transfer id and tags: common.serving.kv_params) -> the
 role's ``prepare_request`` hook (the seam where the prefill / decode daemons adjust a
 request) -> sampling-param ranges -> length and vocabulary checks. Each check raises an
 :class:`OpenAIError` that becomes a 400.
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from common.cluster_auth import ClusterKey
 from common.config import NodeConfig
 from common.engine.protocol import EngineClient
 from common.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -27,6 +29,7 @@ from common.logging_setup import current_request_id
 from common.metrics import NodeMetrics
 from common.request_id import Tags, parse_tags
 from common.serving.errors import REQUEST_ID_HEADER, OpenAIError, client_visible_id, model_not_served
+from common.serving.kv_params import KVParamsProtocol, KVParamsRequest
 from common.serving.limits import MAX_REQUEST_ID_CHARS
 from common.serving.protocol import SamplingRequest
 from common.serving.resume import resumed_prompts, wants_token_ids
@@ -54,6 +57,7 @@ class PreparedRequest:
     # KV admission, which must not count a request that is about to be refused)
     admit: Callable[[], None] | None = None
     stream_token_ids: bool = False  # a pdserve proxy asked for the ids behind each event (resume.py)
+    kv_params: KVParamsRequest | None = None  # on the kv_transfer_params path (kv_params.py)
 
     def engine_request_id(self, index: int) -> str:
         # One prompt keeps the id exactly (P and D key transfers by it); only a batch of
@@ -74,10 +78,15 @@ class ServingContext:
     prepare_request: PrepareHook | None = None
     max_token_chars: int = field(init=False)
     response_formats: ResponseFormats = field(init=False)
+    kv_params: KVParamsProtocol = field(init=False)
 
     def __post_init__(self) -> None:
         self.max_token_chars = _longest_token_chars(self.tokenizer, self.vocab_size)
         self.response_formats = ResponseFormats(self.tokenizer, self.vocab_size)
+        cfg, daemon = self.config, self.config.role in ("prefill", "decode")
+        self.kv_params = KVParamsProtocol(
+            cfg.role, cfg.kv_addr, ClusterKey.optional(cfg.cluster_key_file) if daemon else None,
+            getattr(self.engine, "kv_layout", None) if daemon else None, cfg.kv_lease_s, cfg.kv_rank_count)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -123,6 +132,10 @@ class ServingContext:
         params.grammar = grammar
         request_id = request_id_of(request)
         tags = parse_tags(request_id)
+        via_params = self.kv_params.request((body.model_extra or {}).get("kv_transfer_params"), tags, prompts,
+                                          bool(getattr(body, "stream", False)))
+        if via_params is not None:  # run under its transfer id, as if the proxy had tagged it
+            request_id, tags = via_params.transfer_id, via_params.tags
         self._check_role(tags, len(prompts))
         prompts = resumed_prompts(body.pdserve_resume_token_ids, prompts, params, tags)
         kv_params = None
@@ -131,6 +144,11 @@ class ServingContext:
             kv_params = {"prefill_addr": prefill, "decode_addr": tags.decode_addr}
         prepared = PreparedRequest(request_id, prompts, params, tags, kv_params)
         prepared.stream_token_ids = wants_token_ids(request.headers)
+        prepared.kv_params = via_params
+        if via_params is not None and self.config.role == "decode":
+            # verified params: a refusal from here on drops the prefill node's KV, as for a tagged id
+            request.state.pdserve_kv_release = (via_params.transfer_id, via_params.tags.prefill_addr)
+            prepared.admit = lambda: _spend(via_params, request)
         if self.prepare_request is not None:  # before the range checks: a prefill leg bounds min_tokens
             result = self.prepare_request(prepared, request)
             if result is not None:
@@ -206,6 +224,15 @@ class ServingContext:
         if role == "prefill" and tags.local_prefill:
             raise OpenAIError("this request is marked for a local prefill on its decode node; a prefill "
                               "node has nothing to do for it", param="X-Request-Id", code="local_prefill")
+
+
+def _spend(via_params: KVParamsRequest, request: Request) -> None:
+    """Decode: the params pass every check; refused as spent, they drop nobody's KV."""
+    try:
+        via_params.admit()
+    except OpenAIError:
+        request.state.pdserve_kv_release = None
+        raise
 
 
 def request_id_of(request: Request, prefix: str = "cmpl-") -> str:

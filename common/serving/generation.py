@@ -107,6 +107,10 @@ class GenerationRun:
                 num_finished += out.finished
                 finished = num_finished == self.n or out.finish_reason == "error"
                 self._observe(index, out)
+                if out.finish_reason == "error" and prepared.kv_params is not None:
+                    refusal = prepared.kv_params.refusal(out.error)  # the prefill node refused this pull
+                    if refusal is not None:
+                        raise refusal
                 yield index, out
                 if finished:
                     return

@@ -74,7 +74,6 @@ IGNORED: dict[str, str] = {
     "parallel_tool_calls": "a tool call here is always one call (tool_choice required or a named function)",
     "prompt_cache_key": "a routing hint for OpenAI's cache; the prefix cache here keys on the tokens",
     "request_id": "vLLM's; the id is X-Request-Id (or generated), which P and D must share",
-    "kv_transfer_params": "vLLM's disaggregation proxy sends it; our transfer is keyed by the tagged id",
 }
 
 

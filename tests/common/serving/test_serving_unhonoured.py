@@ -46,7 +46,7 @@ def test_neutral_values_and_ignored_fields_are_accepted(client: TestClient, rout
     """What benchmark clients and vLLM's proxy send: no-ops, so the request is served."""
     fields = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "none",
               "repetition_penalty": 1.0, "service_tier": "auto", "store": False, "user": "u-1",
-              "metadata": {"k": "v"}, "parallel_tool_calls": True, "kv_transfer_params": {"do_remote_decode": True},
+              "metadata": {"k": "v"}, "parallel_tool_calls": True, "kv_transfer_params": {"do_remote_decode": False},
               "some_future_field": 1}
     assert _post(client, route, **fields).status_code == 200
 
