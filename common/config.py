@@ -124,7 +124,9 @@ class NodeConfig(HttpServerOptions, EngineConfig):
     )
     kv_max_pairs: int = Field(
         64, ge=1, le=4096, description="KV data-plane pairs (a thread and sockets each) a prefill node holds "
-        "at most; handshakes past it are refused, and a pair with no transfer for 60 s is closed",
+        "at most; handshakes past it are refused (the decode node then computes the prompt itself), and a pair "
+        "with no transfer for 60 s is closed. Keyless, a pair whose decode node the registry does not name keeps "
+        "its slot 5 s at most and is the first to give it up to a registered one's",
         json_schema_extra=DAEMONS,
     )
     kv_transport: Literal["auto", "cuda_ipc", "nccl", "tcp", "gloo"] = Field(

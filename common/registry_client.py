@@ -9,9 +9,10 @@ with our proxy (and our node with a vLLM proxy)::
 Our daemons add what a router needs: model, KV layout fingerprint, load, version,
 and ``goodbye: true`` on a graceful stop. Our registry answers a decode node's heartbeat
 with ``{"members": [prefill KV addresses]}`` (:attr:`Heartbeater.members`): the prefill
-nodes it may pull KV from. Every field is bounded: the registry is
-reachable by anyone who can reach its port, so a message is checked by one model
-(:class:`RegistrationMessage`) before anything reads it. With a cluster key the map
+nodes it may pull KV from; a prefill node's with its decode nodes' KV addresses (one per KV
+rank): the consumers whose pairs keep their slots (keyless, common/kv_transfer/producer.py).
+Every field is bounded: the registry is reachable by anyone who can reach its port, so a
+message is checked by one model (:class:`RegistrationMessage`) before anything reads it. With a cluster key the map
 travels with a seal (see common.cluster_auth); without one the wire is vLLM's.
 """
 
@@ -290,6 +291,9 @@ class Heartbeater:
                 if payload is not None and len(payload) <= 64 * MAX_MESSAGE_BYTES:
                     members = decode_members(payload)
                     self.member_tp_sizes = decode_member_tp_sizes(payload, members)
+                    if members != self.members:
+                        logger.info("the registry names %d peer KV address(es): %s", len(members),
+                                    ", ".join(sorted(members)[:16]) + (" ..." if len(members) > 16 else ""))
                     self.members = members
             except RegistrationError as exc:
                 logger.warning("registry answer ignored: %s", exc)

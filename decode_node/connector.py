@@ -25,7 +25,13 @@ what this node caches; the scheduler knows it exactly. When the prompt is mostly
 (``--max-local-prefill-stall-ms`` at the measured rate, at least one block) it is computed here, like a local prefill: no entry in the table, no load; the worker
 tells the prefill node to drop the request's KV (an ABORT, as for a refused request; the
 prefill node frees it once its prefill ends, and its leg still answers the proxy). Counted by
-reason in ``overrides`` (``pdserve:decode_prefill_overrides_total``). The other way round
+reason in ``overrides`` (``pdserve:decode_prefill_overrides_total``).
+
+**Fallback**: a request whose prefill node gave no pair (it refused the handshake: at its
+``--kv-max-pairs``, reason ``pairs_full``, or for another reason, ``pair_refused``) asked for
+nothing and nothing landed in its blocks: it goes back to the scheduler's waiting queue and is
+computed here, the prefill node is told to drop its KV, and ``overrides`` counts it by that
+reason. The client sees a slower first token, never a 502. The other way round
 there is no override: a request tagged local has no prefill leg, so it is prefilled here even
 when its prompt is long or blocks are short: in stall-bounded chunks, waiting for blocks like
 any prompt.
@@ -40,6 +46,7 @@ from typing import TYPE_CHECKING
 
 from common.engine.kv_connector import (ConnectorState, FinishedTransfers, KVConnector, KVConnectorMetadata,
                                         KVConnectorScheduler, LoadSpec)
+from common.kv_transfer.config import no_pair_reason
 from common.kv_transfer.consumer_table import ConsumerTable
 from common.kv_transfer.workers import ConsumerWorker
 
@@ -113,14 +120,27 @@ class ConsumerScheduler(KVConnectorScheduler):
         return super().build_meta(seqs, num_new_tokens)
 
     def update_finished(self, finished: FinishedTransfers) -> FinishedTransfers:
-        """The worker's report as it is: the table already ignored a landing or failure that
-        raced an abort, and the scheduler applies it only to what it still parks or holds."""
+        """The worker's report: the table already ignored a landing or failure that raced an
+        abort, and the scheduler applies it only to what it still parks or holds. A failure
+        because no pair could be had is no failure of the request: it is computed here."""
         for rid in finished.done_recving:
             logger.info("request %s: KV received, decoding", rid)
-        for rid, err in finished.failed_recving.items():
-            logger.warning("request %s: KV transfer failed: %s", rid, err)
-        self.table.forget((*finished.done_recving, *finished.failed_recving), finished.stopped)
+        for rid, err in list(finished.failed_recving.items()):
+            if (reason := no_pair_reason(err)) is not None:
+                del finished.failed_recving[rid]
+                finished.prefill_here[rid] = reason
+                logger.warning("request %s: %s; computing its prompt here", rid, err)
+            else:
+                logger.warning("request %s: KV transfer failed: %s", rid, err)
+        self.table.forget((*finished.done_recving, *finished.failed_recving, *finished.prefill_here),
+                          finished.stopped)
         return finished
+
+    def fall_back(self, seq: Sequence, reason: str) -> None:
+        addr = prefill_addr(seq)
+        self.overrides[reason] += 1
+        if addr is not None:  # its prefill leg may still run there: its KV is dropped, not leased
+            self._releases.append((seq.request_id, addr))
 
 
 class ConsumerConnector(KVConnector):

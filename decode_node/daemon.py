@@ -14,7 +14,7 @@ A request's life here, as queues (SGLang's picture):
    request), and DONE is checked (nonce, layers, bytes) before the request runs.
 4. **running** — DONE carries the prefill daemon's first token: it is appended and
    streamed, and decoding goes on from there (the last prompt token is not recomputed).
-5. **failure** — a dead or unreachable prefill daemon, a refused layout or a timeout
+5. **failure** — a dead or unreachable prefill daemon or a timeout
    (``--kv-timeout-s``) ends the request with an error and frees its blocks; a client
    that disconnects mid-transfer aborts it (blocks held until the receive has stopped).
    A request refused here (a 4xx: bad input, prompt too long) never asks for its KV, so
@@ -22,6 +22,9 @@ A request's life here, as queues (SGLang's picture):
    (decode_node.release).
 6. **override** — a prompt this node has all but one stall-bounded step of cached is computed
    here instead of pulled, and the prefill node is told to drop its KV (decode_node.connector).
+7. **fallback** — a prefill node that refuses a pair (all its ``--kv-max-pairs`` slots taken)
+   costs the request no error: its prompt is computed here, as a local prefill, counted in
+   ``pdserve:decode_prefill_overrides_total{reason}`` (decode_node.connector).
 """
 
 from __future__ import annotations
@@ -65,8 +68,11 @@ def add_override_counter(metrics: NodeMetrics, connector: ConsumerConnector) -> 
     """``pdserve:decode_prefill_overrides_total{role, reason}``: requests tagged for a remote
     prefill that this node computed itself (see decode_node.connector), brought up to date at scrape."""
     counter = Counter(PREFIX + "decode_prefill_overrides", "Requests tagged for a remote prefill that the "
-                      "decode node prefilled itself, by reason", ["role", "reason"], registry=metrics.registry)
-    counter.labels(metrics.role, "cached")  # shown at 0 before the first override
+                      "decode node prefilled itself, by reason (cached: mostly cached here; pairs_full: the "
+                      "prefill node was at --kv-max-pairs; pair_refused: it refused the pair otherwise)",
+                      ["role", "reason"], registry=metrics.registry)
+    for reason in ("cached", "pairs_full", "pair_refused"):  # shown at 0 before the first one
+        counter.labels(metrics.role, reason)
     exported: dict[str, int] = {}
 
     def export() -> None:

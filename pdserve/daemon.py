@@ -136,6 +136,7 @@ class Daemon:
             self.heartbeater.start()
             logger.info("registering with the proxy at %s as %s", cfg.proxy, self.node_id)
         self.transfer.consumer.known_peer = self.known_prefill
+        self.transfer.producer.is_member = self.member_decode
         if hasattr(connector, "scheduler") and hasattr(connector.scheduler, "peer_tp_size"):
             connector.scheduler.peer_tp_size = self.prefill_tp_size  # type: ignore[attr-defined]
 
@@ -236,6 +237,14 @@ class Daemon:
             return True
         members = self.heartbeater.members if self.heartbeater is not None else None
         return members is None and not self.config.kv_peer_list
+
+    def member_decode(self, kv_addr: str) -> bool:
+        """Does a pair's consumer at ``kv_addr`` count as a member (its pair's slot is never given to
+        a stranger's)? With a cluster key, yes: its handshake was sealed. Keyless, when the registry
+        names it among the decode nodes it answers this prefill node with; with no answer (no
+        proxy, or vLLM's), every consumer counts, as before."""
+        members = self.heartbeater.members if self.heartbeater is not None else None
+        return self.key is not None or members is None or kv_addr in members
 
     def prefill_tp_size(self, kv_addr: str) -> int:
         """The TP size the registry last gave for the prefill node at ``kv_addr`` (0: not said; a

@@ -21,7 +21,6 @@ router reads :meth:`groups`, a snapshot rebuilt only when membership changes.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 import time
@@ -34,6 +33,7 @@ import zmq
 from common.cluster_auth import ClusterKey, registry_sealer
 from common.registry_client import (MAX_MESSAGE_BYTES, RegistrationError, RegistrationMessage, decode,
                                     encode_members, zmq_endpoint)
+from proxy.source_address import from_own_address, peer_address
 
 logger = logging.getLogger(__name__)
 GroupKey = tuple[str | None, str | None]  # (model, kv_fingerprint)
@@ -102,8 +102,11 @@ class ServiceRegistry:
         self._nodes: dict[tuple[str, str], Node] = {}
         self._groups: tuple[Group, ...] | None = None  # snapshot; None = rebuild on next read
         self._senders: OrderedDict[bytes, _Sender] = OrderedDict()
-        # each decode node's connection and its latest message: told at once when a prefill node joins
-        self._decode_senders: OrderedDict[bytes, RegistrationMessage] = OrderedDict()
+        # each node's connection and its latest message, by type: told at once when a node of the
+        # other type joins (a decode node pulls only from the prefill nodes it was told of, and a
+        # keyless prefill node keeps pair slots for the decode nodes it was told of)
+        self._member_senders: dict[str, OrderedDict[bytes, RegistrationMessage]] = {
+            "P": OrderedDict(), "D": OrderedDict()}
         self._rejected: Counter[str] = Counter()  # reason -> messages dropped
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -298,18 +301,18 @@ class ServiceRegistry:
                                       f"its own address, and {msg.http_address} / {msg.zmq_address} is not "
                                       f"{peer}, where the message came from")
                             continue
-                        joining = msg.type == "P" and not msg.goodbye and self.get("P", msg.http_address) is None
+                        joining = not msg.goodbye and self.get(msg.type, msg.http_address) is None
                         reason = self.register(msg)
-                        if reason is None and msg.type == "D":
-                            self._remember_decode(sender, msg)
+                        if reason is None:
+                            self._remember(sender, msg)
                             if not msg.goodbye:
                                 self._send_members(sock, sender, msg)
-                        elif reason is None and joining:
-                            # a decode node pulls only from the prefill nodes it was told of: tell
-                            # every one now, not at its next heartbeat (~2 s in which the proxy
-                            # would route it requests naming a prefill node it refuses)
-                            for d_sender, d_msg in list(self._decode_senders.items()):
-                                self._send_members(sock, d_sender, d_msg)
+                        if reason is None and joining:
+                            # tell the other type's nodes now, not at their next heartbeat (~2 s in
+                            # which the proxy would route them requests naming a node they refuse)
+                            others = self._member_senders["D" if msg.type == "P" else "P"]
+                            for other, other_msg in list(others.items()):
+                                self._send_members(sock, other, other_msg)
                     except RegistrationError as exc:
                         reason = "invalid"
                         self._log(sender, f"ignored a bad registration message: {exc}")
@@ -317,21 +320,28 @@ class ServiceRegistry:
                 self._reject(reason)
                 self._log(sender, f"registration rejected ({reason})")
 
-    def _remember_decode(self, sender: bytes, msg: RegistrationMessage) -> None:
-        self._decode_senders.pop(sender, None)
+    def _remember(self, sender: bytes, msg: RegistrationMessage) -> None:
+        senders = self._member_senders[msg.type]
+        senders.pop(sender, None)
         if not msg.goodbye:
-            self._decode_senders[sender] = msg
-            while len(self._decode_senders) > self.max_nodes:
-                self._decode_senders.popitem(last=False)
+            senders[sender] = msg
+            while len(senders) > self.max_nodes:
+                senders.popitem(last=False)
 
     def _send_members(self, sock: zmq.Socket, sender: bytes, msg: RegistrationMessage) -> None:
-        """Answer a decode node's heartbeat with the KV addresses of the prefill nodes it may pull
-        from (its model and layout): it pulls from no one else (issue 22). vLLM's nodes ignore it."""
-        prefills = [n.info for n in self.nodes("P")
-                    if (n.info.model, n.info.kv_fingerprint) == (msg.model, msg.kv_fingerprint)]
-        members = sorted({p.zmq_address for p in prefills})
-        # what a decode node routes by: each prefill node's KV ranks (one per rank, unless --kv-ranks)
-        tp_sizes = {p.zmq_address: p.kv_ranks or p.tp_size for p in prefills if (p.kv_ranks or p.tp_size or 1) > 1}
+        """Answer a heartbeat with the KV addresses of the other type's nodes of its model and
+        layout. A decode node pulls from no prefill node but these (issue 22); a keyless prefill
+        node keeps its pair slots for these decode nodes, one address per KV rank (issue 33).
+        vLLM's nodes ignore the answer."""
+        same = [n.info for n in self.nodes("D" if msg.type == "P" else "P")
+                if (n.info.model, n.info.kv_fingerprint) == (msg.model, msg.kv_fingerprint)]
+        if msg.type == "P":
+            members = sorted({a for d in same for a in _rank_addresses(d.zmq_address, d.tp_size or 1)})
+            tp_sizes: dict[str, int] = {}
+        else:
+            members = sorted({p.zmq_address for p in same})
+            # what a decode node routes by: each prefill node's KV ranks (one per rank, unless --kv-ranks)
+            tp_sizes = {p.zmq_address: p.kv_ranks or p.tp_size for p in same if (p.kv_ranks or p.tp_size or 1) > 1}
         try:
             sock.send_multipart([sender, *self._sealer.frames(encode_members(members, tp_sizes))], zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -361,40 +371,8 @@ class ServiceRegistry:
             logger.warning("%s (sender %s; more from it are not logged for a minute)", message, sender.hex())
 
 
-def peer_address(frame: zmq.Frame) -> str | None:
-    """The address a message's connection comes from (libzmq's ``Peer-Address``, tcp); None
-    where the transport cannot tell."""
-    try:
-        return frame.get("Peer-Address")
-    except (zmq.ZMQError, KeyError, ValueError):
-        return None
 
-
-def from_own_address(msg: RegistrationMessage, peer: str | None) -> bool:
-    """Do both addresses the message names (HTTP and KV) lie on the host its connection comes from?
-
-    Keyless this is all that ties a registration, or a goodbye, to its sender: a stranger can no
-    longer register a node at someone else's address or say goodbye for a live node on another
-    host. Processes on one host share its address, so they still cannot be told apart; an address
-    given as a name (other than ``localhost``) is refused: the check compares IP addresses, and
-    resolving strangers' names would stall this thread. True when the transport cannot tell."""
-    if peer is None:
-        return True
-    try:
-        source = _normal(ipaddress.ip_address(peer))
-    except ValueError:
-        return False
-    for address in (msg.http_address, msg.zmq_address):
-        host = address.rpartition(":")[0].strip("[]")
-        try:
-            named = _normal(ipaddress.ip_address("127.0.0.1" if host == "localhost" else host))
-        except ValueError:
-            return False
-        if named != source:
-            return False
-    return True
-
-
-def _normal(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    """An IPv4 address written as IPv6 (``::ffff:a.b.c.d``) as plain IPv4."""
-    return ip.ipv4_mapped or ip if isinstance(ip, ipaddress.IPv6Address) else ip
+def _rank_addresses(zmq_address: str, num_ranks: int) -> list[str]:
+    """A decode node's KV endpoints: rank r handshakes from its ``zmq_address``'s port + r."""
+    host, _, port = zmq_address.rpartition(":")
+    return [f"{host}:{int(port) + r}" for r in range(num_ranks)]

@@ -12,7 +12,8 @@ no transfer engine, no network. It decides, from the ``Sequence`` objects it see
     only the pass that completes the prompt saves, earlier chunks go out from the blocks;
   * which finished requests are handed over (first token, its logprobs, blocks) or
     discarded, which loads are aborted, and which requests tagged for a load compute their
-    few uncached tokens here instead (``prefill_here``; the peer is told to drop the KV);
+    few uncached tokens here instead (``prefill_here``; the peer is told to drop the KV), and
+    which parked requests whose peer gave no pair are computed here after all (``fall_back``);
   * whether the scheduler holds a finished request's blocks (``request_finished``), read
     from the side's one table of transfers (request id -> record with one
     :class:`ConnectorState`), which the transfer engine updates too (shared at ``bind``).
@@ -136,6 +137,9 @@ class FinishedTransfers:
     cached_tokens: dict[str, int] = field(default_factory=dict)
     # consumer: requests whose transfer failed: request_id -> error message (request fails, blocks freed)
     failed_recving: dict[str, str] = field(default_factory=dict)
+    # consumer: requests whose pair could not be had (nothing asked for, nothing landed): request_id ->
+    # reason; their prompts are computed here instead (``KVConnectorScheduler.fall_back``)
+    prefill_here: dict[str, str] = field(default_factory=dict)
 
 
 class ConnectorState(enum.Enum):
@@ -203,6 +207,10 @@ class KVConnectorScheduler:
         """A request tagged for remote KV whose prompt lacks only ``num_uncached`` tokens here:
         True to compute them here instead (``max_tokens``: what one stall-bounded step holds)."""
         return False
+
+    def fall_back(self, seq: Sequence, reason: str) -> None:
+        """``seq``'s KV cannot come from its peer (``FinishedTransfers.prefill_here``): the
+        scheduler computes its prompt here, as a local prefill."""
 
     def saves(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[SaveSpec]:
         """Rows of the scheduled batch whose KV the workers save during the forward."""

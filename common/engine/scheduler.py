@@ -4,7 +4,8 @@ Queues: ``waiting`` (FIFO, new and preempted) -> ``running`` (at most ``max_num_
 -> finished. With a consumer connector a new sequence whose prompt KV comes from a peer
 goes ``waiting`` -> ``parked`` (blocks for the whole prompt held, no running slot) and,
 once the worker reports the KV landed with the first token, back to the front of
-``waiting`` with its prompt marked computed. With a producer connector a finished
+``waiting`` with its prompt marked computed (or, when no pair with the peer could be had,
+back with nothing computed: a local prefill). With a producer connector a finished
 sequence may sit in ``held`` (blocks kept) until the peer has read its KV.
 
 The scheduler side of the connector (``kv_connector``) is told what happens and makes the
@@ -271,6 +272,13 @@ class Scheduler:
             if not seq.is_finished:
                 self.append_token(seq, first_token)
             touched.append(seq)
+        for rid, reason in finished.prefill_here.items():  # no pair to be had: computed here instead
+            seq = self.parked.pop(rid, None)
+            if seq is not None:
+                self._release(seq)  # nothing landed in its blocks; a local prefill looks its prefix up again
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)  # external_kv_checked stays set: it is never parked again
+                self.connector.fall_back(seq, reason)
         for rid, message in finished.failed_recving.items():
             seq = self.parked.get(rid)
             if seq is not None:

@@ -19,6 +19,26 @@ class PairBrokenError(TransferError):
     """The data-plane pair failed (timeout, closed connection); it must be rebuilt."""
 
 
+class NoPairError(TransferError):
+    """No pair could be had with the producer: it refused the handshake (``reason`` "pairs_full"
+    at its --kv-max-pairs, else "pair_refused"). Nothing was asked for or landed, so the decode
+    node computes the prompt itself (:func:`no_pair_reason` finds the reason in the failure's text,
+    which is what crosses tensor-parallel ranks)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"no KV pair ({reason}): {message}")
+        self.reason = reason
+
+
+def no_pair_reason(error: str) -> str | None:
+    """The reason of a :class:`NoPairError` whose text ``error`` holds (a prefix may name a rank), else None."""
+    start = error.find("no KV pair (")
+    if start < 0:
+        return None
+    reason = error[start + len("no KV pair ("):].partition(")")[0]
+    return reason if reason.replace("_", "").isalpha() else None
+
+
 @dataclass(frozen=True)
 class TransferConfig:
     """Knobs of one process's transfer engine. Times are seconds."""
@@ -34,11 +54,14 @@ class TransferConfig:
     max_peers: int = 256  # control-plane connections to distinct peers, at most
     max_pairs: int = 64  # data-plane pairs a producer holds (a thread and sockets each), at most
     pair_idle_s: float = 60.0  # a producer closes a pair that carried no transfer this long
+    # keyless: a pair whose consumer names no registered decode node gets this long to become one;
+    # after it, or as soon as a member needs its slot, it is dropped
+    probation_s: float = 5.0
     checksum: str = "auto"  # per-layer CRC-32 of the KV: auto (off today), on, off (verify.py)
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "lease_s", "handshake_timeout_s", "connect_timeout_s", "heartbeat_s",
-                     "peer_idle_s", "pair_idle_s"):
+                     "peer_idle_s", "pair_idle_s", "probation_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransferConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.checksum not in ("auto", "on", "off"):

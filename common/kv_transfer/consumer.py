@@ -49,6 +49,7 @@ class KVConsumer:
         # --kv-peers and the registry's member list (pdserve/daemon.py). Asked before anything opens.
         self.known_peer: Callable[[str], bool] = lambda address: True
         self.transport = transport  # --kv-transport: what this side asks for at each handshake
+        self.address = ""  # this endpoint's own KV address, named in each handshake (set by the engine)
         self.control: ControlPlane  # set by the engine once bound
         self._lock = threading.Lock()
         self._links: dict[str, PairReceiver] = {}  # producer address -> its link thread

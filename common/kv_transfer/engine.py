@@ -49,6 +49,7 @@ class KVTransferEngine:
         if on_progress is not None:
             self.producer.on_progress = self.consumer.on_progress = on_progress
         self.address = self.control.address
+        self.consumer.address = f"{advertise_host or host}:{split_address(self.address)[1]}"
 
     def _on_router(self, identity: bytes, msg: Message) -> None:
         self.producer.handle(identity, msg)

@@ -46,6 +46,7 @@ class Handshake(Message):
     endpoint: dict = field(default_factory=dict)
     ipc: list = field(default_factory=list)
     checksum: str = "auto"  # the consumer's --kv-checksum (verify.py)
+    consumer: str = ""  # the consumer's own KV address (host:port): keyless, what says it is a member
 
 
 @dataclass
@@ -169,7 +170,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 _OPTIONAL: dict[str, tuple[str, ...]] = {Pull.CMD: ("first_block", "nonce"), Ping.CMD: ("pair_id",),
                                           Done.CMD: ("choices", "cached_tokens", "nonce", "num_layers", "nbytes",
                                                      "checksums"),
-                                          Handshake.CMD: ("checksum",), HandshakeOk.CMD: ("checksum",)}
+                                          Handshake.CMD: ("checksum", "consumer"), HandshakeOk.CMD: ("checksum",)}
 
 
 _FIELD_NAMES: dict[type[Message], tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls))

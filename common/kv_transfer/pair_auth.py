@@ -20,6 +20,7 @@ without, the random pair id), so a stranger on the store port cannot set or read
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import secrets
@@ -69,7 +70,8 @@ class _Hello:
 
 def accept_peer(server: socket.socket, pair_id: str, key: ClusterKey | None, timeout_s: float) -> socket.socket:
     """The first connection to ``server`` that completes the hello for ``pair_id`` (blocking,
-    the hello finished); others are closed. :class:`TimeoutError` after ``timeout_s``."""
+    the hello finished); others are closed. :class:`TimeoutError` after ``timeout_s``;
+    :class:`ConnectionAbortedError` once ``server`` was shut down (the pair was dropped)."""
     deadline = time.monotonic() + timeout_s
     per_hello = min(HELLO_TIMEOUT_S, timeout_s)
     need = hello_size(key, pair_id)
@@ -112,7 +114,9 @@ def accept_peer(server: socket.socket, pair_id: str, key: ClusterKey | None, tim
 def _admit(server: socket.socket, pending: dict, key: ClusterKey | None, deadline: float) -> None:
     try:
         conn, _ = server.accept()
-    except (BlockingIOError, OSError):
+    except OSError as e:  # a connection reset before we took it, out of descriptors: try the next
+        if e.errno == errno.EINVAL:  # shut down (TcpListener.cancel): nobody is to join any more
+            raise ConnectionAbortedError("the pair was dropped before its consumer joined") from e
         return
     if len(pending) >= MAX_PENDING_HELLOS:
         _drop(pending, min(pending.values(), key=lambda h: h.deadline), "too many unfinished hellos")

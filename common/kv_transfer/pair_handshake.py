@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.kv_layout import KVLayout
-from common.kv_transfer.config import TransferConfig, TransferError
+from common.kv_transfer.config import NoPairError, TransferConfig, TransferError
 from common.kv_transfer.cuda_ipc import export_cache
 from common.kv_transfer.messages import Error, Handshake, HandshakeOk
 from common.kv_transfer.transport import Endpoint, open_pair
@@ -35,21 +35,24 @@ class OpenedPair:
 
 
 def open_consumer_pair(control: ControlPlane, address: str, layout: KVLayout, mode: str,
-                       config: TransferConfig, kv_caches: list[torch.Tensor]) -> OpenedPair:
+                       config: TransferConfig, kv_caches: list[torch.Tensor], consumer: str = "") -> OpenedPair:
     """Handshake with the producer at ``address`` and build the pair (rank 1); TransferError
-    naming the producer when either fails."""
+    naming the producer when either fails, :class:`NoPairError` when the producer refused.
+    ``consumer``: this side's own KV address, which keyless producers check for membership."""
     pair_id, device = uuid.uuid4().hex, kv_caches[0].device
     could_ipc = device.type == "cuda" and mode in ("auto", "cuda_ipc")
     ipc = export_cache(kv_caches) if could_ipc else []
     hello = Handshake(pair_id=pair_id, layout=layout.to_dict(), backend=mode,
-                      endpoint=Endpoint.local(device).to_dict(), ipc=ipc, checksum=config.checksum)
+                      endpoint=Endpoint.local(device).to_dict(), ipc=ipc, checksum=config.checksum,
+                      consumer=consumer)
     fut = control.request(address, hello, config.handshake_timeout_s)
     try:
         reply = fut.result(timeout=config.handshake_timeout_s + 1)
     except Exception as e:
         raise TransferError(f"producer {address} unreachable: {e}") from e
-    if isinstance(reply, Error):
-        raise TransferError(reply.reason)
+    if isinstance(reply, Error):  # nothing asked for yet, nothing lands: the decode node may compute it
+        raise NoPairError("pairs_full" if "--kv-max-pairs" in reply.reason else "pair_refused",
+                          f"producer {address} refused a pair: {reply.reason}")
     if not isinstance(reply, HandshakeOk):
         raise TransferError(f"unexpected handshake reply {reply.CMD}")
     try:

@@ -11,6 +11,11 @@ gathered): the sender orders its work after it (streams.py).
 yet queued is queued for the pair's sender thread, then DONE with the first token
 (SENDING, then AWAITING_ACK). The consumer's ACK, an ABORT, a failed pair or an expired
 lease make the request freeable (RELEASED, taken by ``poll_freeable``).
+
+Pairs: at most ``max_pairs`` (``--kv-max-pairs``). Keyless, a pair whose consumer names no
+registered decode node (``is_member``) is a stranger's: it keeps its slot ``probation_s`` at
+most and is the first dropped when a member's handshake finds every slot taken (``_take_slot``).
+A consumer refused a pair computes the prompt itself (decode_node/connector.py).
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ class KVProducer:
         self.transport = transport
         self.streams = streams or stream_ops(device)  # orders the GPU paths' work (streams.py)
         self.control: ControlPlane | None = None  # set by the engine once bound
+        # keyless: does this KV address name a registered decode node (the daemon sets it from the
+        # registry's answer; with a key, or with no registry answer, every consumer is a member)
+        self.is_member: Callable[[str], bool] = lambda consumer: True
         self.table = ProducerTable()  # the one record per transfer (the connector reads it too)
         self._lock = self.table.lock  # one lock: a record's move and the sends it queues go together
         self._links: dict[str, PairSender] = {}
@@ -188,8 +196,12 @@ class KVProducer:
             self._reply(identity, Error(id=msg.id, reason=reason))
             return
         with self._lock:
-            full = len(self._links) >= self.config.max_pairs
-        if full:  # each pair is a thread and sockets: keyless, anyone reaching the port could ask
+            admitted, member, dropped = self._take_slot(msg.consumer)
+        for link in dropped:
+            link.drop()
+            logger.info("producer: dropped pair %s of %r: it names no registered decode node and its slot "
+                        "was needed or its %g s are up", link.pair_id[:8], link.consumer, self.config.probation_s)
+        if not admitted:  # each pair is a thread and sockets: keyless, anyone reaching the port could ask
             reason = f"{self.config.max_pairs} KV pairs already open (--kv-max-pairs); try again later"
             logger.warning("producer: refused a pair: %s", reason)
             self._reply(identity, Error(id=msg.id, reason=reason))
@@ -224,6 +236,8 @@ class KVProducer:
                           on_failed=self.link_failed, on_message=self.handle, streams=self.streams,
                           in_use=self.link_in_use)
         link.checksum = use_checksum(msg.checksum, self.config.checksum)
+        link.consumer = msg.consumer
+        link.probation_until = None if member else time.monotonic() + self.config.probation_s
         with self._lock:
             if self._closed:
                 if hasattr(rendezvous, "close"):
@@ -235,6 +249,28 @@ class KVProducer:
         port = rendezvous.port if rendezvous is not None else 0
         self._reply(identity, HandshakeOk(id=msg.id, pair_id=msg.pair_id, store_host=self._host,
                                           store_port=port, backend=transport, checksum=link.checksum))
+
+    def _take_slot(self, consumer: str) -> tuple[bool, bool, list[PairSender]]:
+        """(a slot for a new pair of ``consumer``, whether it is a member, the pairs dropped for it).
+
+        Members' slots are never taken by strangers: a pair whose consumer names no registered
+        decode node (keyless; ``is_member``) holds its slot only for ``probation_s`` (promoted if
+        its decode node registered meanwhile) and is the first to go when a member needs one.
+        Lock held."""
+        now, dropped = time.monotonic(), []
+        for link in [x for x in self._links.values() if x.probation_until is not None and x.probation_until <= now]:
+            if self.is_member(link.consumer):
+                link.probation_until = None
+            else:
+                dropped.append(self._links.pop(link.pair_id))
+        member = self.is_member(consumer)
+        if member and len(self._links) >= self.config.max_pairs:
+            busy = {r.link.pair_id for r in self.table.records.values() if r.link is not None and not r.dropped}
+            strangers = sorted((x for x in self._links.values() if x.probation_until is not None),
+                               key=lambda x: (x.pair_id in busy, x.probation_until))
+            if strangers:
+                dropped.append(self._links.pop(strangers[0].pair_id))
+        return len(self._links) < self.config.max_pairs, member, dropped
 
     def _on_pull(self, identity: bytes, msg: Pull) -> None:
         with self._lock:

@@ -362,7 +362,7 @@ class PairReceiver:
     def _open_pair(self, kv_caches: list[torch.Tensor]) -> None:
         owner = self.owner
         opened = open_consumer_pair(owner.control, self.address, owner.layout, owner.transport, owner.config,
-                                    kv_caches)
+                                    kv_caches, consumer=owner.address)
         self.pair, self.pair_id, self.transport = opened.pair, opened.pair_id, opened.transport
         self.checksum, self._exported = opened.checksum, opened.exported
         self.staging = [StagingBuffer(kv_caches[0].device), StagingBuffer(kv_caches[0].device)]

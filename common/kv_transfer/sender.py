@@ -104,10 +104,15 @@ class PairSender:
         self._last_heard = time.monotonic()
         self._in_use = in_use  # does a live request still use this pair (the producer's table)
         self.last_used = time.monotonic()  # handshake or last PULL on this pair
+        # keyless admission (producer.py): the consumer's KV address, and until when a pair whose
+        # consumer is no registered decode node may keep its slot (None: a member's pair)
+        self.consumer = ""
+        self.probation_until: float | None = None
+        self._rendezvous = None
 
     def start(self, rendezvous, transport: str, peer_cache: list | None = None) -> None:
         """Build the pair (rank 0, blocks until the consumer joins) and serve jobs, off-thread."""
-        self.transport, self._peer_cache = transport, peer_cache
+        self.transport, self._peer_cache, self._rendezvous = transport, peer_cache, rendezvous
         self.thread = threading.Thread(target=self._run, args=(rendezvous,),
                                        name=f"kv-send-{self.pair_id[:8]}", daemon=True)
         self.thread.start()
@@ -115,6 +120,14 @@ class PairSender:
     def heard(self) -> None:
         """The consumer spoke on this pair (a ping, a pull): it is still there."""
         self._last_heard = time.monotonic()
+
+    def drop(self) -> None:
+        """End the pair without waiting (its slot was given away): a tcp pair still waiting for its
+        consumer stops waiting at once; a built one ends after its queued jobs; a gloo/NCCL one
+        waiting on its store ends at its connect deadline."""
+        if hasattr(self._rendezvous, "cancel"):
+            self._rendezvous.cancel()
+        self.jobs.put(None)
 
     def stop(self, timeout_s: float) -> None:
         self.jobs.put(None)

@@ -117,6 +117,13 @@ class TcpListener:
         finally:
             self._sock.close()
 
+    def cancel(self) -> None:
+        """Stop waiting for the consumer (from another thread): a waiting accept raises at once."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # accept already ended
+
     def close(self) -> None:
         self._sock.close()
 
