@@ -1,6 +1,6 @@
 """Adaptive disaggregation: ``--disagg-policy always`` vs ``never`` vs ``auto`` vs a colocated node.
 
-One prefill and one decode daemon (real processes, embedded model, CPU, one thread each) serve
+One prefill and one decode daemon (real processes, CPU, one thread each) serve
 three proxies: ``auto`` (the daemons register with it, so it sees their measured figures) and
 ``always`` / ``never`` (the same daemons as static nodes). The colocated node is one process
 given two threads: the same two processes' worth of CPU. Each configuration runs the same mixed
@@ -13,6 +13,12 @@ tag at the front of the prompts changed the outputs, and with them how many toke
 one streamed chunk: noise in ITL). Reported per run: TTFT p50/p99 and ITL p50/p99 at the client
 (ms), output tokens/s over the run (tokens from ``usage``), KV bytes the decode daemon received,
 and auto's local/remote split.
+
+``--model`` picks what the nodes serve: ``embedded`` (the default: the tiny random model),
+``default`` (SmolLM2-135M-Instruct, as a node with no ``--model`` serves it), a directory or a
+``.gguf``; every node gets ``--model DIR --served-model-name NAME`` and the prompts are that
+model's tokens. The real model computes a long prompt in seconds on one CPU thread, not tens of
+milliseconds: give it rates and a request count it can keep up with (e.g. ``--rates 0.1``).
 
 Where the daemons run (``--layout``): a disaggregated cluster puts its prefill and decode nodes
 on separate machines, and the decisions ``auto`` makes assume that (a local prefill on the
@@ -31,8 +37,8 @@ The last lines judge issue 21's goal on the table: ``auto`` within 5 % of the be
 policy on every figure (latencies at most 1.05x the lower, tokens/s at least 0.95x the higher),
 and below both fixed policies on TTFT p99 or ITL p99 at the highest rate.
 
-    python bench/adaptive.py [--rates 1,2,4] [--requests 24] [--max-tokens 32] [--repeats 1]
-                               [--layout machines|shared]
+    python bench/adaptive.py [--model embedded|default|DIR] [--rates 1,2,4] [--requests 24]
+                             [--max-tokens 32] [--repeats 1] [--layout machines|shared]
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from common.model.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model  # noqa: E402
+from common.defaults import DEFAULT_CACHE_DIR, EMBEDDED_MODEL_SPEC  # noqa: E402
+from common.model.sources import resolve_model  # noqa: E402
 from common.model.tokenizer import Tokenizer  # noqa: E402
 from helpers.cluster import MODULES, Proc, free_port, metric, start  # noqa: E402
 from helpers.stats import pct  # noqa: E402
@@ -76,12 +83,16 @@ class Run:
     remote: float = 0.0
 
 
-def workload(n: int, seed: int) -> list[tuple[float, list[int]]]:
-    """``n`` (arrival offset in units of 1/rate, prompt token ids): 70 % short, 30 % long."""
-    tok = Tokenizer.from_dir(ensure_embedded_model())
+def corpus(model_dir: Path) -> list[int]:
+    """Python's own documentation (pydoc's topics) as the served model's token ids: the prompts' text."""
     import pydoc_data.topics
 
-    text = tok.encode(" ".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)))
+    topics = pydoc_data.topics.topics
+    return Tokenizer.from_dir(model_dir).encode(" ".join(topics[k] for k in sorted(topics)))
+
+
+def workload(text: list[int], n: int, seed: int) -> list[tuple[float, list[int]]]:
+    """``n`` (arrival offset in units of 1/rate, prompt token ids from ``text``): 70 % short, 30 % long."""
     rng = random.Random(seed)
     document = text[:1000]
     # the mix exactly as stated, in a random order (a coin per request made seed 0's 24 requests
@@ -102,8 +113,8 @@ def workload(n: int, seed: int) -> list[tuple[float, list[int]]]:
     return out
 
 
-def one(url: str, prompt: list[int], max_tokens: int, run: Run, salt: str) -> None:
-    body = {"model": EMBEDDED_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+def one(url: str, prompt: list[int], max_tokens: int, run: Run, salt: str, model: str) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
     t0 = time.perf_counter()
     times, tokens = [], 0
@@ -125,7 +136,7 @@ def one(url: str, prompt: list[int], max_tokens: int, run: Run, salt: str) -> No
 def measure(url: str, decode: Proc | None, proxy: Proc | None, rate: float, args: argparse.Namespace,
             salt: str) -> Run:
     run = Run()
-    jobs = workload(args.requests, args.seed)
+    jobs = workload(args.text, args.requests, args.seed)
     kv0 = metric(decode.url, "pdserve:kv_transfer_bytes_total") if decode else 0.0
     split0 = decisions(proxy) if proxy else (0.0, 0.0)
     t0 = time.perf_counter()
@@ -133,7 +144,7 @@ def measure(url: str, decode: Proc | None, proxy: Proc | None, rate: float, args
         futures = []
         for offset, prompt in jobs:
             time.sleep(max(0.0, t0 + offset / rate - time.perf_counter()))
-            futures.append(pool.submit(one, url, prompt, args.max_tokens, run, salt))
+            futures.append(pool.submit(one, url, prompt, args.max_tokens, run, salt, args.served_name))
         for f in futures:
             f.result()
     run.seconds = time.perf_counter() - t0
@@ -181,6 +192,9 @@ def start_threads(role: str, tmp: Path, threads: int, *args: str) -> Proc:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=EMBEDDED_MODEL_SPEC,
+                    help="what the nodes serve: embedded (the tiny random model, default), default "
+                         "(SmolLM2-135M-Instruct), a Hugging Face directory or a .gguf")
     ap.add_argument("--rates", default="1,2,4", help="request rates (requests/s), comma-separated")
     ap.add_argument("--requests", type=int, default=24, help="requests per run")
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -193,21 +207,24 @@ def main() -> None:
     if args.layout == "machines" and not (hasattr(os, "sched_setaffinity") and {0, 1} <= os.sched_getaffinity(0)):
         sys.exit("--layout machines needs CPUs 0 and 1 (Linux); use --layout shared")
     rates = [float(r) for r in args.rates.split(",")]
+    model_dir, args.served_name = resolve_model(None if args.model == "default" else args.model, DEFAULT_CACHE_DIR)
+    args.text = corpus(model_dir)
+    model_args = ("--model", str(model_dir), "--served-model-name", args.served_name)
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-adaptive-"))
     procs: list[Proc] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the daemons are stopped on kill too
     try:
         auto = start("proxy", tmp, wait=False)
         procs.append(auto)
-        p = start("prefill", tmp, "--proxy", f"127.0.0.1:{auto.kv_port}", "--heartbeat-interval-s", "0.5")
-        d = start("decode", tmp, "--proxy", f"127.0.0.1:{auto.kv_port}", "--heartbeat-interval-s", "0.5")
+        p = start("prefill", tmp, *model_args, "--proxy", f"127.0.0.1:{auto.kv_port}", "--heartbeat-interval-s", "0.5")
+        d = start("decode", tmp, *model_args, "--proxy", f"127.0.0.1:{auto.kv_port}", "--heartbeat-interval-s", "0.5")
         procs += [p, d]
         auto.wait_ready()
         statics = ("--static-prefill", f"127.0.0.1:{p.port}@{p.kv_addr}", "--static-decode",
                    f"127.0.0.1:{d.port}@{d.kv_addr}")
         always = start("proxy", tmp, *statics, "--disagg-policy", "always", name="proxy-always")
         never = start("proxy", tmp, *statics, "--disagg-policy", "never", name="proxy-never")
-        both = start_threads("both", tmp, 2)
+        both = start_threads("both", tmp, 2, *model_args)
         procs += [always, never, both]
         if args.layout == "machines":
             pin(p, {0})
@@ -215,10 +232,10 @@ def main() -> None:
                 pin(proc, {1})
             pin(both, {0, 1})
         configs = [("always", always, d), ("never", never, d), ("auto", auto, d), ("colocated (2 threads)", both, None)]
-        warm = workload(6, 99)
+        warm = workload(args.text, 6, 99)
         for _, proxy, _ in configs:  # pairs built, first-call costs paid, rates measured: unmeasured
             for _, prompt in warm:
-                one(proxy.url, prompt, 4, Run(), f"warm {uuid.uuid4().hex}")
+                one(proxy.url, prompt, 4, Run(), f"warm {uuid.uuid4().hex}", args.served_name)
         runs: dict[tuple[float, str], list[Run]] = {}
         for repeat in range(args.repeats):
             for rate in rates:
@@ -244,7 +261,7 @@ def figures(r: Run) -> dict[str, float]:
 
 def report(runs: dict[tuple[float, str], list[Run]], args: argparse.Namespace) -> None:
     print(f"\n{args.requests} requests per run, {args.max_tokens} output tokens each, 70 % short (16-128 "
-          f"tokens), 30 % long (1,500-3,000; half share a 1,000-token document); embedded model, CPU; "
+          f"tokens), 30 % long (1,500-3,000; half share a 1,000-token document); {args.served_name}, CPU; "
           f"{'the median of ' + str(args.repeats) + ' runs' if args.repeats > 1 else 'one run'} per row; "
           f"layout {args.layout}\n")
     print("| rate (req/s) | policy | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | output tok/s | KV moved | "

@@ -3,6 +3,13 @@
 Starts a colocated node, a prefill daemon and a decode daemon (real processes; the embedded
 model on CPU unless told otherwise; KV over the default data plane) and sends a 2,000-token
 prompt, each path a fresh one, over one kept-alive HTTP client (as the proxy's legs are).
+``--model`` picks the weights: ``embedded`` (the default), ``default`` (SmolLM2-135M-Instruct,
+as a node with no ``--model`` serves it), a directory or a ``.gguf``; every node gets
+``--model DIR --served-model-name NAME``. The prompt is random token ids through
+``/v1/completions``, or with ``--chat`` a user message of prose about that long through
+``/v1/chat/completions`` (a fresh ``cache_salt`` each time, so no node reuses another round's
+KV). After the rounds it reads each node's resident memory (``VmRSS``, and its peak
+``VmHWM``) from /proc: issue 29's goal is at most 1.5 GB for one node serving SmolLM2 on CPU.
 Breakdown for the prefill-first order:
 
 - prefill compute: the prefill leg's latency (HTTP + tokenize + prefill + first token);
@@ -19,7 +26,8 @@ On a GPU machine, ``--shape llama3.1-8b`` serves a random-weight checkpoint of t
 (made on the GPU, as bench/gpu_engine.py does) and ``--node-arg`` passes each node its flags,
 e.g. one GPU shared by the three nodes:
 
-    python bench/ttft_breakdown.py [--prompt-tokens 2000] [--repeats 5] [--itl]
+    python bench/ttft_breakdown.py [--model embedded|default|DIR] [--chat] [--prompt-tokens 2000]
+        [--repeats 5] [--itl]
     python bench/ttft_breakdown.py --shape llama3.1-8b --itl --node-arg=--device=cuda \
         --node-arg=--gpu-memory-utilization=0.28 --node-arg=--kv-transport=cuda_ipc
 
@@ -46,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -55,6 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from pdserve.launcher import PORT_FLAGS  # noqa: E402
+from common.defaults import DEFAULT_CACHE_DIR, EMBEDDED_MODEL_SPEC  # noqa: E402
 from common.request_id import make_request_id  # noqa: E402
 from helpers.cluster import Proc, free_port, metric, start  # noqa: E402
 
@@ -64,13 +74,23 @@ from helpers.cluster import Proc, free_port, metric, start  # noqa: E402
 HTTP = httpx.Client(timeout=120)
 
 
+def route(body: dict) -> str:
+    return "/v1/chat/completions" if "messages" in body else "/v1/completions"
+
+
+def is_token_event(chunk: dict) -> bool:
+    """A chunk carrying a token: any completions choice; a chat delta with logprobs (asked for, so a
+    token whose text is still empty counts too), not the opening role delta."""
+    return any("delta" not in c or c.get("logprobs") for c in chunk.get("choices", ()))
+
+
 def token_times(url: str, body: dict, request_id: str | None, times: list[float]) -> None:
     """Stream one request to its end, appending perf_counter() of each token event to ``times``."""
     headers = {"X-Request-Id": request_id} if request_id else {}
-    with HTTP.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=headers) as r:
+    with HTTP.stream("POST", url + route(body), json={**body, "stream": True}, headers=headers) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+            if line.startswith("data: {") and is_token_event(json.loads(line[6:])):
                 times.append(time.perf_counter())
 
 
@@ -85,12 +105,16 @@ def first_token_s(url: str, body: dict, request_id: str | None = None) -> float:
     return times[0] - t0
 
 
-def prefill_leg_s(prefill: Proc, body: dict, rid: str) -> float:
+def prefill_leg_s(prefill: Proc, body: dict, rid: str, usage: dict | None = None) -> float:
+    """Seconds the prefill leg takes; its ``usage`` is copied into ``usage`` when given."""
     t0 = time.perf_counter()
-    r = HTTP.post(prefill.url + "/v1/completions", json={**body, "max_tokens": 1, "stream": False},
-                  headers={"X-Request-Id": rid}, timeout=120)
+    r = HTTP.post(prefill.url + route(body), json={**body, "max_tokens": 1, "stream": False},
+                  headers={"X-Request-Id": rid}, timeout=600)
     r.raise_for_status()
-    return time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    if usage is not None:
+        usage.update(r.json()["usage"])
+    return elapsed
 
 
 def transfer_sum(decode: Proc) -> float:
@@ -107,7 +131,7 @@ def kv_megabytes(prompt_tokens: int) -> float:
 
 
 PARTS = ("colocated", "prefill", "transfer", "handoff", "pf_total", "concurrent", "pf_ratio", "concurrent_ratio",
-         "kv_mb", "transfer_gbps")
+         "kv_mb", "transfer_gbps", "prompt_tokens")
 
 
 def pair_transport(decode_url: str) -> str:
@@ -117,25 +141,46 @@ def pair_transport(decode_url: str) -> str:
     return ", ".join(sorted({t for t, n in live if float(n) > 0})) or "none"
 
 
-def fresh_prompt(prompt_tokens: int, rng: random.Random) -> dict:
-    """A random prompt: no node's prefix cache holds it, so every token is computed and moved."""
-    return {"prompt": [rng.randrange(4, 2048) for _ in range(prompt_tokens)], "max_tokens": 2,
-            "temperature": 0, "ignore_eos": True}
+class Prompts:
+    """Fresh prompts of about ``tokens`` tokens: no node's prefix cache holds one, so every token
+    is computed and moved. Random ids as a completion, or (``prose``: token ids of English text,
+    from the served model's tokenizer) a chat user message of that text, from a random offset,
+    under its own ``cache_salt`` (the chat template's fixed start is not reused either)."""
+
+    def __init__(self, tokens: int, rng: random.Random, prose: list[int] | None = None, tokenizer=None) -> None:
+        self.tokens, self.rng, self.prose, self.tokenizer = tokens, rng, prose, tokenizer
+
+    def fresh(self) -> dict:
+        body = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        if self.prose is None:
+            return {**body, "prompt": [self.rng.randrange(4, 2048) for _ in range(self.tokens)]}
+        start_at = self.rng.randrange(0, len(self.prose) - self.tokens)
+        text = self.tokenizer.decode(self.prose[start_at:start_at + self.tokens])
+        return {**body, "messages": [{"role": "user", "content": text}], "logprobs": True,
+                "cache_salt": uuid.uuid4().hex}
 
 
-def sample(both: Proc, prefill: Proc, decode: Proc, prompt_tokens: int,
-           rng: random.Random) -> dict[str, float]:
+def english_tokens(tokenizer) -> list[int]:
+    """Python's own documentation (pydoc's topics), as token ids: prose and code, a few 100k tokens."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return tokenizer.encode(" ".join(topics[k] for k in sorted(topics)), add_special_tokens=False)
+
+
+def sample(both: Proc, prefill: Proc, decode: Proc, prompts: Prompts) -> dict[str, float]:
     """One round: ms of each part in ``PARTS``, each path on a prompt no node has seen."""
-    body = fresh_prompt(prompt_tokens, rng)
+    body = prompts.fresh()
     colocated = first_token_s(both.url, body)
     rid = make_request_id(prefill.kv_addr, decode.kv_addr)
-    p = prefill_leg_s(prefill, body, rid)
+    usage: dict = {}
+    p = prefill_leg_s(prefill, body, rid, usage)
     before, before_bytes = transfer_sum(decode), transfer_bytes(decode)
     d = first_token_s(decode.url, body, rid)
     transfer = transfer_sum(decode) - before
     moved = transfer_bytes(decode) - before_bytes
     rid = make_request_id(prefill.kv_addr, decode.kv_addr)
-    body = fresh_prompt(prompt_tokens, rng)  # the legs above left this prompt in both caches
+    body = prompts.fresh()  # the legs above left this prompt in both caches
     t0 = time.perf_counter()
     with ThreadPoolExecutor(1) as pool:
         leg = pool.submit(prefill_leg_s, prefill, body, rid)
@@ -147,18 +192,28 @@ def sample(both: Proc, prefill: Proc, decode: Proc, prompt_tokens: int,
     # ratios within the round: its paths ran seconds apart, so the box's load swings (+-50 ms on
     # a prefill here) mostly cancel, where a ratio of medians would not
     return {**ms, "pf_ratio": (p + d) / colocated, "concurrent_ratio": concurrent / colocated,
-            "kv_mb": moved / 1e6, "transfer_gbps": moved / transfer / 1e9 if transfer > 0 else 0.0}
+            "kv_mb": moved / 1e6, "transfer_gbps": moved / transfer / 1e9 if transfer > 0 else 0.0,
+            "prompt_tokens": usage.get("prompt_tokens", 0)}
 
 
 def medians(samples: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(s[k] for s in samples) for k in PARTS}
 
 
-def measure(both: Proc, prefill: Proc, decode: Proc, prompt_tokens: int, repeats: int,
-            rng: random.Random) -> dict[str, float]:
+def measure(both: Proc, prefill: Proc, decode: Proc, prompts: Prompts, repeats: int) -> dict[str, float]:
     """Median ms of each part in ``PARTS`` over ``repeats`` rounds (after a warm-up round)."""
-    sample(both, prefill, decode, prompt_tokens, rng)  # warms up every process
-    return medians([sample(both, prefill, decode, prompt_tokens, rng) for _ in range(repeats)])
+    sample(both, prefill, decode, prompts)  # warms up every process
+    return medians([sample(both, prefill, decode, prompts) for _ in range(repeats)])
+
+
+def memory_mb(proc: Proc) -> dict[str, float]:
+    """The process's resident memory now (VmRSS) and at its peak (VmHWM), MB (10^6 bytes)."""
+    fields = {}
+    for line in Path(f"/proc/{proc.popen.pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) * 1024 / 1e6  # kB
+    return fields
 
 
 def itl_sample(prefill: Proc, decode: Proc, prompt_tokens: int, stream_tokens: int,
@@ -170,7 +225,8 @@ def itl_sample(prefill: Proc, decode: Proc, prompt_tokens: int, stream_tokens: i
              "temperature": 0, "ignore_eos": True}
     rid = make_request_id(prefill.kv_addr, decode.kv_addr)
     prefill_leg_s(prefill, short, rid)
-    body = fresh_prompt(prompt_tokens, rng)
+    body = {"prompt": [rng.randrange(4, 2048) for _ in range(prompt_tokens)], "max_tokens": 2,
+            "temperature": 0, "ignore_eos": True}
     rid2 = make_request_id(prefill.kv_addr, decode.kv_addr)
     prefill_leg_s(prefill, body, rid2)  # KV held on P until D asks
     times: list[float] = []
@@ -267,16 +323,19 @@ def visible_gpu(index: int | None):
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
-def run(args, node_args: list[str], model: str | None, label: str) -> dict:
+def run(args, node_args: list[str], model: str | None, label: str, tokenizer=None) -> dict:
     """Every measurement ``args`` asks for, printed, and returned as one dict."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-ttft-"))
     procs = []
-    report: dict = {"prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "model": label}
+    report: dict = {"prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "model": label, "chat": args.chat}
     try:
         procs = [start(role, tmp, *node_args) for role in ("both", "prefill")]
         with visible_gpu(args.decode_gpu):
             procs.append(start("decode", tmp, *node_args))
-        report["median"] = measure(*procs, args.prompt_tokens, args.repeats, random.Random(0))
+        prose = english_tokens(tokenizer) if args.chat else None
+        prompts = Prompts(args.prompt_tokens, random.Random(0), prose, tokenizer)
+        report["median"] = measure(*procs, prompts, args.repeats)
+        report["memory_mb"] = {proc.name: memory_mb(proc) for proc in procs}
         if args.itl:
             rng = random.Random(1)
             runs = [itl_sample(procs[1], procs[2], args.prompt_tokens, 300, rng) for _ in range(args.repeats)]
@@ -300,7 +359,8 @@ def run(args, node_args: list[str], model: str | None, label: str) -> dict:
 
 def print_report(report: dict) -> None:
     med, n = report["median"], report["repeats"]
-    print(f"\nTTFT for a {report['prompt_tokens']}-token prompt ({report['model']}; KV over {report['transport']}; "
+    kind = "chat prompt" if report.get("chat") else "prompt"
+    print(f"\nTTFT for a {med['prompt_tokens']:.0f}-token {kind} ({report['model']}; KV over {report['transport']}; "
           f"KV {med['kv_mb']:.1f} MB; median of {n})\n")
     print("| path | part | ms |")
     print("|---|---|---:|")
@@ -315,6 +375,10 @@ def print_report(report: dict) -> None:
           f"TTFT / colocated TTFT, median of per-round ratios: prefill-first {med['pf_ratio']:.3f}, "
           f"concurrent {med['concurrent_ratio']:.3f}")
     print(f"KV transfer bandwidth (bytes / PULL-to-DONE time, prefill-first legs): {med['transfer_gbps']:.2f} GB/s")
+    memory = report.get("memory_mb", {})
+    if memory:
+        print("resident memory after the rounds, MB now (peak): " + ", ".join(
+            f"{name} {m['VmRSS']:,.0f} ({m['VmHWM']:,.0f})" for name, m in memory.items()))
     itl = report.get("itl")
     if itl is not None:
         print(f"\nITL of a request decoding on D while a {report['prompt_tokens']}-token prompt's KV arrives "
@@ -341,7 +405,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--model", default=None, help="checkpoint every node serves (default: the embedded model)")
+    parser.add_argument("--model", default=EMBEDDED_MODEL_SPEC,
+                        help="what every node serves: embedded (the tiny random model, default), default "
+                             "(SmolLM2-135M-Instruct), a Hugging Face directory or a .gguf")
+    parser.add_argument("--chat", action="store_true",
+                        help="a chat prompt of English text (/v1/chat/completions) instead of random token ids")
     parser.add_argument("--shape", default=None,
                         help="serve a random-weight checkpoint of this bench/gpu_engine.py shape, made on the GPU")
     parser.add_argument("--workdir", default=None, help="where --shape's checkpoint is (made if missing)")
@@ -361,7 +429,7 @@ def main() -> int:
                              "DIR` stops what a killed run left")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write every figure here")
     args = parser.parse_args()
-    model = args.model
+    model, name, tokenizer = None, None, None
     if args.shape:
         import torch
         from gpu_engine import make_checkpoint
@@ -372,9 +440,18 @@ def main() -> int:
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pdserve-shape-"))
         workdir.mkdir(parents=True, exist_ok=True)
         model = str(make_checkpoint(args.shape, workdir))
-    node_args = (["--model", model] if model else []) + args.node_arg
-    label = f"{args.shape or model or 'embedded model'}, {' '.join(args.node_arg) or 'default flags'}"
-    report = run(args, node_args, model, label)
+    else:
+        from common.model.sources import resolve_model
+
+        model_dir, name = resolve_model(None if args.model == "default" else args.model, DEFAULT_CACHE_DIR)
+        model = str(model_dir)
+    if args.chat:
+        from common.model.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_dir(model)
+    node_args = ["--model", model, *(["--served-model-name", name] if name else []), *args.node_arg]
+    label = f"{args.shape or name}, {' '.join(args.node_arg) or 'default flags'}"
+    report = run(args, node_args, model, label, tokenizer)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0 if parity_ok(report) else 1
