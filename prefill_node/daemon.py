@@ -3,7 +3,10 @@
 A request's life here:
 
 1. **arrive** — the proxy POSTs the client's body with ``max_tokens`` 1 and a tagged
-   ``X-Request-Id`` (``___prefill_addr_…___decode_addr_…``). Untagged requests get a 400.
+   ``X-Request-Id`` (``___prefill_addr_…___decode_addr_…``). Untagged requests get a 400,
+   unless they carry ``kv_transfer_params`` with ``do_remote_decode`` (vLLM's NIXL proxy, llm-d):
+   then this node makes the id itself, naming any decode node, and its answer carries the params
+   that say where the KV waits (common.serving.kv_params); from here on the two paths are one.
    The id is used exactly as received: the decode daemon asks for the KV by it.
 2. **prefill** — the engine schedules it like any request (chunked when long). After
    each layer of the pass that completes the prompt, the producer connector offers that

@@ -76,8 +76,13 @@ async def create_completion(
         run = GenerationRun(ctx, prepared)
         formatter = _CompletionChunks(ctx, public_id, body.logprobs is not None)
         if body.stream:
+            if prepared.kv_params is not None:  # a refused pull is still a 4xx (kv_params.py)
+                try:
+                    await unless_disconnected(run.start(), request)
+                except ClientGone:
+                    return Response(status_code=499)
             stream = sse_stream(run, formatter, body.include_usage, request_id, body.continuous_usage)
-            return ClosingStreamingResponse(stream, headers)
+            return ClosingStreamingResponse(stream, headers, on_close=run.aclose)
         try:
             results = await unless_disconnected(run.collect(), request)
         except ClientGone:

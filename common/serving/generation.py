@@ -17,7 +17,7 @@ from typing import Any
 
 from common.engine.outputs import RequestOutput
 from common.serving.context import PreparedRequest, ServingContext
-from common.serving.errors import OpenAIError
+from common.serving.errors import OpenAIError, engine_error
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class GenerationRun:
         self.n = prepared.params.n  # choices per prompt: choice index = prompt index * n + the engine's index
         self._timings = [_Timing() for _ in range(len(prepared.prompts) * self.n)]
         self._cached_tokens: dict[int, int] = {}  # per prompt: tokens its node found in the prefix cache
+        self._started: tuple[AsyncIterator[tuple[int, RequestOutput]], tuple[int, RequestOutput] | None] | None = None
 
     def usage(self) -> dict[str, Any]:
         return {
@@ -67,8 +68,39 @@ class GenerationRun:
             "prompt_tokens_details": {"cached_tokens": sum(self._cached_tokens.values())},
         }
 
+    async def start(self) -> None:
+        """Wait for the first output before a stream's reply begins, so that what fails before it (a
+        ``kv_transfer_params`` pull the prefill node refuses, a prefill node gone) is still an HTTP
+        error, as it is without a stream. ``events()`` then yields it first; ``aclose()`` if the
+        reply never runs."""
+        events = self.events()
+        try:
+            first = await anext(events, None)
+        except BaseException:
+            await events.aclose()  # type: ignore[attr-defined]
+            raise
+        self._started = (events, first)
+        if first is not None and first[1].finish_reason == "error":
+            await self.aclose()
+            out = first[1]
+            raise engine_error(out.error, out.error_param, out.error_code)
+
+    async def aclose(self) -> None:
+        """Stop what ``start()`` began (aborting unfinished choices) when nobody reads ``events()``."""
+        started, self._started = self._started, None
+        if started is not None:
+            await started[0].aclose()  # type: ignore[attr-defined]
+
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """``(choice index, output)`` pairs in arrival order until every choice finished."""
+        if self._started is not None:  # start() took the first one
+            (started, first), self._started = self._started, None
+            async with aclosing(started) as outputs:  # type: ignore[type-var]
+                if first is not None:
+                    yield first
+                async for item in outputs:
+                    yield item
+            return
         if len(self.prepared.prompts) == 1:
             async with aclosing(self._choices(0)) as outputs:
                 async for item in outputs:

@@ -25,7 +25,9 @@ naming the field: 400 ``kv_transfer_params_invalid`` (shape, fields, prompt, lay
 ``kv_transfer_params_unsupported`` (a role or TP size this cannot serve), 403
 ``kv_transfer_params_forged`` (the signature), 410 ``kv_expired`` (the lease is over, or the
 prefill node says so at the pull), 409 ``kv_already_pulled``. A prefill node that is gone
-fails the pull as on the tag path (502 ``kv_transfer_failed``, within ``--kv-timeout-s``).
+fails the pull as on the tag path (502 ``kv_transfer_failed``, within ``--kv-timeout-s``). A
+stream's reply on the decode node starts with its first token (``GenerationRun.start``), so a
+refused pull is an HTTP error there too, not an event in a 200 stream.
 """
 
 from __future__ import annotations

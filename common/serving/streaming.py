@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, Protocol
 
@@ -34,9 +34,11 @@ def sse_event(payload: dict[str, Any]) -> str:
 class ClosingStreamingResponse(StreamingResponse):
     """A ``text/event-stream`` response that always closes its body generator."""
 
-    def __init__(self, content: Any, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, content: Any, headers: dict[str, str] | None = None,
+                 on_close: Callable[[], Awaitable[None]] | None = None) -> None:
         super().__init__(content, media_type="text/event-stream", headers=headers)
         self.headers["Cache-Control"] = "no-cache"
+        self.on_close = on_close  # also run at the end: e.g. a run started before the body (GenerationRun.start)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -45,6 +47,8 @@ class ClosingStreamingResponse(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if self.on_close is not None:
+                await self.on_close()
 
 
 class ChunkFormatter(Protocol):

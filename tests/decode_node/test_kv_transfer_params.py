@@ -164,9 +164,10 @@ def test_reused_params_are_refused_on_either_decode_node(cluster: dict) -> None:
     params = prefill(cluster["p1"], path, body)
     assert decode(cluster["d0"], path, body, params).status_code == 200
     for d in ("d0", "d1"):  # d0 remembers; d1 hears it from the prefill node
-        r = decode(cluster[d], path, body, params)
-        assert r.status_code == 409, (d, r.text)
-        assert r.json()["error"]["code"] == "kv_already_pulled"
+        for stream in (False, True):  # a stream's reply starts with its first token: a 409 too
+            r = decode(cluster[d], path, {**body, "stream": stream}, params)
+            assert r.status_code == 409, (d, stream, r.text)
+            assert r.json()["error"]["code"] == "kv_already_pulled"
     wait_idle(cluster["d1"].url)
 
 

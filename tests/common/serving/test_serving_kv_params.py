@@ -6,6 +6,7 @@ a scripted engine shows which id and peer a request runs under and what each ref
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -161,8 +162,16 @@ def test_a_pull_the_prefill_node_refuses_is_the_clients_4xx(error: str, status: 
     prefill, _ = _node("prefill")
     params = _prefill(prefill)
     client, _ = _node("decode", error=error, error_after=0)
-    r = _decode(client, params, {**BODY, "stream": stream})
-    if not stream:
-        assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
-    else:  # begun already: the error is the stream's one event
-        assert r.status_code == 200 and f'"code":"{code}"' in r.text.replace(" ", ""), r.text
+    r = _decode(client, params, {**BODY, "stream": stream})  # a stream's reply starts with its first token
+    assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+
+
+def test_a_stream_on_the_params_path_streams_once_its_first_token_came() -> None:
+    prefill, _ = _node("prefill")
+    params = _prefill(prefill)
+    client, fake = _node("decode", delay_s=0.01)
+    r = _decode(client, params, {**BODY, "stream": True})
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+             if line.startswith("data: {")]
+    assert r.status_code == 200 and texts == ["a", "b", "c", ""] and r.text.endswith("data: [DONE]\n\n")
+    assert not fake.running and not fake.aborted
