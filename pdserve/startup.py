@@ -77,10 +77,11 @@ def _reported_failures() -> tuple[type[BaseException], ...]:
     from common.engine.gpu_memory import GpuMemoryError
     from common.engine.tp_group import RankLostError
     from common.model.attention import TritonStartError
+    from common.model.batch_invariant import BatchInvariantError
     from common.model.config import ModelLoadError
 
     return (StartupError, ModelLoadError, EngineConfigError, GpuMemoryError, TritonStartError, ClusterKeyError,
-            RankLostError)  # a tensor-parallel worker died while the node started (its own log says why)
+            RankLostError, BatchInvariantError)  # a tensor-parallel worker died while the node started (its own log says why)
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +64,11 @@ class EngineConfig(BaseModel):
         "auto", description="Fused Triton kernels for RMSNorm, rotary and SiLU-and-mul: auto = on for CUDA when "
         "triton is installed and compiles at start; on = stop at start if it cannot; off = PyTorch ops"
     )
+    batch_invariant: bool = Field(
+        False, description="Every row of a step computed independently of the others (fixed matmul tiles, "
+        "the invariant attention backend, no Triton ops or CUDA graphs): greedy and seeded answers and logprobs "
+        "bitwise the same whatever the batch, chunking or prefix-cache hit; slower (README: Batch-invariant mode)"
+    )
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="Ranks the model is split over (one process each; rank 0 serves): its heads, "
         "KV heads and MLP divided among them; CPU ranks share the cores, CUDA ranks use cuda:N..N+size-1"
@@ -81,6 +86,14 @@ class EngineConfig(BaseModel):
         if not _DEVICE.fullmatch(value):
             raise ValueError("must be auto, cpu, cuda or cuda:N")
         return value
+
+    @model_validator(mode="after")
+    def _invariant_kernels(self) -> EngineConfig:
+        named = [flag for flag, given in (("--attention-backend triton", self.attention_backend == "triton"),
+                                          ("--fused-ops on", self.fused_ops == "on")) if given]
+        if self.batch_invariant and named:
+            raise ValueError(f"--batch-invariant runs its own attention and the PyTorch ops; drop {' and '.join(named)}")
+        return self
 
     def resolved_device(self) -> torch.device:
         """The device to run on; EngineConfigError when this machine has no such device."""

@@ -178,7 +178,8 @@ def graph_memory(model: torch.nn.Module, kv_layout: KVLayout, config: EngineConf
     KV cache is sized: learnt by capturing the largest bucket against a 2-block cache (the KV cache
     is an input, not part of the graphs' pool)."""
     device = config.resolved_device()
-    use_kernels(model, choose_kernels(config.attention_backend, config.fused_ops, device), device)
+    kernels = choose_kernels(config.attention_backend, config.fused_ops, device, config.batch_invariant)
+    use_kernels(model, kernels, device)
     if device.type != "cuda" or config.enforce_eager or not model.attn_backend.supports_cuda_graphs:
         return 0
     max_num_seqs = config.max_num_seqs

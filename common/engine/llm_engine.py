@@ -71,7 +71,7 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.runner = ModelRunner(
             model, self.kv_layout, num_blocks, self.device, config.seed,
-            choose_kernels(config.attention_backend, config.fused_ops, self.device),
+            choose_kernels(config.attention_backend, config.fused_ops, self.device, config.batch_invariant),
             config.enforce_eager, config.max_num_seqs, self.max_model_len, eos,
         )
         self.kv_caches: list[torch.Tensor] = self.runner.kv_caches

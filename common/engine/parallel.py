@@ -87,7 +87,7 @@ def load_model_on_ranks(
     store.set("setup", json.dumps({
         "model": str(model_dir), "dtype": str(dtype).removeprefix("torch."), "devices": devices,
         "size": size, "seed": config.seed, "attention_backend": config.attention_backend,
-        "fused_ops": config.fused_ops, "timeout_s": TP_TIMEOUT_S, "cpu_threads": threads,
+        "fused_ops": config.fused_ops, "batch_invariant": config.batch_invariant, "timeout_s": TP_TIMEOUT_S, "cpu_threads": threads,
     }))
     procs = [_spawn(rank, store.port) for rank in range(1, size)]
     try:

@@ -65,7 +65,7 @@ def serve(host: str, port: int, rank: int) -> None:
     op, values, _ = receive(group)
     if op != INIT:
         raise RuntimeError(f"expected INIT from rank 0, got command {op}")
-    kernels = choose_kernels(setup["attention_backend"], setup["fused_ops"], device)
+    kernels = choose_kernels(setup["attention_backend"], setup["fused_ops"], device, setup["batch_invariant"])
     runner = ModelRunner(model, config.kv_layout(values[1], dtype), values[0], device, setup["seed"], kernels,
                          enforce_eager=True)
     log.info("rank %d ready on %s: %d KV blocks", rank, device, values[0])

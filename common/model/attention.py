@@ -7,6 +7,9 @@ new, from the cache.
 
 - ``sdpa`` (CPU default; CUDA fallback): gathers blocks into padded tensors and calls
   ``scaled_dot_product_attention``. Exact; the reference for the others.
+- ``invariant`` (``--batch-invariant``; ``attn_backends/invariant.py``): fixed query tiles and key
+  blocks, so a query's result does not depend on its batch or chunk; the model's linears then
+  run in fixed row tiles too (``batch_invariant``).
 - ``triton`` (CUDA default when Triton is importable): one kernel per layer reads the cache
   through block tables in place, for decode, varlen prefill and chunks over cached context
   alike; its plan is a handful of fixed-shape tensors, so decode steps can be CUDA-graphed.
@@ -33,6 +36,7 @@ from common.model.attention_metadata import AttentionMetadata
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "sdpa", "triton")
+INVARIANT = "invariant"  # not a --attention-backend value: --batch-invariant chooses it
 FUSED_OPS = ("auto", "on", "off")
 TRITON_HINT = ("Triton compiles its kernels on first use and needs a C compiler and the Python headers "
                "(e.g. apt-get install gcc python3-dev)")
@@ -66,6 +70,10 @@ def triton_available() -> bool:
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
     """The backend for ``name`` ("auto": triton on CUDA when installed, else sdpa)."""
+    if name == INVARIANT:
+        from common.model.attn_backends.invariant import InvariantBackend
+
+        return InvariantBackend()
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, not {name!r}")
     if name == "auto":
@@ -99,12 +107,18 @@ class KernelChoice:
 
 
 PLAIN = KernelChoice("sdpa", False)  # no Triton anywhere: what a failed Triton warm-up falls back to
+BATCH_INVARIANT = KernelChoice(INVARIANT, False)  # --batch-invariant: invariant attention, PyTorch ops, tiled linears
 
 
-def choose_kernels(attention_backend: str, fused_ops: str, device: torch.device) -> KernelChoice:
+def choose_kernels(
+    attention_backend: str, fused_ops: str, device: torch.device, batch_invariant: bool = False
+) -> KernelChoice:
     """``auto`` picks Triton for CUDA when triton is installed; a named choice is kept as asked.
+    ``batch_invariant`` overrides both (the config refuses it beside a Triton named by flag).
 
     Raises :class:`TritonStartError` when a flag names Triton and triton is not installed."""
+    if batch_invariant:
+        return BATCH_INVARIANT
     if attention_backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, not {attention_backend!r}")
     if fused_ops not in FUSED_OPS:
@@ -138,6 +152,12 @@ def warm_up_fallback(choice: KernelChoice, error: Exception) -> KernelChoice:
 
 
 def use_kernels(model: torch.nn.Module, choice: KernelChoice, device: torch.device) -> None:
-    """Set ``choice`` on the model: its attention backend and whether its layers run the fused ops."""
+    """Set ``choice`` on the model: its attention backend and whether its layers run the fused ops
+    (and, for :data:`BATCH_INVARIANT`, its linears in fixed row tiles: BatchInvariantError when
+    this machine's matmuls have no such tile)."""
+    if choice.attention_backend == INVARIANT:
+        from common.model.batch_invariant import make_batch_invariant
+
+        make_batch_invariant(model, device)
     model.attn_backend = select_backend(choice.attention_backend, device)
     model.use_fused_ops = choice.fused_ops

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.model.batch_invariant import InvariantLinear
 from common.model.config import ModelConfig, ModelLoadError
 
 
@@ -118,7 +119,8 @@ def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TPShard) -> torch.Tenso
     products summed over the ranks, then the (whole) bias once."""
     if tp.comm is None:
         return linear(x)
-    out = tp.comm.all_reduce(F.linear(x, linear.weight))
+    partial = linear.matmul(x) if isinstance(linear, InvariantLinear) else F.linear(x, linear.weight)
+    out = tp.comm.all_reduce(partial)
     return out if linear.bias is None else out + linear.bias
 
 

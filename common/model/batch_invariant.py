@@ -1,0 +1,112 @@
+"""Batch-invariant matmuls (``--batch-invariant``): each row's result independent of its batch.
+
+A BLAS picks its kernel, its split over threads and so its order of summation by the shape of
+the call: ``F.linear`` of one row (a gemv) rounds differently from the same row among 4, and
+among 2 to 3, and with two threads the split of the rows over the threads changes the result
+again. So a token's hidden state, and in the end its logits, depended on how many other tokens
+shared its step. Here every linear runs on fixed tiles of ``tile`` rows (the last one padded
+with zeros): one batched matmul of ``[tiles, tile, in] @ [in, out]``, whose every batch
+element has the same shape whatever the batch. Which tile gives identical rows depends on the
+BLAS and the thread count, so :func:`choose_tile` checks at start, on random matrices of the
+model's sizes, and :func:`make_batch_invariant` refuses to start when no tile passes.
+
+The other ops of the forward pass were checked row by row (``tests/common/model/
+test_batch_invariant.py``): the embedding, RMSNorm's mean over the last dim, rotary,
+SiLU-and-mul, softmax and log-softmax over the vocabulary already give each row the same bits
+whatever the batch; attention does not (``attn_backends/invariant.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TILES = (16, 32, 64, 128)  # tried in order; the smallest costs least in decode steps of few rows
+_CHECK_ROWS = (1, 2, 3, 5, 7, 9, 16, 17, 33, 100)  # batch sizes the start-up check compares
+
+
+class BatchInvariantError(RuntimeError):
+    """No tile size gives batch-invariant matmuls on this machine's BLAS; the message says what to do."""
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed on fixed tiles of ``tile`` rows of ``x`` [..., in]."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    padded = F.pad(rows, (0, 0, 0, -n % tile)).view(-1, tile, rows.shape[1])
+    out = torch.bmm(padded, weight.t().expand(padded.shape[0], -1, -1)).view(-1, weight.shape[0])[:n]
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class InvariantLinear(nn.Linear):
+    """An ``nn.Linear`` that computes in fixed row tiles (:func:`tiled_linear`); same parameters."""
+
+    tile: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled_linear(x, self.weight, self.bias, self.tile)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` without the bias (a tensor-parallel rank's partial product)."""
+        return tiled_linear(x, self.weight, None, self.tile)
+
+
+def rows_invariant(fn, x: torch.Tensor) -> bool:
+    """Whether ``fn`` gives every slice of rows of ``x`` the same bits as the whole of ``x`` does."""
+    whole = fn(x)
+    for m in _CHECK_ROWS:
+        for offset in (0, 3, x.shape[0] - m):
+            if 0 <= offset and offset + m <= x.shape[0] and not torch.equal(
+                    fn(x[offset : offset + m].clone()), whole[offset : offset + m]):
+                return False
+    return True
+
+
+def choose_tile(sizes: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> int:
+    """The first tile of :data:`TILES` whose :func:`tiled_linear` gives identical rows for every
+    checked batch size and offset, on random ``[size, size]`` weights (the model's widths)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(130, max(sizes), generator=gen).to(device, dtype)
+    weights = [torch.randn(s, s, generator=gen).to(device, dtype) for s in sizes]
+    for tile in TILES:
+        if all(rows_invariant(lambda rows: tiled_linear(rows, w, None, tile), x[:, : w.shape[1]]) for w in weights):
+            return tile
+    raise BatchInvariantError(
+        f"--batch-invariant: no row tile of {', '.join(map(str, TILES))} gives this machine's matmuls the same "
+        f"result for every batch size ({device}, {torch.get_num_threads()} threads); run without --batch-invariant")
+
+
+def bmm_invariant(shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.bmm`` of ``[b, m, k] @ [b, k, n]`` gives each batch element the same bits
+    whatever ``b`` (the invariant attention's matmuls)."""
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(130, m, k, generator=gen).to(device, dtype)
+    b = torch.randn(130, k, n, generator=gen).to(device, dtype)
+    return rows_invariant(lambda idx: torch.bmm(a[idx], b[idx]), torch.arange(130, device=device))
+
+
+def make_batch_invariant(model: nn.Module, device: torch.device) -> int:
+    """Turn every ``nn.Linear`` of ``model`` into an :class:`InvariantLinear` (same parameters)
+    with the tile :func:`choose_tile` finds; returns the tile. BatchInvariantError when none passes,
+    or when the invariant attention's batched matmuls are not batch-count invariant here."""
+    from common.model.attn_backends.invariant import KEY_BLOCK, QUERY_TILE
+
+    config = model.config
+    dtype = next(model.parameters()).dtype
+    tile = choose_tile(tuple(sorted({config.hidden_size, config.intermediate_size})), device, dtype)
+    rows = QUERY_TILE * (config.num_heads // config.num_kv_heads)
+    for shape in ((rows, config.head_dim, KEY_BLOCK), (rows, KEY_BLOCK, config.head_dim)):
+        if not bmm_invariant(shape, device, dtype):
+            raise BatchInvariantError(
+                f"--batch-invariant: this machine's batched matmul ({device}, {torch.get_num_threads()} threads) "
+                f"gives a [{shape[0]}, {shape[1]}] @ [{shape[1]}, {shape[2]}] product different bits in batches of "
+                "different sizes, so attention cannot be made invariant here; run without --batch-invariant")
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    for linear in linears:
+        linear.__class__ = InvariantLinear  # a subclass adding no state: parameters and tying stay as they are
+        linear.tile = tile
+    return tile

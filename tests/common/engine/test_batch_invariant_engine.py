@@ -1,0 +1,106 @@
+"""``--batch-invariant`` in the engine: one prompt's logits, bitwise, whatever else runs.
+
+The prompt's logits at every sampled step (greedy, and a seeded sampled request's tokens) are
+recorded alone, among 16 random other requests, with its prompt chunked over steps, and with
+the prefix cache cold and then warm; all must be the same bits. Without the mode, the same
+comparison is what fails (a batch of 16 reduces differently from one row).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.engine.sampling_params import SamplingParams
+from common.model.attn_backends.invariant import InvariantBackend
+from common.model.batch_invariant import InvariantLinear
+
+PROMPT = [(7 * i + 3) % 2000 + 4 for i in range(70)]
+MAX_TOKENS = 8
+
+
+class LogitsRecorder:
+    """Wraps the runner's sampler: the logits row each sampled step gave the target request."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.sampler = engine.runner.sampler
+        self.target: list[int] | None = None  # the target sequence's own prompt list
+        self.rows: list[torch.Tensor] = []
+        engine.runner.sampler = self
+
+    def __call__(self, logits, rows):
+        for row, sample_row in zip(logits, rows):
+            if sample_row.prompt_token_ids is self.target:
+                self.rows.append(row.clone())
+        return self.sampler(logits, rows)
+
+
+def _engine(**overrides) -> LLMEngine:
+    config = dict(model="embedded", batch_invariant=True, num_kv_blocks=512, block_size=16, seed=0)
+    return LLMEngine(EngineConfig(**{**config, **overrides}))
+
+
+def _run(engine: LLMEngine, params: SamplingParams, others: int = 0, seed: int = 0) -> tuple[torch.Tensor, list]:
+    """The target's logits rows [MAX_TOKENS, vocab] and (tokens, logprobs), sent after ``others``
+    random requests; ``engine.last_cached`` = its prompt tokens found in the prefix cache."""
+    rng = random.Random(seed)
+    recorder = engine.runner.sampler if isinstance(engine.runner.sampler, LogitsRecorder) else LogitsRecorder(engine)
+    recorder.rows = []
+    for i in range(others):
+        prompt = [rng.randrange(4, 2000) for _ in range(rng.randrange(1, 90))]
+        engine.add_request(f"other-{seed}-{i}", prompt, SamplingParams(max_tokens=rng.randrange(1, 20),
+                                                                       temperature=rng.choice([0.0, 1.0])))
+    for _ in range(rng.randrange(0, 3)):  # the others part-way through their prompts or decodes
+        engine.step()
+    rid = f"target-{seed}-{others}-{random.random()}"
+    engine.add_request(rid, list(PROMPT), params)
+    recorder.target = engine._requests[rid].prompt_token_ids
+    tokens: list = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                tokens += zip(out.new_token_ids, out.new_logprobs or [None] * len(out.new_token_ids))
+                engine.last_cached = out.num_cached_tokens
+    return torch.stack(recorder.rows), tokens
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=5, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.9, seed=11, logprobs=5, ignore_eos=True)
+
+
+def test_the_mode_swaps_linears_and_attention_only_when_asked() -> None:
+    plain, invariant = _engine(batch_invariant=False), _engine()
+    assert not any(isinstance(m, InvariantLinear) for m in plain.runner.model.modules())
+    assert type(plain.runner.model.lm_head) is torch.nn.Linear
+    assert isinstance(invariant.runner.model.lm_head, InvariantLinear)
+    assert isinstance(invariant.runner.attn_backend, InvariantBackend)
+
+
+def test_logits_bitwise_equal_alone_batched_chunked_and_cached() -> None:
+    for params in (GREEDY, SEEDED):
+        alone, alone_tokens = _run(_engine(enable_prefix_caching=False), params)
+        assert alone.shape[0] == len(alone_tokens) == MAX_TOKENS
+        busy = _engine(enable_prefix_caching=False)
+        for seed in range(2):
+            logits, tokens = _run(busy, params, others=16, seed=seed)
+            assert torch.equal(logits, alone) and tokens == alone_tokens
+        chunked = _engine(enable_prefix_caching=False, max_num_batched_tokens=24)
+        logits, tokens = _run(chunked, params, others=16, seed=5)
+        assert torch.equal(logits, alone) and tokens == alone_tokens
+        cached = _engine(enable_prefix_caching=True)
+        cold, cold_tokens = _run(cached, params)
+        warm, warm_tokens = _run(cached, params, others=16, seed=7)  # 4 of its 5 blocks from the cache
+        assert cached.last_cached == 64
+        assert torch.equal(cold, alone) and torch.equal(warm, alone)
+        assert cold_tokens == alone_tokens == warm_tokens
+
+
+def test_without_the_mode_a_batch_changes_the_logits() -> None:
+    """The comparison above is not vacuous: the default path's logits move with the batch."""
+    alone, _ = _run(_engine(batch_invariant=False, enable_prefix_caching=False), GREEDY)
+    busy, _ = _run(_engine(batch_invariant=False, enable_prefix_caching=False), GREEDY, others=16, seed=0)
+    assert not torch.equal(busy, alone)
+    assert torch.allclose(busy, alone, atol=1e-3)

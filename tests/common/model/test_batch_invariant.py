@@ -1,0 +1,136 @@
+"""Batch invariance of the forward pass's ops (``--batch-invariant``), with 1 and 2 threads.
+
+Each op must give every row the same bits whatever rows share its call: ``rows_invariant``
+compares slices of many sizes and offsets with the whole. The tiled linears and the invariant
+attention are what the mode adds; the plain ops (RMSNorm, rotary, SiLU-and-mul, embedding,
+softmax) are checked to need nothing. The invariant attention matches SDPA within 1e-5 and is
+bitwise the same for one sequence however its queries are chunked, prefill or decode, and
+whatever sequences share the step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.model.attention_metadata import AttentionMetadata
+from common.model.attn_backends.invariant import InvariantBackend
+from common.model.attn_backends.sdpa import SdpaBackend
+from common.model.batch_invariant import TILES, bmm_invariant, choose_tile, rows_invariant, tiled_linear
+from common.model.layers import RMSNorm, apply_rotary
+from helpers.random_paged import random_step
+
+# the embedded model's and SmolLM2-135M's widths: (in, out) of their projections
+SHAPES = [(256, 704), (704, 256), (256, 2048), (576, 1536), (1536, 576), (576, 192), (576, 49152)]
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_tiled_linear_gives_every_row_the_same_bits_for_any_batch(threads: int) -> None:
+    tile = choose_tile((256, 576), torch.device("cpu"), torch.float32)
+    assert tile in TILES
+    g = torch.Generator().manual_seed(0)
+    for k, n in SHAPES:
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        x = torch.randn(130, k, generator=g)
+        assert rows_invariant(lambda rows: tiled_linear(rows, w, b, tile), x), (k, n)
+        assert torch.allclose(tiled_linear(x, w, b, tile), F.linear(x, w, b), atol=1e-4)
+
+
+def test_plain_linear_is_not_batch_invariant() -> None:
+    """Why the mode tiles: one row alone (a gemv) rounds differently from the same row among others."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(1536, 576, generator=g), torch.randn(64, 576, generator=g)
+    assert not rows_invariant(lambda rows: F.linear(rows, w), x)
+
+
+def test_row_wise_ops_need_no_replacing(threads: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=g)
+    x = torch.randn(130, 576, generator=g)
+    assert rows_invariant(norm, x)
+    head_norm = RMSNorm(64, 1e-5)
+    assert rows_invariant(lambda rows: head_norm(rows.view(-1, 9, 64)), x)  # q/k norm over heads
+    cos_sin = torch.randn(130, 64, generator=g)
+    both = torch.cat([x, cos_sin], dim=1)  # each row carries its own angles
+    assert rows_invariant(lambda r: apply_rotary(r[:, :576].reshape(-1, 9, 64), *r[:, 576:, None].transpose(1, 2)
+                                                 .chunk(2, dim=-1)), both)
+    gate_up = torch.randn(130, 2 * 1536, generator=g)
+    assert rows_invariant(lambda r: F.silu(r[:, :1536]) * r[:, 1536:], gate_up)
+    table = torch.randn(49152, 576, generator=g)
+    assert rows_invariant(lambda ids: F.embedding(ids, table), torch.randint(0, 49152, (130,), generator=g))
+    logits = torch.randn(130, 49152, generator=g) * 4
+    for op in (torch.log_softmax, torch.softmax):
+        assert rows_invariant(lambda r: op(r, dim=-1), logits)
+    assert rows_invariant(lambda r: r.argmax(dim=-1), logits)
+
+
+def test_attention_bmm_is_batch_count_invariant(threads: int) -> None:
+    for group in (1, 2, 3):  # scores [rows, d] @ [d, key block], then p [rows, key block] @ [key block, d]
+        assert bmm_invariant((16 * group, 64, 64), torch.device("cpu"), torch.float32)
+
+
+def test_invariant_attention_matches_sdpa() -> None:
+    # decodes, a fresh prompt, a chunk over cached context, GQA groups of 2
+    query_lens, seq_lens = [1, 1, 37, 20, 1], [5, 130, 37, 90, 64]
+    cache, k, v, meta, g = random_step(query_lens, seq_lens, kv_heads=2, head_dim=64, block_size=16)
+    q = torch.randn(sum(query_lens), 4, 64, generator=g)
+    scale = 64**-0.5
+    ref = SdpaBackend().forward(q, k, v, cache, SdpaBackend().plan(meta, q.device), scale)
+    inv = InvariantBackend()
+    out = inv.forward(q, k, v, cache, inv.plan(meta, q.device), scale)
+    assert (out - ref).abs().max() < 1e-5
+
+
+class OneSequence:
+    """A 150-token sequence in a scattered paged cache, plus room for other sequences."""
+
+    def __init__(self, heads: int = 6, kv_heads: int = 2, length: int = 150, bs: int = 16) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.bs, self.heads, self.length = bs, heads, length
+        self.cache = torch.randn(2, 40, bs, kv_heads, 64, generator=g)
+        order = torch.randperm(40, generator=g).tolist()
+        self.table = order[:10]  # 160 slots for the sequence
+        self.others = [order[10 + 5 * i : 15 + 5 * i] for i in range(6)]  # 80 slots each
+        self.q = torch.randn(length, heads, 64, generator=g)
+        self.g = g
+
+    def attend(self, start: int, end: int, others: list[tuple[int, int]] = ()) -> torch.Tensor:
+        """Rows ``start..end`` of the sequence as one step's chunk, after ``others`` ((query_len,
+        seq_len) of other sequences in the same step); returns the sequence's rows."""
+        query_lens, seq_lens, tables, qs = [], [], [], []
+        for i, (ql, sl) in enumerate(others):
+            query_lens.append(ql), seq_lens.append(sl), tables.append(self.others[i] + [0] * 5)
+            qs.append(torch.randn(ql, self.heads, 64, generator=self.g))
+        query_lens.append(end - start), seq_lens.append(end), tables.append(self.table)
+        qs.append(self.q[start:end])
+        meta = AttentionMetadata(slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64),
+                                 query_lens=query_lens, seq_lens=seq_lens, block_tables=torch.tensor(tables),
+                                 block_size=self.bs)
+        backend = InvariantBackend()
+        out = backend.forward(torch.cat(qs), None, None, self.cache, backend.plan(meta, torch.device("cpu")),
+                              64**-0.5)
+        return out[-(end - start):]
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 6])
+def test_invariant_attention_is_bitwise_the_same_however_chunked_and_batched(threads: int, kv_heads: int) -> None:
+    s = OneSequence(kv_heads=kv_heads)
+    whole = s.attend(0, s.length)
+    chunked = torch.cat([s.attend(a, b) for a, b in [(0, 5), (5, 22), (22, 23), (23, 100), (100, 150)]])
+    assert torch.equal(chunked, whole)
+    decodes = torch.cat([s.attend(p, p + 1) for p in range(120, 150)])  # each as a decode step
+    assert torch.equal(decodes, whole[120:])
+    busy = s.attend(100, 150, others=[(1, 70), (33, 33), (1, 3), (10, 80)])
+    assert torch.equal(busy, whole[100:])
+    for p in (0, 64, 127, 149):  # alone, among decodes, among prefills
+        assert torch.equal(s.attend(p, p + 1, others=[(1, 79), (1, 2)]), whole[p : p + 1])
+        assert torch.equal(s.attend(p, p + 1, others=[(40, 60)]), whole[p : p + 1])
