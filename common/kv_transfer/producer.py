@@ -198,7 +198,8 @@ class KVProducer:
         with self._lock:
             admitted, member, dropped = self._take_slot(msg.consumer)
         for link in dropped:
-            link.drop()
+            self.link_failed(link, "its slot went to a registered decode node's pair")  # fails what it carried
+            link.drop()  # after: link_failed drains the pair's queue, the stop included
             logger.info("producer: dropped pair %s of %r: it names no registered decode node and its slot "
                         "was needed or its %g s are up", link.pair_id[:8], link.consumer, self.config.probation_s)
         if not admitted:  # each pair is a thread and sockets: keyless, anyone reaching the port could ask
