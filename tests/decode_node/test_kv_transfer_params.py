@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
@@ -136,6 +135,29 @@ def test_router_of_kv_transfer_params_answers_as_a_colocated_node(cluster: dict)
             assert "kv_transfer_params" not in r.json()
     for name in ("p0", "p1", "d0", "d1"):  # every lease released: nothing held
         wait_idle(cluster[name].url)
+    for name in ("p0", "p1"):  # the KV moved over the data plane, counted as for tagged ids
+        assert metric(cluster[name].url, "pdserve:kv_transfer_bytes_total") > 0
+    assert metric(cluster["p0"].url, "pdserve:kv_leases_expired_total") == 0
+
+
+def aborted(node: Proc) -> float:
+    """``pdserve:request_errors_total{kind="aborted"}``: requests whose client left."""
+    text = httpx.get(node.url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve:request_errors_total{") and 'kind="aborted"' in line)
+
+
+def test_a_client_that_leaves_mid_stream_frees_both_nodes(cluster: dict) -> None:
+    path, body = COMPLETIONS, {"prompt": "a long answer", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    params = prefill(cluster["p1"], path, body)
+    leg = {**body, "stream": True, "kv_transfer_params": {**params, "do_remote_prefill": True}}
+    with httpx.stream("POST", cluster["d1"].url + path, json=leg, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))  # tokens are flowing; then hang up
+    wait_until(lambda: aborted(cluster["d1"]) == 1, "the decode node aborted the request")
+    wait_idle(cluster["d1"].url)
+    wait_idle(cluster["p1"].url)
 
 
 def test_forged_and_malformed_params_are_refused(cluster: dict) -> None:
