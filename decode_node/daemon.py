@@ -4,7 +4,10 @@ A request's life here, as queues (SGLang's picture):
 
 1. **arrive** — the proxy POSTs the client's body with a tagged ``X-Request-Id``; the
    daemon tokenizes it exactly as the prefill daemon does (same model, same template).
-   Untagged requests get a 400. The id is used exactly as received.
+   Untagged requests get a 400, unless they carry ``kv_transfer_params`` from a prefill node's
+   answer with ``do_remote_prefill`` (vLLM's NIXL proxy, llm-d): once checked, they give the
+   transfer id and prefill node to run under, as a tag would (common.serving.kv_params).
+   The id is used exactly as received.
 2. **prealloc** — the scheduler allocates blocks for the whole prompt and parks the
    request: it holds blocks but no running slot, so other requests keep decoding.
 3. **transfer** — the consumer connector asks the prefill daemon named in the id for
