@@ -234,3 +234,33 @@ def test_prefill_node_killed_before_the_pull(cluster: dict) -> None:
         wait_idle(cluster["d0"].url)
     finally:
         stop_all([p])
+
+
+def test_tensor_parallel_daemons_of_one_size_and_a_clear_400_otherwise(cluster: dict) -> None:
+    """A prefill node of 2 KV ranks and a decode node of TP 2: each rank pulls its peer's same rank,
+    as under a tag; a decode node of TP 1 refuses those params with a 400 naming why."""
+    tmp, key = cluster["tmp"], cluster["key"]
+    tp = ("--tensor-parallel-size", "2", "--cluster-key-file", key, *ENGINE_ARGS)
+    procs = {"p": start("prefill", tmp, *tp, name="p-tp2", wait=False),
+             "d": start("decode", tmp, *tp, name="d-tp2", wait=False)}
+    try:
+        for proc in procs.values():
+            proc.wait_ready()
+        path, body = BODIES["completions-greedy"]
+        params = prefill(procs["p"], path, body)
+        assert params["kv_ranks"] == 2
+        r = decode(cluster["d0"], path, body, params)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "kv_transfer_params_unsupported", r.text
+        r = decode(procs["d"], path, body, params)
+        assert r.status_code == 200, r.text
+        got, want = r.json()["choices"][0], colocated(cluster, path, body)["choices"][0]
+        assert got["text"] == want["text"] and got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        # TP 2 sums its halves in another order than TP 1: logprobs agree to rounding (test_tp_disagg.py)
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
+        for proc in procs.values():
+            wait_idle(proc.url)
+        rank1 = [float(line.rsplit(" ", 1)[1]) for line in httpx.get(procs["d"].url + "/metrics", timeout=5).text
+                 .splitlines() if line.startswith("pdserve:kv_rank_transfer_bytes_total{") and 'rank="1"' in line]
+        assert rank1 and rank1[0] > 0  # rank 1 pulled its half from the prefill node's rank 1
+    finally:
+        stop_all(procs.values())
