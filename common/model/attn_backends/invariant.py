@@ -15,8 +15,9 @@ result is computed from fixed-shape pieces, in a fixed order:
   ``exp(-inf)`` is 0, so they add exact zeros and a batch that holds more blocks for a longer
   sequence changes no bit of a shorter one.
 
-It costs more than SDPA: padded query tiles (a decode token computes a whole tile) and
-masked blocks are computed, not skipped. Matches SDPA to float rounding (tests compare 1e-5).
+It costs more than SDPA: padded query tiles (a decode token computes a whole tile: 4 tokens,
+a compromise between decode's waste and prefill's copies of the keys per tile) and masked
+blocks are computed, not skipped. Matches SDPA to float rounding (tests compare 1e-5).
 """
 
 from __future__ import annotations
@@ -27,51 +28,41 @@ import torch
 
 from common.model.attention_metadata import AttentionMetadata
 
-QUERY_TILE = 16
-KEY_BLOCK = 64
+QUERY_TILE = 4  # query tokens per tile, decode and prefill alike
+KEY_BLOCK = 64  # keys per block, counted from position 0
 
 
 @dataclass
 class InvariantPlan:
-    """Per-forward facts every layer reuses."""
+    """Per-forward facts every layer reuses (a unit = one query tile of one sequence)."""
 
     row_index: torch.Tensor  # [units * QUERY_TILE] flat query row of each tile slot; num_tokens = a zero row
     slot_of_row: torch.Tensor  # [num_tokens] tile slot of each flat query row
     key_slots: torch.Tensor  # [units, blocks * KEY_BLOCK] flat cache slot of each unit's keys
-    visible: torch.Tensor  # [units, 1, blocks, QUERY_TILE, KEY_BLOCK] bool: the causal mask
+    masked: torch.Tensor  # [units, 1, blocks, 1, QUERY_TILE, KEY_BLOCK] bool: True = may not attend
 
 
 def build_plan(meta: AttentionMetadata, device: torch.device) -> InvariantPlan:
     bs, n = meta.block_size, sum(meta.query_lens)
-    num_blocks = max(-(-s // KEY_BLOCK) for s in meta.seq_lens)
-    width = num_blocks * KEY_BLOCK
+    query_lens, seq_lens = torch.tensor(meta.query_lens), torch.tensor(meta.seq_lens)
+    blocks = -(-max(meta.seq_lens) // KEY_BLOCK)
+    tiles = -(-query_lens // QUERY_TILE)
+    unit_seq = torch.repeat_interleave(torch.arange(len(tiles)), tiles)
+    first_unit = torch.cumsum(tiles, 0) - tiles
+    row = ((torch.arange(len(unit_seq)) - first_unit[unit_seq]) * QUERY_TILE)[:, None] + torch.arange(QUERY_TILE)
+    valid = row < query_lens[unit_seq, None]  # [units, QUERY_TILE]; the rest pads the sequence's last tile
+    seq_start = torch.cumsum(query_lens, 0) - query_lens
+    row_index = torch.where(valid, seq_start[unit_seq, None] + row, n)
+    # query r of a sequence sits at position seq_len - query_len + r; a padding slot sees key 0 only
+    positions = torch.where(valid, (seq_lens - query_lens)[unit_seq, None] + row, 0)
+    keys = torch.arange(blocks * KEY_BLOCK)
     tables = meta.block_tables.cpu()
-    row_index, key_slots, positions, seq_lens = [], [], [], []
-    start = 0
-    for q, seq_len, table in zip(meta.query_lens, meta.seq_lens, tables):
-        keys = torch.arange(seq_len)
-        slots = torch.zeros(width, dtype=torch.int64)
-        slots[:seq_len] = table[keys // bs] * bs + keys % bs
-        for t in range(0, q, QUERY_TILE):
-            rows = list(range(start + t, min(start + t + QUERY_TILE, start + q)))
-            pad = QUERY_TILE - len(rows)
-            row_index += rows + [n] * pad
-            # query i of the sequence sits at position seq_len - q + i; a padding slot sees key 0 only
-            positions.append([seq_len - q + r - start for r in rows] + [0] * pad)
-            key_slots.append(slots)
-            seq_lens.append(seq_len)
-        start += q
-    units = len(positions)
-    pos = torch.tensor(positions)  # [units, QUERY_TILE]
-    keys = torch.arange(width).view(num_blocks, 1, KEY_BLOCK)
-    visible = keys[None] <= pos.view(units, 1, QUERY_TILE, 1)  # [units, blocks, QUERY_TILE, KEY_BLOCK]
-    slot_of_row = torch.empty(n, dtype=torch.int64)
-    index = torch.tensor(row_index)
-    real = index < n
-    slot_of_row[index[real]] = torch.arange(len(row_index))[real]
+    slots = tables[:, (keys // bs).clamp(max=tables.shape[1] - 1)] * bs + keys % bs
+    slots = slots.masked_fill(keys >= seq_lens[:, None], 0)  # past the sequence: any slot, masked below
+    masked = keys.view(blocks, 1, KEY_BLOCK) > positions[:, None, :, None]  # [units, blocks, QUERY_TILE, KEY_BLOCK]
     return InvariantPlan(
-        index.to(device), slot_of_row.to(device), torch.stack(key_slots).to(device),
-        visible.unsqueeze(1).to(device),
+        row_index.view(-1).to(device), torch.nonzero(valid.view(-1)).squeeze(1).to(device),
+        slots[unit_seq].to(device), masked[:, None, :, None].to(device),
     )
 
 
@@ -86,16 +77,14 @@ def invariant_attention(
     blocks = width // KEY_BLOCK
     rows = QUERY_TILE * group
     flat = kv_cache.view(2, -1, kv_heads, d)
-    # keys, values: [units, kv_heads, blocks, KEY_BLOCK, d]
-    k = flat[0][plan.key_slots].view(units, blocks, KEY_BLOCK, kv_heads, d).permute(0, 3, 1, 2, 4).to(q.dtype)
-    v = flat[1][plan.key_slots].view(units, blocks, KEY_BLOCK, kv_heads, d).permute(0, 3, 1, 2, 4).to(q.dtype)
-    padded = torch.cat([q, q.new_zeros(1, heads, d)])[plan.row_index]  # [units * QUERY_TILE, heads, d]
+    k, v = (_gather(flat[i], plan.key_slots).to(q.dtype) for i in (0, 1))  # [units, kv_heads, blocks, KEY_BLOCK, d]
+    padded = torch.cat([q, q.new_zeros(1, heads, d)]).index_select(0, plan.row_index)  # [units * QUERY_TILE, ...]
     # rows of a tile: (query head in the group, query token), for each KV head
     tiles = padded.view(units, QUERY_TILE, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(units, kv_heads, 1, rows, d)
     tiles = tiles.expand(units, kv_heads, blocks, rows, d).reshape(-1, rows, d)
     scores = torch.bmm(tiles, k.reshape(-1, KEY_BLOCK, d).transpose(1, 2)).view(units, kv_heads, blocks, group,
                                                                                    QUERY_TILE, KEY_BLOCK)
-    scores = (scores * scale).masked_fill(~plan.visible.unsqueeze(3), float("-inf"))
+    scores = (scores * scale).masked_fill_(plan.masked, float("-inf"))
     p = torch.exp(scores - scores.amax(dim=(2, 5), keepdim=True))
     sums = p.sum(-1)  # [units, kv_heads, blocks, group, QUERY_TILE]
     pv = torch.bmm(p.view(-1, rows, KEY_BLOCK), v.reshape(-1, KEY_BLOCK, d)).view(units, kv_heads, blocks, rows, d)
@@ -104,7 +93,13 @@ def invariant_attention(
         acc, total = acc + pv[:, :, j], total + sums[:, :, j]
     out = acc / total.reshape(units, kv_heads, rows, 1)  # [units, kv_heads, rows, d]
     out = out.view(units, kv_heads, group, QUERY_TILE, d).permute(0, 3, 1, 2, 4).reshape(-1, heads * d)
-    return out[plan.slot_of_row]
+    return out.index_select(0, plan.slot_of_row)
+
+
+def _gather(cache: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
+    units, width = key_slots.shape
+    keys = cache.index_select(0, key_slots.view(-1))  # one row copy per key (advanced indexing is slower)
+    return keys.view(units, width // KEY_BLOCK, KEY_BLOCK, *cache.shape[1:]).permute(0, 3, 1, 2, 4)
 
 
 class InvariantBackend:

@@ -3,13 +3,16 @@
 The prompt's logits at every sampled step (greedy, and a seeded sampled request's tokens) are
 recorded alone, among 16 random other requests, with its prompt chunked over steps, and with
 the prefix cache cold and then warm; all must be the same bits. Without the mode, the same
-comparison is what fails (a batch of 16 reduces differently from one row).
+comparison is what fails (a batch of 16 reduces differently from one row). The same test on
+CUDA (bf16, gpu-marked: ``make gpu-check``'s pytest step runs it) checks cuBLAS's batched
+matmuls and the torch ops there, with no Triton kernels and no CUDA graphs.
 """
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from common.engine.config import EngineConfig
@@ -80,17 +83,29 @@ def test_the_mode_swaps_linears_and_attention_only_when_asked() -> None:
 
 
 def test_logits_bitwise_equal_alone_batched_chunked_and_cached() -> None:
+    _check_invariance("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_logits_bitwise_equal_on_cuda() -> None:
+    engine = _engine(device="cuda")
+    assert engine.runner.graphs is None and not engine.runner.kernels.uses_triton
+    _check_invariance("cuda")
+
+
+def _check_invariance(device: str) -> None:
     for params in (GREEDY, SEEDED):
-        alone, alone_tokens = _run(_engine(enable_prefix_caching=False), params)
+        alone, alone_tokens = _run(_engine(device=device, enable_prefix_caching=False), params)
         assert alone.shape[0] == len(alone_tokens) == MAX_TOKENS
-        busy = _engine(enable_prefix_caching=False)
+        busy = _engine(device=device, enable_prefix_caching=False)
         for seed in range(2):
             logits, tokens = _run(busy, params, others=16, seed=seed)
             assert torch.equal(logits, alone) and tokens == alone_tokens
-        chunked = _engine(enable_prefix_caching=False, max_num_batched_tokens=24)
+        chunked = _engine(device=device, enable_prefix_caching=False, max_num_batched_tokens=24)
         logits, tokens = _run(chunked, params, others=16, seed=5)
         assert torch.equal(logits, alone) and tokens == alone_tokens
-        cached = _engine(enable_prefix_caching=True)
+        cached = _engine(device=device, enable_prefix_caching=True)
         cold, cold_tokens = _run(cached, params)
         warm, warm_tokens = _run(cached, params, others=16, seed=7)  # 4 of its 5 blocks from the cache
         assert cached.last_cached == 64
@@ -104,3 +119,27 @@ def test_without_the_mode_a_batch_changes_the_logits() -> None:
     busy, _ = _run(_engine(batch_invariant=False, enable_prefix_caching=False), GREEDY, others=16, seed=0)
     assert not torch.equal(busy, alone)
     assert torch.allclose(busy, alone, atol=1e-3)
+
+
+def test_sampler_gives_a_row_the_same_token_and_logprobs_in_any_batch() -> None:
+    """The sampler has one path for every batch size: a greedy or seeded row's token and logprobs
+    do not depend on the rows beside it (their temperatures, top-k/top-p/min-p, seeds)."""
+    from common.engine.sampler import Sampler, SampleRow
+
+    g = torch.Generator().manual_seed(0)
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    target = torch.randn(1, 2048, generator=g) * 3
+    rng = random.Random(0)
+    for params in (GREEDY, SEEDED, SamplingParams(temperature=0.7, top_k=40, min_p=0.05, seed=3, logprobs=3)):
+        alone = sampler(target.clone(), [SampleRow(params, 70)])
+        for size in (2, 5, 16):
+            others = [SamplingParams(temperature=rng.choice([0.0, 0.5, 1.3]), top_k=rng.choice([0, 5, 50]),
+                                     top_p=rng.choice([1.0, 0.8]), seed=rng.choice([None, 1, 2]),
+                                     logprobs=rng.choice([None, 0, 7])) for _ in range(size - 1)]
+            at = rng.randrange(size)
+            logits = torch.randn(size, 2048, generator=g) * 3
+            logits[at] = target[0]
+            rows = [SampleRow(p, rng.randrange(1, 200)) for p in others]
+            rows.insert(at, SampleRow(params, 70))
+            out = sampler(logits, rows)
+            assert (out.token_ids[at], out.logprobs[at]) == (alone.token_ids[0], alone.logprobs[0])
