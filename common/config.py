@@ -117,6 +117,12 @@ class NodeConfig(HttpServerOptions, EngineConfig):
     )
     kv_lease_s: float = Field(30.0, gt=0, le=86400, description="How long prefill holds KV nobody asked for",
                               json_schema_extra=DAEMONS)
+    accept_unsigned_kv_transfer_params: bool = Field(
+        False, description="With a cluster key, serve a request that uses kv_transfer_params though no proxy "
+        "signed its id (vLLM Router, llm-d and vLLM's NIXL proxy sign nothing; the params themselves are still "
+        "checked, the prefill node signs them). Off: such a request is refused as any unsigned id is (403), so "
+        "only what reaches the daemon's port can use it when on", json_schema_extra=DAEMONS,
+    )
     kv_peers: str | None = Field(
         None, description="Decode: comma-separated prefill KV addresses (HOST:PORT) this node may pull KV from, "
         "besides the prefill nodes the proxy's registry names; unset and no registry answer (no proxy, or "

@@ -227,7 +227,8 @@ class Daemon:
         middleware: added last, it runs first, so nothing runs for an unsigned id."""
         if self.key is not None:
             app.add_middleware(SignedIdsOnly, key=self.key, role=self.config.role, kv_addr=self.config.kv_addr,
-                               max_bytes=self.config.max_request_bytes)
+                               max_bytes=self.config.max_request_bytes,
+                               unsigned_kv_params=self.config.accept_unsigned_kv_transfer_params)
 
     def known_prefill(self, kv_addr: str) -> bool:
         """May this node pull KV from ``kv_addr``? With a cluster key the id naming it was signed by

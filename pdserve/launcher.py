@@ -115,6 +115,11 @@ class ProcessSpec:
     args: tuple[str, ...]
 
 
+# Everything `up` starts listens on loopback only: a router there (or the README's curl pair) may speak
+# kv_transfer_params to the daemons, though no proxy signs its ids (--no-accept-... through --node-arg undoes it)
+KV_PARAMS_ON_LOOPBACK = ("--accept-unsigned-kv-transfer-params",)
+
+
 def process_specs(options: UpOptions, model_args: tuple[str, ...]) -> list[ProcessSpec]:
     """The proxy, prefill and decode command lines, in start order."""
     registry = f"{LOOPBACK}:{options.registry_port}"
@@ -130,14 +135,14 @@ def process_specs(options: UpOptions, model_args: tuple[str, ...]) -> list[Proce
             (options.prefill_port, *kv_ports(options.prefill_kv_port, options.prefill_kv_ranks)),
             ("--port", str(options.prefill_port), "--kv-port", str(options.prefill_kv_port),
              "--tensor-parallel-size", str(options.prefill_tp), "--kv-ranks", str(options.prefill_kv_ranks),
-             "--proxy", registry, *model_args, *options.prefill_args),
+             "--proxy", registry, *model_args, *KV_PARAMS_ON_LOOPBACK, *options.prefill_args),
         ),
         ProcessSpec(
             "decode", "decode_node", options.decode_port,
             (options.decode_port, *kv_ports(options.decode_kv_port, options.decode_tp)),
             ("--port", str(options.decode_port), "--kv-port", str(options.decode_kv_port),
              "--tensor-parallel-size", str(options.decode_tp), "--proxy", registry, *model_args,
-             *options.decode_args),
+             *KV_PARAMS_ON_LOOPBACK, *options.decode_args),
         ),
     ]
 

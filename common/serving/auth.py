@@ -32,8 +32,9 @@ class SignedIdsOnly:
     """Refuses POSTs whose request id the cluster's proxy did not sign (403)."""
 
     def __init__(self, app: ASGIApp, key: ClusterKey, role: str, kv_addr: str,
-                 max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 max_bytes: int = DEFAULT_MAX_REQUEST_BYTES, unsigned_kv_params: bool = False) -> None:
         self.app, self.key, self.role, self.kv_addr, self.max_bytes = app, key, role, kv_addr, max_bytes
+        self.unsigned_kv_params = unsigned_kv_params  # --accept-unsigned-kv-transfer-params
         self._seen = ReplayWindow(2 * ID_TTL_S)  # covers a signature's whole life, clock skew included
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -42,8 +43,9 @@ class SignedIdsOnly:
             return
         request_id, signature = _headers(scope)
         reason = self.refusal(request_id, signature)
-        # kv_transfer_params' routers sign nothing: an untagged id may carry them (kv_params.py checks them)
-        if reason is None or (signature is None and parse_tags(request_id) is None):
+        # kv_transfer_params' routers sign nothing: with --accept-unsigned-kv-transfer-params an untagged id
+        # may carry them (kv_params.py checks them)
+        if reason is None or (self.unsigned_kv_params and signature is None and parse_tags(request_id) is None):
             body = await _read_body(receive, self.max_bytes)
             if body is None:
                 return  # the client left

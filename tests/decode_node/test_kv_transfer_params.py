@@ -23,6 +23,7 @@ from helpers.cluster import Proc, metric, start, stop_all, wait_idle
 from helpers.waiting import wait_until
 
 ENGINE_ARGS = ("--block-size", "16", "--log-level", "info")
+OPEN = ("--accept-unsigned-kv-transfer-params",)  # the routers sign nothing
 PREFILL_ASK = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                "remote_block_ids": None, "remote_host": None, "remote_port": None}
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -36,10 +37,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     try:
         procs["both"] = start("both", tmp, *ENGINE_ARGS, wait=False)
         for name in ("p0", "p1"):
-            procs[name] = start("prefill", tmp, *ENGINE_ARGS, "--cluster-key-file", key, name=name, wait=False)
+            procs[name] = start("prefill", tmp, *ENGINE_ARGS, "--cluster-key-file", key, *OPEN, name=name, wait=False)
         peers = ",".join(procs[p].kv_addr for p in ("p0", "p1"))
         for name in ("d0", "d1"):
-            procs[name] = start("decode", tmp, *ENGINE_ARGS, "--cluster-key-file", key, "--kv-peers", peers,
+            procs[name] = start("decode", tmp, *ENGINE_ARGS, "--cluster-key-file", key, *OPEN, "--kv-peers", peers,
                                 name=name, wait=False)
         for proc in procs.values():
             proc.wait_ready()
@@ -204,9 +205,22 @@ def test_a_request_the_decode_node_refuses_drops_the_prefill_nodes_kv(cluster: d
     wait_idle(cluster["p0"].url, timeout=15)
 
 
+def test_with_a_key_unsigned_params_need_the_flag(cluster: dict) -> None:
+    """Without --accept-unsigned-kv-transfer-params a keyed daemon serves only ids its proxy signed."""
+    p = start("prefill", cluster["tmp"], *ENGINE_ARGS, "--cluster-key-file", cluster["key"], name="p-closed")
+    try:
+        path, body = BODIES["chat-greedy"]
+        leg = {**body, "kv_transfer_params": PREFILL_ASK, "max_tokens": 1, "stream": False}
+        r = httpx.post(p.url + path, json=leg, headers={"X-Request-Id": uuid.uuid4().hex}, timeout=60)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "unsigned_request_id", r.text
+        assert metric(p.url, "pdserve:num_requests_running") == 0
+    finally:
+        stop_all([p])
+
+
 def test_expired_params_are_refused(cluster: dict) -> None:
     tmp, key = cluster["tmp"], cluster["key"]
-    p = start("prefill", tmp, *ENGINE_ARGS, "--cluster-key-file", key, "--kv-lease-s", "1", name="p-short-lease")
+    p = start("prefill", tmp, *ENGINE_ARGS, "--cluster-key-file", key, *OPEN, "--kv-lease-s", "1", name="p-short-lease")
     try:
         path, body = BODIES["chat-greedy"]
         params = prefill(p, path, body)
@@ -223,7 +237,7 @@ def test_prefill_node_killed_before_the_pull(cluster: dict) -> None:
     """The decode request fails with an error naming the transfer, before the lease would end."""
     tmp, key = cluster["tmp"], cluster["key"]
     lease_s = 30.0
-    p = start("prefill", tmp, *ENGINE_ARGS, "--cluster-key-file", key, "--kv-lease-s", str(lease_s), name="p-killed")
+    p = start("prefill", tmp, *ENGINE_ARGS, "--cluster-key-file", key, *OPEN, "--kv-lease-s", str(lease_s), name="p-killed")
     try:
         path, body = BODIES["completions-greedy"]
         params = prefill(p, path, body)
@@ -240,7 +254,7 @@ def test_tensor_parallel_daemons_of_one_size_and_a_clear_400_otherwise(cluster: 
     """A prefill node of 2 KV ranks and a decode node of TP 2: each rank pulls its peer's same rank,
     as under a tag; a decode node of TP 1 refuses those params with a 400 naming why."""
     tmp, key = cluster["tmp"], cluster["key"]
-    tp = ("--tensor-parallel-size", "2", "--cluster-key-file", key, *ENGINE_ARGS)
+    tp = ("--tensor-parallel-size", "2", "--cluster-key-file", key, *OPEN, *ENGINE_ARGS)
     procs = {"p": start("prefill", tmp, *tp, name="p-tp2", wait=False),
              "d": start("decode", tmp, *tp, name="d-tp2", wait=False)}
     try:
