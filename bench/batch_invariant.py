@@ -8,8 +8,9 @@ For each concurrency, ``--requests`` greedy requests (``ignore_eos``: each makes
 that many in flight (a new one joins as one finishes). Nothing is reused: prefix caching is off
 and every round has fresh random prompts. Output tokens/s = all output tokens / the round's
 wall time; TTFT = the median, over requests, of the time from ``add_request`` to the step that
-returned its first token. Each figure is the median of ``--repeats`` rounds, the two modes
-interleaved (the machine is shared and noisy). ``--model default`` is SmolLM2-135M-Instruct as a
+returned its first token; CPU ms per output token = this process's CPU time over the round /
+its output tokens (steadier than wall time on a shared machine). Each figure is the median of
+``--repeats`` rounds, the two modes interleaved (the machine is shared and noisy). ``--model default`` is SmolLM2-135M-Instruct as a
 node with no ``--model`` serves it (``common.model.sources.resolve_model``).
 """
 
@@ -34,8 +35,8 @@ from common.model.sources import resolve_model  # noqa: E402
 
 
 def run_round(engine: LLMEngine, concurrency: int, requests: int, prompt_tokens: int, max_tokens: int,
-              seed: int) -> tuple[float, float]:
-    """(output tokens/s, median TTFT in s) of one round."""
+              seed: int) -> tuple[float, float, float]:
+    """(output tokens/s, median TTFT in s, this process's CPU s per output token) of one round."""
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -44,7 +45,7 @@ def run_round(engine: LLMEngine, concurrency: int, requests: int, prompt_tokens:
     in_flight: set[str] = set()
     ttft: list[float] = []
     tokens = 0
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
             rid = f"r{seed}-{len(sent)}"
@@ -57,7 +58,7 @@ def run_round(engine: LLMEngine, concurrency: int, requests: int, prompt_tokens:
             tokens += len(out.new_token_ids)
             if out.finished:
                 in_flight.discard(out.request_id)
-    return tokens / (time.perf_counter() - start), statistics.median(ttft)
+    return tokens / (time.perf_counter() - start), statistics.median(ttft), (time.process_time() - cpu) / tokens
 
 
 def main() -> None:
@@ -80,22 +81,22 @@ def main() -> None:
     print(f"model {name}, {args.device}, {torch.get_num_threads()} threads, {args.requests} requests of "
           f"{args.prompt_tokens} prompt tokens and {args.max_tokens} output tokens per round, "
           f"median of {args.repeats}; linear tile {engines[True].runner.model.lm_head.tile} rows\n")
-    print("| concurrency | mode | output tok/s | TTFT (ms) | throughput cost |")
-    print("|---:|---|---:|---:|---:|")
+    print("| concurrency | mode | output tok/s | TTFT (ms) | CPU ms / output token | cost: tok/s, CPU |")
+    print("|---:|---|---:|---:|---:|---:|")
     for concurrency in map(int, args.concurrency.split(",")):
         for engine in engines.values():  # warm-up
             run_round(engine, concurrency, min(args.requests, concurrency), args.prompt_tokens, 4, seed=999)
-        figures: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        figures: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
         for r in range(args.repeats):
             for mode, engine in engines.items():
                 figures[mode].append(run_round(engine, concurrency, args.requests, args.prompt_tokens,
                                                args.max_tokens, seed=r))
-        base = statistics.median(t for t, _ in figures[False])
+        base_tps, _, base_cpu = (statistics.median(f[i] for f in figures[False]) for i in range(3))
         for mode in (False, True):
-            tps = statistics.median(t for t, _ in figures[mode])
-            ttft = statistics.median(f for _, f in figures[mode]) * 1e3
-            cost = "" if not mode else f"{(1 - tps / base) * 100:.0f} %"
-            print(f"| {concurrency} | {'batch-invariant' if mode else 'default'} | {tps:.1f} | {ttft:.1f} | {cost} |")
+            tps, ttft, cpu = (statistics.median(f[i] for f in figures[mode]) for i in range(3))
+            cost = "" if not mode else f"{(1 - tps / base_tps) * 100:.0f} %, {(cpu / base_cpu - 1) * 100:.0f} %"
+            print(f"| {concurrency} | {'batch-invariant' if mode else 'default'} | {tps:.1f} | {ttft * 1e3:.1f} | "
+                  f"{cpu * 1e3:.2f} | {cost} |")
 
 
 if __name__ == "__main__":

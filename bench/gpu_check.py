@@ -13,7 +13,8 @@ everything it started, and marked FAIL "timed out":
 
 | step | timeout | what |
 |---|---:|---|
-| pytest | 95 s | ``pytest -m gpu`` over the test files that hold gpu-marked tests |
+| pytest | 95 s | ``pytest -m gpu`` over the test files that hold gpu-marked tests (with |
+| | | ``--batch-invariant``'s: test_batch_invariant_engine.py, logits bitwise in any batch) |
 | checkpoints | 40 s | random bf16 checkpoints of a Qwen2.5-0.5B and a Llama-3.1-8B shape |
 | engine | 105 s | decode ms/step at batch 1 and 64, CUDA graphs and eager, beside the memory floor |
 | ttft | 35 s | TTFT of a 2,000-token prompt on the 8B shape |
