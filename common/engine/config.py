@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from common.engine.fairness import DEFAULT_MAX_TOKENS_IN_FLIGHT_PER_CLIENT
+
 if TYPE_CHECKING:
     import torch
 
@@ -78,6 +80,17 @@ class EngineConfig(BaseModel):
         description="While requests decode, a step carries at most the prompt tokens this many ms of measured "
         "prefill compute allow (bounds a local prefill's stall; reported to the proxy); unset = "
         "50 on a decode node, no bound elsewhere",
+    )
+
+    fair_share: Literal["on", "off"] = Field(
+        "on", description="Share the engine between clients (API key, else cache_salt, else the request's "
+        "user field, else one pool): the least-served client's request is admitted first, so one client's "
+        "queue cannot hold back another's request (README: Fair share); off = first come, first served"
+    )
+    max_tokens_in_flight_per_client: int = Field(
+        DEFAULT_MAX_TOKENS_IN_FLIGHT_PER_CLIENT, ge=1, description="Fair share: n x max_tokens summed over a "
+        "client's running sequences past which it is admitted only when no other client waits, and its newest "
+        "sequences are preempted to make room for a client below it"
     )
 
     @field_validator("device")

@@ -49,6 +49,9 @@ class SamplingParams:
     # not sampling, but it travels with every copy of the request: only requests with the same
     # salt share prefix-cache blocks (tenant isolation, vLLM's request field)
     cache_salt: str | None = None
+    # not sampling either: whose request this is, for fair share between clients (fairness.py);
+    # set by the node from the API key, cache salt or ``user`` field ("" = the shared pool)
+    client: str = ""
 
     @property
     def greedy(self) -> bool:

@@ -27,6 +27,11 @@ only for the blocks after that prefix. Full blocks are registered in the cache o
 their KV is computed (or landed), so later requests and recomputes can reuse them. A
 request's ``cache_salt`` roots its hash chain apart, so it shares blocks only with the
 same salt (on a decode node too: it asks the peer for every block its salt has not cached).
+
+Fair share (``fairness``, on unless ``fair_share=False``): admission takes the next sequence
+from ``waiting`` by client, the least-served client first (FIFO within a client), and a client
+over its cap of tokens in flight yields its newest running sequences to one under it. With one
+client the order is the plain FIFO above.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field
 from common.engine.block_hash import BlockHash, extend_hashes, root_hash, salted_root
 from common.engine.block_manager import BlockManager
 from common.engine.choices import FirstToken, new_choice
+from common.engine.fairness import DEFAULT_MAX_TOKENS_IN_FLIGHT_PER_CLIENT, FairShare, held_cost
 from common.engine.kv_connector import (EMPTY_METADATA, FinishedTransfers, KVConnectorMetadata,
                                         KVConnectorScheduler)
 from common.engine.outputs import FinishReason
@@ -77,6 +83,8 @@ class Scheduler:
         enable_chunked_prefill: bool,
         eos_token_ids: set[int],
         cache_root: BlockHash | None = None,
+        fair_share: bool = True,
+        max_tokens_in_flight_per_client: int = DEFAULT_MAX_TOKENS_IN_FLIGHT_PER_CLIENT,
     ):
         self.block_manager = block_manager
         self.connector = connector
@@ -99,10 +107,13 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self.forked: list[Sequence] = []  # choices forked since ``take_forked``
         self.block_copies: list[tuple[int, int]] = []  # (from, to): a forked choice's prompt tail block
+        self.fairness = FairShare(max_tokens_in_flight_per_client) if fair_share else None
 
     # ---- queues -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if self.fairness is not None:
+            self.fairness.arrived(seq)
 
     def has_schedulable_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -123,6 +134,7 @@ class Scheduler:
         batch = ScheduledBatch()
         for seq in self.running:  # KV computed by the last step is complete: share it
             self._cache_full_blocks(seq)
+        self._make_room()
         budget = self._schedule_running(batch, self.max_num_batched_tokens, stall_token_cap)
         self._admit_waiting(batch, budget, stall_token_cap)
         batch.kv_connector_metadata = self.connector.build_meta(batch.seqs, batch.num_new_tokens)
@@ -167,9 +179,33 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
+    def _next_waiting(self) -> Sequence:
+        if self.fairness is None:
+            return self.waiting[0]
+        return self.fairness.pick(self.waiting, self.fairness.held(self.running)) or self.waiting[0]
+
+    def _make_room(self) -> None:
+        """Fair share: preempt the newest sequences of clients over their cap until the next
+        admission, a client under its cap, has a slot and the blocks of its next chunk."""
+        fs = self.fairness
+        if fs is None or not self.waiting or len(fs.live) <= 1:
+            return
+        held = fs.held(self.running)
+        seq = fs.pick(self.waiting, held)
+        if seq is None or fs.over_cap(seq.params.client, held, held_cost(seq)):
+            return
+        tokens = seq.num_computed_tokens + min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)
+        while (len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(
+                self.block_manager.blocks_needed(tokens) - len(seq.block_table))):
+            victim = fs.victim(self.running, held, seq.params.client)
+            if victim is None:
+                return
+            self._preempt(victim)
+            held = fs.held(self.running)
+
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, stall_token_cap: int | None = None) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             if self._wants_remote_kv(seq):
                 if not self._park(seq, max(stall_token_cap or 0, self.block_manager.block_size)):
                     return
@@ -187,11 +223,19 @@ class Scheduler:
                 self._count_lookup(seq, seq.num_tokens)
                 if not seq.num_preemptions:  # a recompute's hits are not the prompt's
                     seq.num_cached_tokens = seq.num_computed_tokens
-            self.waiting.popleft()
+            self._leave_waiting(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
+
+    def _leave_waiting(self, seq: Sequence) -> None:
+        if self.waiting[0] is seq:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(seq)
+        if self.fairness is not None:
+            self.fairness.admitted(seq)
 
     def _wants_remote_kv(self, seq: Sequence) -> bool:
         if seq.external_kv_checked or seq.num_computed_tokens > 0:
@@ -217,7 +261,7 @@ class Scheduler:
             return False
         if took:
             self._count_lookup(seq, seq.num_prompt_tokens)
-        self.waiting.popleft()
+        self._leave_waiting(seq)
         seq.external_kv_checked = True
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
         self.parked[seq.request_id] = seq
@@ -228,6 +272,8 @@ class Scheduler:
     def append_token(self, seq: Sequence, token_id: int) -> None:
         """Record a sampled token and finish the sequence when a stop condition holds."""
         seq.output_token_ids.append(token_id)
+        if self.fairness is not None:
+            self.fairness.served(seq.params.client, output_tokens=1)
         reason = self._check_stop(seq, token_id)
         if seq.grammar is not None and reason is None:  # a peer's first token advances it too
             if not seq.grammar.advance(token_id):
@@ -304,6 +350,8 @@ class Scheduler:
                 child.output_token_ids.pop()
                 self._share_prompt_blocks(parent, child)
                 self.waiting.appendleft(child)
+                if self.fairness is not None:
+                    self.fairness.arrived(child)
                 self.append_token(child, first[0])
             self.forked.append(child)
 
@@ -347,6 +395,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
+        if self.fairness is not None:
+            self.fairness.left(seq)
         if self.connector.request_finished(seq) and seq.block_table:
             self.held[seq.request_id] = seq
         else:

@@ -28,6 +28,7 @@ from common.engine.structured_output import Grammar
 from common.logging_setup import current_request_id
 from common.metrics import NodeMetrics
 from common.request_id import Tags, parse_tags
+from common.serving.client_id import client_id
 from common.serving.errors import REQUEST_ID_HEADER, OpenAIError, client_visible_id, model_not_served
 from common.serving.kv_params import KVParamsProtocol, KVParamsRequest
 from common.serving.limits import MAX_REQUEST_ID_CHARS
@@ -130,6 +131,7 @@ class ServingContext:
         if grammar is None:
             grammar = await self.response_formats.grammar(body.response_format)
         params.grammar = grammar
+        params.client = client_id(request, body)
         request_id = request_id_of(request)
         tags = parse_tags(request_id)
         via_params = self.kv_params.request((body.model_extra or {}).get("kv_transfer_params"), tags, prompts,

@@ -1,0 +1,118 @@
+"""Fair share between clients: a Virtual Token Counter (Sheng et al., "Fairness in Serving Large
+Language Models", OSDI 2024) deciding which waiting sequence the scheduler admits next.
+
+Each client (``SamplingParams.client``: an API key's hash, a tenant's cache salt, the OpenAI
+``user`` field, or "" for everyone else) has a counter of the tokens it was served: prompt tokens
+weighted by ``PROMPT_WEIGHT`` when a sequence is first admitted, output tokens as they are
+sampled. Admission takes the waiting client with the smallest counter first, FIFO within a client.
+A client that becomes active again (nothing waiting or running before) is lifted to the smallest
+counter of the active clients, so an idle client banks no credit (VTC's rule).
+
+What a client holds is the sum of ``max_tokens`` over its running sequences (a request whose
+``n`` choices all run holds ``n × max_tokens``; a prompt not yet forked counts for its ``n``).
+A client whose next sequence would take it past ``max_tokens_in_flight`` is admitted only when
+no client under its cap waits; a client already past it has its newest running sequences
+preempted to make room (a slot, the blocks of a prompt's next chunk) for a client under its cap
+(a preempted sequence would take its client past the cap again, so it does not come straight
+back). A client holding nothing is never over its cap, so one request larger than the cap runs. With one client nothing is reordered and nothing
+is preempted: admission is the plain FIFO.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from common.engine.sequence import Sequence
+
+PROMPT_WEIGHT = 0.5  # a prompt token costs half an output token (VTC's w_p : w_q = 1 : 2)
+DEFAULT_MAX_TOKENS_IN_FLIGHT_PER_CLIENT = 4096
+_MAX_IDLE_CLIENTS = 4096  # counters of inactive clients kept; past it they are dropped (lifted anyway)
+
+
+def client_of(seq: Sequence) -> str:
+    return seq.params.client
+
+
+def held_cost(seq: Sequence) -> int:
+    """What a running ``seq`` holds of its client's cap: its ``max_tokens``, times ``n`` until forked."""
+    unforked = seq.params.n > 1 and not seq.choice_firsts  # fork() sets it on the parent
+    return seq.params.max_tokens * (seq.params.n if unforked else 1)
+
+
+@dataclass
+class FairShare:
+    """The counters and the admission order; the scheduler reports arrivals, service and departures."""
+
+    max_tokens_in_flight: int = DEFAULT_MAX_TOKENS_IN_FLIGHT_PER_CLIENT
+    counters: dict[str, float] = field(default_factory=dict)
+    live: dict[str, int] = field(default_factory=dict)  # client -> sequences waiting, parked or running
+    charged: set[str] = field(default_factory=set)  # request ids whose prompt is counted (until they leave)
+
+    # ---- events -------------------------------------------------------------------------
+    def arrived(self, seq: Sequence) -> None:
+        """A new sequence (a request or a forked choice) is queued."""
+        client = client_of(seq)
+        if seq.group_id:  # a choice: its prompt was its parent's
+            self.charged.add(seq.request_id)
+        if not self.live.get(client):
+            active = [self.counters.get(c, 0.0) for c, n in self.live.items() if n]
+            floor = min(active) if active else 0.0
+            self.counters[client] = max(self.counters.get(client, 0.0), floor)
+        self.live[client] = self.live.get(client, 0) + 1
+
+    def admitted(self, seq: Sequence) -> None:
+        """``seq`` leaves the waiting queue (to run, or parked for remote KV): its prompt is
+        counted once, whatever preemptions or fallbacks bring it back."""
+        if seq.request_id not in self.charged:
+            self.charged.add(seq.request_id)
+            self.served(client_of(seq), prompt_tokens=seq.num_prompt_tokens)
+
+    def left(self, seq: Sequence) -> None:
+        """A sequence finished (any reason)."""
+        client = client_of(seq)
+        self.charged.discard(seq.request_id)
+        n = self.live.get(client, 0) - 1
+        if n > 0:
+            self.live[client] = n
+            return
+        self.live.pop(client, None)
+        if len(self.counters) > _MAX_IDLE_CLIENTS:
+            self.counters = {c: v for c, v in self.counters.items() if c in self.live}
+
+    def served(self, client: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
+        self.counters[client] = self.counters.get(client, 0.0) + PROMPT_WEIGHT * prompt_tokens + output_tokens
+
+    # ---- decisions ----------------------------------------------------------------------
+    def held(self, running: Iterable[Sequence]) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for seq in running:
+            held[client_of(seq)] = held.get(client_of(seq), 0) + held_cost(seq)
+        return held
+
+    def over_cap(self, client: str, held: dict[str, int], adding: int = 0) -> bool:
+        """``client`` holds something and would hold more than its cap with ``adding`` more."""
+        holds = held.get(client, 0)
+        return holds > 0 and holds + adding > self.max_tokens_in_flight
+
+    def pick(self, waiting: Iterable[Sequence], held: dict[str, int]) -> Sequence | None:
+        """The next sequence to admit: each client's first waiting sequence, the client under its
+        cap with the smallest counter first (ties: the earlier in the queue)."""
+        if len(self.live) <= 1:  # one client: FIFO, as without fair share
+            return next(iter(waiting), None)
+        best, best_key = None, None
+        seen: set[str] = set()
+        for position, seq in enumerate(waiting):
+            client = client_of(seq)
+            if client in seen:
+                continue
+            seen.add(client)
+            key = (self.over_cap(client, held, held_cost(seq)), self.counters.get(client, 0.0), position)
+            if best_key is None or key < best_key:
+                best, best_key = seq, key
+        return best
+
+    def victim(self, running: list[Sequence], held: dict[str, int], for_client: str) -> Sequence | None:
+        """The newest running sequence of a client over its cap (not ``for_client``), to preempt."""
+        return next((s for s in reversed(running)
+                     if client_of(s) != for_client and self.over_cap(client_of(s), held)), None)
