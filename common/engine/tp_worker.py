@@ -24,7 +24,7 @@ from common.engine.parallel import COPY, INIT, KV_ISSUE, KV_POLL, KV_START, STEP
 from common.kv_transfer.tp_endpoints import open_rank_endpoint, serve_kv_command
 from common.engine.tp_group import RankLostError, TPGroup
 from common.kv_layout import DTYPES
-from common.model.attention import choose_kernels
+from common.model.attention import BATCH_INVARIANT, choose_kernels
 from common.model.loader import load_model
 from common.model.tensor_parallel import TPShard
 
@@ -65,7 +65,8 @@ def serve(host: str, port: int, rank: int) -> None:
     op, values, _ = receive(group)
     if op != INIT:
         raise RuntimeError(f"expected INIT from rank 0, got command {op}")
-    kernels = choose_kernels(setup["attention_backend"], setup["fused_ops"], device, setup["batch_invariant"])
+    kernels = (BATCH_INVARIANT if setup["batch_invariant"]
+               else choose_kernels(setup["attention_backend"], setup["fused_ops"], device))
     runner = ModelRunner(model, config.kv_layout(values[1], dtype), values[0], device, setup["seed"], kernels,
                          enforce_eager=True)
     log.info("rank %d ready on %s: %d KV blocks", rank, device, values[0])

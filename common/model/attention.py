@@ -110,15 +110,11 @@ PLAIN = KernelChoice("sdpa", False)  # no Triton anywhere: what a failed Triton 
 BATCH_INVARIANT = KernelChoice(INVARIANT, False)  # --batch-invariant: invariant attention, PyTorch ops, tiled linears
 
 
-def choose_kernels(
-    attention_backend: str, fused_ops: str, device: torch.device, batch_invariant: bool = False
-) -> KernelChoice:
+def choose_kernels(attention_backend: str, fused_ops: str, device: torch.device) -> KernelChoice:
     """``auto`` picks Triton for CUDA when triton is installed; a named choice is kept as asked.
-    ``batch_invariant`` overrides both (the config refuses it beside a Triton named by flag).
+    (``--batch-invariant`` takes :data:`BATCH_INVARIANT` instead, whatever these say.)
 
     Raises :class:`TritonStartError` when a flag names Triton and triton is not installed."""
-    if batch_invariant:
-        return BATCH_INVARIANT
     if attention_backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, not {attention_backend!r}")
     if fused_ops not in FUSED_OPS:
