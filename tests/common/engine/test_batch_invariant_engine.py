@@ -143,3 +143,15 @@ def test_sampler_gives_a_row_the_same_token_and_logprobs_in_any_batch() -> None:
             rows.insert(at, SampleRow(params, 70))
             out = sampler(logits, rows)
             assert (out.token_ids[at], out.logprobs[at]) == (alone.token_ids[0], alone.logprobs[0])
+
+
+def test_tensor_parallel_ranks_are_batch_invariant_too() -> None:
+    """TP 2 (the row-parallel partial products tiled on each rank, summed by the all-reduce):
+    alone and among 16 others, the same bits (not TP 1's: the sum runs in another order)."""
+    engine = _engine(tensor_parallel_size=2, enable_prefix_caching=False)
+    try:
+        alone, alone_tokens = _run(engine, GREEDY)
+        busy, busy_tokens = _run(engine, GREEDY, others=16, seed=3)
+        assert torch.equal(busy, alone) and busy_tokens == alone_tokens
+    finally:
+        engine.runner.close()
