@@ -30,6 +30,7 @@ from common.model.attention_metadata import AttentionMetadata
 
 QUERY_TILE = 4  # query tokens per tile, decode and prefill alike
 KEY_BLOCK = 64  # keys per block, counted from position 0
+MAX_GATHERED_KEYS = 1 << 16  # keys gathered at once (per KV head): 48 MiB of fp32 K and V at 3 heads of 64
 
 
 @dataclass
@@ -69,22 +70,39 @@ def build_plan(meta: AttentionMetadata, device: torch.device) -> InvariantPlan:
 def invariant_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, plan: InvariantPlan, scale: float
 ) -> torch.Tensor:
-    """``q`` [n, heads, d] against the keys in ``kv_cache`` through ``plan``; returns [n, heads * d]."""
+    """``q`` [n, heads, d] against the keys in ``kv_cache`` through ``plan``; returns [n, heads * d].
+
+    Each unit gathers its own copy of its sequence's keys, so units go in groups of at most
+    :data:`MAX_GATHERED_KEYS` keys (a long prompt's chunk would otherwise copy its context once
+    per tile at once); a unit's result does not depend on its group."""
     n, heads, d = q.shape
+    units, width = plan.key_slots.shape
+    padded = torch.cat([q, q.new_zeros(1, heads, d)]).index_select(0, plan.row_index)
+    tiles = padded.view(units, QUERY_TILE, heads, d)
+    step = max(1, MAX_GATHERED_KEYS // width)
+    out = torch.cat([
+        _attend(tiles[u : u + step], kv_cache, plan.key_slots[u : u + step], plan.masked[u : u + step], scale)
+        for u in range(0, units, step)
+    ])
+    return out.view(-1, heads * d).index_select(0, plan.slot_of_row)
+
+
+def _attend(tiles: torch.Tensor, kv_cache: torch.Tensor, key_slots: torch.Tensor, masked: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """Query tiles [units, QUERY_TILE, heads, d] against their keys; returns the same shape."""
+    units, _, heads, d = tiles.shape
     kv_heads = kv_cache.shape[-2]
     group = heads // kv_heads
-    units, width = plan.key_slots.shape
-    blocks = width // KEY_BLOCK
+    blocks = key_slots.shape[1] // KEY_BLOCK
     rows = QUERY_TILE * group
     flat = kv_cache.view(2, -1, kv_heads, d)
-    k, v = (_gather(flat[i], plan.key_slots).to(q.dtype) for i in (0, 1))  # [units, kv_heads, blocks, KEY_BLOCK, d]
-    padded = torch.cat([q, q.new_zeros(1, heads, d)]).index_select(0, plan.row_index)  # [units * QUERY_TILE, ...]
+    k, v = (_gather(flat[i], key_slots).to(tiles.dtype) for i in (0, 1))  # [units, kv_heads, blocks, KEY_BLOCK, d]
     # rows of a tile: (query head in the group, query token), for each KV head
-    tiles = padded.view(units, QUERY_TILE, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(units, kv_heads, 1, rows, d)
-    tiles = tiles.expand(units, kv_heads, blocks, rows, d).reshape(-1, rows, d)
-    scores = torch.bmm(tiles, k.reshape(-1, KEY_BLOCK, d).transpose(1, 2)).view(units, kv_heads, blocks, group,
-                                                                                   QUERY_TILE, KEY_BLOCK)
-    scores = (scores * scale).masked_fill_(plan.masked, float("-inf"))
+    q = tiles.view(units, QUERY_TILE, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(units, kv_heads, 1, rows, d)
+    q = q.expand(units, kv_heads, blocks, rows, d).reshape(-1, rows, d)
+    scores = torch.bmm(q, k.reshape(-1, KEY_BLOCK, d).transpose(1, 2)).view(units, kv_heads, blocks, group,
+                                                                              QUERY_TILE, KEY_BLOCK)
+    scores = (scores * scale).masked_fill_(masked, float("-inf"))
     p = torch.exp(scores - scores.amax(dim=(2, 5), keepdim=True))
     sums = p.sum(-1)  # [units, kv_heads, blocks, group, QUERY_TILE]
     pv = torch.bmm(p.view(-1, rows, KEY_BLOCK), v.reshape(-1, KEY_BLOCK, d)).view(units, kv_heads, blocks, rows, d)
@@ -92,8 +110,7 @@ def invariant_attention(
     for j in range(1, blocks):  # block by block from block 0: the order every batch shares
         acc, total = acc + pv[:, :, j], total + sums[:, :, j]
     out = acc / total.reshape(units, kv_heads, rows, 1)  # [units, kv_heads, rows, d]
-    out = out.view(units, kv_heads, group, QUERY_TILE, d).permute(0, 3, 1, 2, 4).reshape(-1, heads * d)
-    return out.index_select(0, plan.slot_of_row)
+    return out.view(units, kv_heads, group, QUERY_TILE, d).permute(0, 3, 1, 2, 4)
 
 
 def _gather(cache: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:

@@ -134,3 +134,13 @@ def test_invariant_attention_is_bitwise_the_same_however_chunked_and_batched(thr
     for p in (0, 64, 127, 149):  # alone, among decodes, among prefills
         assert torch.equal(s.attend(p, p + 1, others=[(1, 79), (1, 2)]), whole[p : p + 1])
         assert torch.equal(s.attend(p, p + 1, others=[(40, 60)]), whole[p : p + 1])
+
+
+def test_units_in_groups_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long chunk's tiles attend in groups of at most MAX_GATHERED_KEYS keys: the same bits as all at once."""
+    from common.model.attn_backends import invariant
+
+    s = OneSequence()
+    whole = s.attend(0, s.length, others=[(33, 33), (1, 70)])
+    monkeypatch.setattr(invariant, "MAX_GATHERED_KEYS", 200)  # one unit of 192 keys a group
+    assert torch.equal(s.attend(0, s.length, others=[(33, 33), (1, 70)]), whole)
