@@ -30,7 +30,7 @@ from common.model.attention_metadata import AttentionMetadata
 
 QUERY_TILE = 4  # query tokens per tile, decode and prefill alike
 KEY_BLOCK = 64  # keys per block, counted from position 0
-MAX_GATHERED_KEYS = 1 << 16  # keys gathered at once (per KV head): 48 MiB of fp32 K and V at 3 heads of 64
+MAX_GATHERED_KEYS = 1 << 16  # key positions gathered at once: 48 MiB each of fp32 K and V at 3 KV heads of 64
 
 
 @dataclass
