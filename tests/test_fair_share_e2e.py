@@ -13,7 +13,6 @@ import threading
 
 import httpx
 import pytest
-
 from helpers.cluster import metric, start
 from helpers.waiting import wait_until
 

@@ -14,12 +14,15 @@ A client whose next sequence would take it past ``max_tokens_in_flight`` is admi
 no client under its cap waits; a client already past it has its newest running sequences
 preempted to make room (a slot, the blocks of a prompt's next chunk) for a client under its cap
 (a preempted sequence would take its client past the cap again, so it does not come straight
-back). A client holding nothing is never over its cap, so one request larger than the cap runs. With one client nothing is reordered and nothing
-is preempted: admission is the plain FIFO.
+back). A client holding nothing is never over its cap, so one request larger than the cap runs.
+
+With one client, or off (``enabled=False``: the counters still run), nothing is reordered and
+nothing is preempted: admission is the plain FIFO.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -45,6 +48,7 @@ class FairShare:
     """The counters and the admission order; the scheduler reports arrivals, service and departures."""
 
     max_tokens_in_flight: int = DEFAULT_MAX_TOKENS_IN_FLIGHT_PER_CLIENT
+    enabled: bool = True
     counters: dict[str, float] = field(default_factory=dict)
     live: dict[str, int] = field(default_factory=dict)  # client -> sequences waiting, parked or running
     charged: set[str] = field(default_factory=set)  # request ids whose prompt is counted (until they leave)
@@ -95,11 +99,29 @@ class FairShare:
         holds = held.get(client, 0)
         return holds > 0 and holds + adding > self.max_tokens_in_flight
 
-    def pick(self, waiting: Iterable[Sequence], held: dict[str, int]) -> Sequence | None:
-        """The next sequence to admit: each client's first waiting sequence, the client under its
-        cap with the smallest counter first (ties: the earlier in the queue)."""
-        if len(self.live) <= 1:  # one client: FIFO, as without fair share
-            return next(iter(waiting), None)
+    def pick(self, waiting: deque[Sequence], running: list[Sequence]) -> Sequence:
+        """The next sequence to admit (``waiting`` is not empty): each client's first waiting
+        sequence, the client under its cap with the smallest counter first (ties: the earlier)."""
+        if not self.enabled or len(self.live) <= 1:  # one client: FIFO, as without fair share
+            return waiting[0]
+        return self._pick(waiting, self.held(running))
+
+    def needs_room(self, waiting: deque[Sequence], running: list[Sequence]) -> Sequence | None:
+        """The next admission when it is a client's under its cap beside another client (it may
+        take room from a client over its cap), else None."""
+        if not self.enabled or not waiting or len(self.live) <= 1:
+            return None
+        held = self.held(running)
+        seq = self._pick(waiting, held)
+        return None if self.over_cap(client_of(seq), held, held_cost(seq)) else seq
+
+    def victim(self, running: list[Sequence], for_seq: Sequence) -> Sequence | None:
+        """The newest running sequence of another client over its cap, to preempt for ``for_seq``."""
+        held = self.held(running)
+        return next((s for s in reversed(running)
+                     if client_of(s) != client_of(for_seq) and self.over_cap(client_of(s), held)), None)
+
+    def _pick(self, waiting: Iterable[Sequence], held: dict[str, int]) -> Sequence:
         best, best_key = None, None
         seen: set[str] = set()
         for position, seq in enumerate(waiting):
@@ -110,9 +132,5 @@ class FairShare:
             key = (self.over_cap(client, held, held_cost(seq)), self.counters.get(client, 0.0), position)
             if best_key is None or key < best_key:
                 best, best_key = seq, key
+        assert best is not None
         return best
-
-    def victim(self, running: list[Sequence], held: dict[str, int], for_client: str) -> Sequence | None:
-        """The newest running sequence of a client over its cap (not ``for_client``), to preempt."""
-        return next((s for s in reversed(running)
-                     if client_of(s) != for_client and self.over_cap(client_of(s), held)), None)

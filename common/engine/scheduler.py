@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from common.engine.block_hash import BlockHash, extend_hashes, root_hash, salted_root
 from common.engine.block_manager import BlockManager
 from common.engine.choices import FirstToken, new_choice
-from common.engine.fairness import DEFAULT_MAX_TOKENS_IN_FLIGHT_PER_CLIENT, FairShare, held_cost
+from common.engine.fairness import DEFAULT_MAX_TOKENS_IN_FLIGHT_PER_CLIENT, FairShare
 from common.engine.kv_connector import (EMPTY_METADATA, FinishedTransfers, KVConnectorMetadata,
                                         KVConnectorScheduler)
 from common.engine.outputs import FinishReason
@@ -107,13 +107,12 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self.forked: list[Sequence] = []  # choices forked since ``take_forked``
         self.block_copies: list[tuple[int, int]] = []  # (from, to): a forked choice's prompt tail block
-        self.fairness = FairShare(max_tokens_in_flight_per_client) if fair_share else None
+        self.fairness = FairShare(max_tokens_in_flight_per_client, enabled=fair_share)
 
     # ---- queues -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-        if self.fairness is not None:
-            self.fairness.arrived(seq)
+        self.fairness.arrived(seq)
 
     def has_schedulable_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -179,33 +178,24 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def _next_waiting(self) -> Sequence:
-        if self.fairness is None:
-            return self.waiting[0]
-        return self.fairness.pick(self.waiting, self.fairness.held(self.running)) or self.waiting[0]
-
     def _make_room(self) -> None:
         """Fair share: preempt the newest sequences of clients over their cap until the next
         admission, a client under its cap, has a slot and the blocks of its next chunk."""
-        fs = self.fairness
-        if fs is None or not self.waiting or len(fs.live) <= 1:
+        seq = self.fairness.needs_room(self.waiting, self.running)
+        if seq is None:
             return
-        held = fs.held(self.running)
-        seq = fs.pick(self.waiting, held)
-        if seq is None or fs.over_cap(seq.params.client, held, held_cost(seq)):
-            return
-        tokens = seq.num_computed_tokens + min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)
-        while (len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(
-                self.block_manager.blocks_needed(tokens) - len(seq.block_table))):
-            victim = fs.victim(self.running, held, seq.params.client)
+        bm, tokens = self.block_manager, seq.num_computed_tokens + min(seq.num_uncomputed_tokens,
+                                                                       self.max_num_batched_tokens)
+        while len(self.running) >= self.max_num_seqs or not bm.can_allocate(
+                bm.blocks_needed(tokens) - len(seq.block_table)):
+            victim = self.fairness.victim(self.running, seq)
             if victim is None:
                 return
             self._preempt(victim)
-            held = fs.held(self.running)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, stall_token_cap: int | None = None) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self._next_waiting()
+            seq = self.fairness.pick(self.waiting, self.running)
             if self._wants_remote_kv(seq):
                 if not self._park(seq, max(stall_token_cap or 0, self.block_manager.block_size)):
                     return
@@ -234,8 +224,7 @@ class Scheduler:
             self.waiting.popleft()
         else:
             self.waiting.remove(seq)
-        if self.fairness is not None:
-            self.fairness.admitted(seq)
+        self.fairness.admitted(seq)
 
     def _wants_remote_kv(self, seq: Sequence) -> bool:
         if seq.external_kv_checked or seq.num_computed_tokens > 0:
@@ -272,8 +261,7 @@ class Scheduler:
     def append_token(self, seq: Sequence, token_id: int) -> None:
         """Record a sampled token and finish the sequence when a stop condition holds."""
         seq.output_token_ids.append(token_id)
-        if self.fairness is not None:
-            self.fairness.served(seq.params.client, output_tokens=1)
+        self.fairness.served(seq.params.client, output_tokens=1)
         reason = self._check_stop(seq, token_id)
         if seq.grammar is not None and reason is None:  # a peer's first token advances it too
             if not seq.grammar.advance(token_id):
@@ -350,8 +338,7 @@ class Scheduler:
                 child.output_token_ids.pop()
                 self._share_prompt_blocks(parent, child)
                 self.waiting.appendleft(child)
-                if self.fairness is not None:
-                    self.fairness.arrived(child)
+                self.fairness.arrived(child)
                 self.append_token(child, first[0])
             self.forked.append(child)
 
@@ -395,8 +382,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
-        if self.fairness is not None:
-            self.fairness.left(seq)
+        self.fairness.left(seq)
         if self.connector.request_finished(seq) and seq.block_table:
             self.held[seq.request_id] = seq
         else:
