@@ -1,4 +1,5 @@
-# The newcomer's targets. `make up` starts proxy + prefill + decode on the embedded model;
+# The newcomer's targets. `make up` starts proxy + prefill + decode on the default model (SmolLM2-135M-Instruct,
+# fetched once);
 # `make test` runs the test suite (what CI runs).
 PYTHON ?= python3
 VENV ?= .venv

@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prefill": ("prefill_node.__main__", "a prefill daemon"),
     "decode": ("decode_node.__main__", "a decode daemon"),
     "proxy": ("proxy.__main__", "the proxy: OpenAI front, registry, P/D pairing"),
-    "up": ("pdserve.launcher_cli", "proxy + prefill + decode on loopback with the embedded model"),
+    "up": ("pdserve.launcher_cli", "proxy + prefill + decode on loopback with the default model"),
     "down": ("pdserve.launcher_cli", "stop what 'pdserve up' started"),
 }
 

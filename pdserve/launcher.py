@@ -1,7 +1,8 @@
 """`pdserve up` / `pdserve down`: the three processes on loopback with one command.
 
-``up`` checks that nothing of ours is running and every port is free, generates the
-embedded model once (so the two daemons do not race to write it), starts proxy, prefill
+``up`` checks that nothing of ours is running and every port is free, resolves ``--model`` once
+(fetches and converts the default model, converts a GGUF or generates the embedded model, so the
+two daemons do not race to do it), starts proxy, prefill
 and decode as detached process groups logging to ``<run-dir>/logs/<name>.log``, records
 them in ``<run-dir>/pids.json`` and waits until each answers ``GET /ready`` with 200.
 Any exception (a signal turned into one included) before that stops whatever had started.
