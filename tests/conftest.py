@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 # `--model embedded` would; the few tests of the real default model (tests/real_model/) say so.
 os.environ.setdefault("PDSERVE_MODEL", "embedded")
 
-from helpers.cluster import Proc, pd_cluster, wait_idle  # noqa: E402  (needs the path above)
+from helpers.cluster import Proc, pd_cluster, start, static_nodes, wait_idle  # noqa: E402  (needs the path above)
 
 
 # The files that take longest (seconds of one worker, measured on the 2-core VM), run first:
@@ -74,3 +74,13 @@ def shared_cluster(session_cluster: dict[str, Proc]) -> Iterator[dict[str, Proc]
     yield session_cluster
     for role in ("prefill", "decode", "both"):
         wait_idle(session_cluster[role].url, timeout=IDLE_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def always_proxy(session_cluster: dict[str, Proc], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """A proxy of the module's own with --disagg-policy always in front of ``session_cluster``'s daemons:
+    every prompt is prefilled on the prefill node, so a grammar must cross the hand-over."""
+    proxy = start("proxy", tmp_path_factory.mktemp("always-proxy"), *static_nodes(session_cluster),
+                  "--disagg-policy", "always")
+    yield proxy
+    proxy.stop()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from helpers.cluster import Proc, start, static_nodes
+from helpers.cluster import Proc
 
 pytestmark = pytest.mark.slow
 
@@ -35,14 +34,6 @@ SCHEMA = {
 JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
 WORDS = "file read write the with statement python loop class function value list dict".split()
 
-
-@pytest.fixture(scope="module")
-def always_proxy(session_cluster: dict[str, Proc], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    # every prompt is prefilled on the prefill node: the grammar must cross the hand-over
-    proxy = start("proxy", tmp_path_factory.mktemp("structured"), *static_nodes(session_cluster),
-                  "--disagg-policy", "always")
-    yield proxy
-    proxy.stop()
 
 
 @pytest.fixture

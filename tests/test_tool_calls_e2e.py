@@ -6,14 +6,13 @@ token obeys the same grammar), streamed and not."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 
-from helpers.cluster import Proc, start, static_nodes
+from helpers.cluster import Proc
 
 pytestmark = pytest.mark.slow
 
@@ -32,14 +31,6 @@ SCHEMAS = {"get_weather": WEATHER, "search": SEARCH}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 CHOICES = {"required": "required", "named": {"type": "function", "function": {"name": "get_weather"}}}
 
-
-@pytest.fixture(scope="module")
-def always_proxy(session_cluster: dict[str, Proc], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    # every prompt is prefilled on the prefill node: the grammar must cross the hand-over
-    proxy = start("proxy", tmp_path_factory.mktemp("tools"), *static_nodes(session_cluster),
-                  "--disagg-policy", "always")
-    yield proxy
-    proxy.stop()
 
 
 @pytest.fixture

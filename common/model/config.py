@@ -46,6 +46,11 @@ def read_json(directory: Path, name: str) -> dict[str, Any]:
         raise ModelFilesError(f"cannot read {path}: {e}") from e
 
 
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as a model directory's JSON files are written (sorted keys, indented)."""
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 def _as_id_list(value: Any) -> list[int]:
     if value is None:
         return []

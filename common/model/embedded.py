@@ -10,7 +10,6 @@ create it both end up with one complete copy.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import uuid
@@ -22,6 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from common.defaults import EMBEDDED_MODEL_NAME  # noqa: F401  (re-exported: the name served for this model)
+from common.model.config import write_json
 
 EMBEDDED_MODEL_DIRNAME = "pdserve-tiny-llama-v1"  # bump the version when the recipe changes
 SPECIAL_TOKENS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -86,11 +86,11 @@ def ensure_embedded_model(cache_dir: str | Path | None = None) -> Path:
 def write_embedded_model(directory: Path) -> None:
     """Write the whole model directory (weights, configs, tokenizer) into ``directory``."""
     directory.mkdir(parents=True)
-    _write_json(directory / "config.json", CONFIG)
-    _write_json(directory / "generation_config.json", {"bos_token_id": BOS, "eos_token_id": [EOS, IM_END]})
+    write_json(directory / "config.json", CONFIG)
+    write_json(directory / "generation_config.json", {"bos_token_id": BOS, "eos_token_id": [EOS, IM_END]})
     save_file(_weights(), str(directory / "model.safetensors"), metadata={"format": "pt"})
     _train_tokenizer().save(str(directory / "tokenizer.json"))
-    _write_json(directory / "tokenizer_config.json", {
+    write_json(directory / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>",
         "eos_token": "</s>",
@@ -101,9 +101,6 @@ def write_embedded_model(directory: Path) -> None:
         "chat_template": CHAT_TEMPLATE,
     })
 
-
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _weights() -> dict[str, torch.Tensor]:

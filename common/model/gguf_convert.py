@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -27,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from common.model.config import write_json
 from common.model.gguf_file import ROPE_FREQS, GGUFError, GGUFModel, GGUFTensor, open_reader, read_gguf
 from common.model.gguf_tokenizer import build_tokenizer, stop_token_ids
 
@@ -90,13 +90,13 @@ def convert(file: str | Path, directory: str | Path) -> None:
     tensors = {t.hf_name: _tensor(model, by_name[t.gguf_name], t) for t in model.tensors}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save(str(directory / "tokenizer.json"))
-    _write_json(directory / "tokenizer_config.json", tokenizer_config)
-    _write_json(directory / "config.json", config)
+    write_json(directory / "tokenizer_config.json", tokenizer_config)
+    write_json(directory / "config.json", config)
     generation = {"eos_token_id": stop_token_ids(model)}
     if "bos_token_id" in config:
         generation["bos_token_id"] = config["bos_token_id"]
-    _write_json(directory / "generation_config.json", generation)
-    _write_json(directory / SOURCE_FILE, {"gguf": str(model.path.resolve()), "converter_version": CONVERTER_VERSION,
+    write_json(directory / "generation_config.json", generation)
+    write_json(directory / SOURCE_FILE, {"gguf": str(model.path.resolve()), "converter_version": CONVERTER_VERSION,
                                           "name": model.path.stem})
 
 
@@ -125,6 +125,3 @@ def unpermute_rows(weights: np.ndarray, heads: int) -> np.ndarray:
     half = weights.shape[0] // heads // 2
     return weights.reshape(heads, half, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
-
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
