@@ -160,6 +160,7 @@ def decode(frame: bytes) -> RegistrationMessage:
 
 MAX_MEMBERS = 4096
 RETRY_S = 0.1  # a heartbeat that could not be handed to a live connection is tried again this soon
+GOODBYE_WAIT_MS = 1000  # how long a graceful stop waits to hand its goodbye to the connection
 
 
 def encode_members(kv_addresses: list[str], tp_sizes: dict[str, int] | None = None) -> bytes:
@@ -306,6 +307,10 @@ class Heartbeater:
             logger.error("heartbeat info failed, beat not sent: %s", exc)
             return "failed"
         try:
+            # the goodbye waits (briefly) for room behind a beat still in the one-message queue:
+            # dropped, the node would stay routable until the proxy evicts it
+            if goodbye:
+                sock.poll(GOODBYE_WAIT_MS, zmq.POLLOUT)
             sock.send_multipart(frames, zmq.NOBLOCK)
             self.beats_sent += 1
             return "sent"
