@@ -15,13 +15,17 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
-from common.defaults import DEFAULT_CACHE_DIR, EMBEDDED_MODEL_NAME  # torch-free, so the launcher need not load the model
-from common.model.sources import check_model_spec  # torch-free too: checked once, when the flags are read
-from common.options import ENV_PREFIX, USED_BY, env_name, flag_name, load_config
-
 from common.cluster_auth import check_key_file
+from common.defaults import (
+    DEFAULT_CACHE_DIR,
+    EMBEDDED_MODEL_NAME,
+    MAX_HEARTBEAT_INTERVAL_S,
+)
 from common.engine.config import EngineConfig
-from common.registry_client import MAX_HEARTBEAT_INTERVAL_S
+
+# torch-free, as common.defaults: the launcher reads the flags (and checks --model once) without loading the model
+from common.model.sources import check_model_spec
+from common.options import ENV_PREFIX, USED_BY, env_name, flag_name, load_config
 
 __all__ = [
     "EMBEDDED_MODEL_NAME", "ENV_PREFIX", "PROXY_HTTP_PORT", "PROXY_REGISTRY_PORT", "ROLE_HTTP_PORTS",

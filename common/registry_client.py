@@ -33,6 +33,7 @@ from pydantic import Field, TypeAdapter
 from pydantic.dataclasses import dataclass
 
 from common.cluster_auth import ClusterKey, registry_sealer
+from common.defaults import MAX_HEARTBEAT_INTERVAL_S
 from common.engine.protocol import EngineStats
 from common.kv_topology import MAX_KV_HEADS, MAX_TP_SIZE
 
@@ -44,7 +45,6 @@ logger = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 NODE_TYPES = ("P", "D")
 MAX_MESSAGE_BYTES = 8192  # a real heartbeat is ~300 bytes; every field at its limit fits
-MAX_HEARTBEAT_INTERVAL_S = 60.0  # so a node is evicted at most ~3 minutes after it goes silent
 _HOST_PORT = re.compile(r"^[A-Za-z0-9._\-\[\]:%]{1,253}:(\d{1,5})$")
 _COUNT = Annotated[int, Field(strict=True, ge=0, le=2**31)]
 _NAME = Annotated[str, Field(strict=True, min_length=1, max_length=1024)]  # model names may be paths
