@@ -66,11 +66,14 @@ class TransferConnector(Protocol):
 def started_daemon(config: NodeConfig, connector: KVConnector) -> Iterator[Daemon]:
     """A daemon with its engine loaded, its KV endpoint bound and its heartbeats running, until
     the block ends; then the engine stops, and after it the heartbeats and the KV endpoint.
-    ``connector`` is the role's engine connector; it is also a ``TransferConnector``."""
+    ``connector`` is the role's engine connector; it is also a ``TransferConnector``. Under tensor
+    parallelism the worker ranks run ``tp_rank_main``: each serves its own KV endpoint."""
+    from common.kv_transfer import tp_rank_main
+
     start_logging(config)
     check_machine(config)
     config = with_model(config)
-    engine = start_engine(config, connector, start=False)
+    engine = start_engine(config, connector, start=False, rank_main=tp_rank_main.__name__)
     daemon = Daemon(config, engine, NodeMetrics(config.role, config.tensor_parallel_size))
     try:
         daemon.start(connector)  # type: ignore[arg-type]

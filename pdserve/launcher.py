@@ -7,7 +7,7 @@ and decode as detached process groups logging to ``<run-dir>/logs/<name>.log``, 
 them in ``<run-dir>/pids.json`` and waits until each answers ``GET /ready`` with 200.
 Any exception (a signal turned into one included) before that stops whatever had started.
 With ``--tensor-parallel-size N`` each daemon runs N processes (itself, rank 0, and N - 1
-``common.engine.tp_worker`` children in its process group) and binds KV ports kv-port ..
+``common.kv_transfer.tp_rank_main`` children in its process group) and binds KV ports kv-port ..
 kv-port + N - 1; ``up`` checks all of them, and ``down`` stops the whole group.
 ``down`` is in :mod:`pdserve.run_dir`; the command line in :mod:`pdserve.launcher_cli`. Both
 are plain functions (``up(options)``, ``down(run_dir)``) so tests can call them in-process.

@@ -107,14 +107,16 @@ def with_model(config: NodeConfig) -> NodeConfig:
     return config.model_copy(update={"model": str(model_dir), "served_model_name": config.served_model_name or name})
 
 
-def start_engine(config: NodeConfig, connector: KVConnector | None = None, start: bool = True) -> AsyncLLMEngine:
+def start_engine(config: NodeConfig, connector: KVConnector | None = None, start: bool = True,
+                 rank_main: str | None = None) -> AsyncLLMEngine:
     """Load the model and start the engine thread (the node's config is the engine's); ``start``
-    False: the caller starts it. A tensor-parallel worker rank that dies ends the process."""
+    False: the caller starts it; ``rank_main``: the module tensor-parallel worker ranks run (None:
+    the engine's own). A tensor-parallel worker rank that dies ends the process."""
     from common.engine.async_engine import AsyncLLMEngine
-    from common.engine.parallel import exit_on_rank_loss
+    from common.engine.parallel import RANK_MAIN, exit_on_rank_loss
 
     logger.info("loading %s on %s", config.model, config.resolved_device())
-    engine = AsyncLLMEngine(config, connector)
+    engine = AsyncLLMEngine(config, connector, rank_main or RANK_MAIN)
     exit_on_rank_loss(engine.engine.runner.leader, ENGINE_DEAD_EXIT_CODE)
     if start:
         engine.start()

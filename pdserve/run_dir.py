@@ -2,7 +2,7 @@
 
 ``<run-dir>/pids.json`` lists the process groups ``up`` started (name, pid, port, ports,
 module, log). ``down`` sends SIGTERM to each group's leader (a tensor-parallel daemon then
-stops its ``tp_worker`` ranks itself, which share its group), then to whatever is left in a
+stops its worker ranks itself, which share its group), then to whatever is left in a
 group whose leader has exited, SIGKILLs each group still not empty after a grace period and
 removes the file. It returns once no process of any group is left. A pid is only signalled
 while it still runs the module we started, so a stale file never kills a stranger that

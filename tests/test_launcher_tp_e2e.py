@@ -1,7 +1,7 @@
 """`pdserve up --tensor-parallel-size 2` for real, and its flags' refusals.
 
 The round trip: the launcher starts proxy + prefill + decode with two ranks each (every daemon
-spawns one ``common.engine.tp_worker``), a greedy completion through the proxy gives the text a
+spawns one ``common.kv_transfer.tp_rank_main``), a greedy completion through the proxy gives the text a
 colocated single-rank ``pdserve serve`` gives, and ``pdserve down`` leaves none of the five
 processes (nor the workers) behind.
 """
@@ -139,7 +139,7 @@ def test_up_with_two_ranks_answers_as_one_rank_and_down_leaves_no_process(tmp_pa
 
         pids = [e["pid"] for e in entries]
         for name in ("prefill", "decode"):
-            workers = [c for c in children(by_name[name]["pid"]) if "common.engine.tp_worker" in cmdline(c)]
+            workers = [c for c in children(by_name[name]["pid"]) if "common.kv_transfer.tp_rank_main" in cmdline(c)]
             assert len(workers) == 1, f"{name}: {workers}"
             pids += workers
 

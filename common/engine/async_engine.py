@@ -26,6 +26,7 @@ from common.engine.config import EngineConfig
 from common.engine.kv_connector import KVConnector
 from common.engine.llm_engine import LLMEngine, check_prompt
 from common.engine.outputs import RequestOutput
+from common.engine.parallel import RANK_MAIN
 from common.engine.protocol import EngineStats
 from common.engine.sampling_params import SamplingParams
 from common.engine.text_stream import TextStream
@@ -40,8 +41,8 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig, connector: KVConnector | None = None):
-        self.engine = LLMEngine(config, connector)
+    def __init__(self, config: EngineConfig, connector: KVConnector | None = None, rank_main: str = RANK_MAIN):
+        self.engine = LLMEngine(config, connector, rank_main)
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
         self.tokenizer = self.engine.tokenizer

@@ -32,7 +32,7 @@ from common.engine.gpu_memory import DEFAULT_GPU_MEMORY_UTILIZATION, activation_
 from common.engine.kv_connector import KVConnector, KVConnectorMetadata, no_connector
 from common.engine.model_runner import ModelRunner
 from common.engine.outputs import KV_TRANSFER_FAILED, RequestOutput
-from common.engine.parallel import load_model_on_ranks
+from common.engine.parallel import RANK_MAIN, load_model_on_ranks
 from common.engine.protocol import EngineStats
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
@@ -48,7 +48,8 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, connector: KVConnector | None = None):
+    def __init__(self, config: EngineConfig, connector: KVConnector | None = None, rank_main: str = RANK_MAIN):
+        """``rank_main``: the module each tensor-parallel worker rank runs (``parallel``)."""
         self.config = config
         self.connector = connector or no_connector()
         self.kv_worker = self.connector.worker
@@ -57,7 +58,7 @@ class LLMEngine:
         # A node resolved --model to a directory already (pdserve/node.py: its default is the real
         # model); an engine built directly, as the tests build theirs, defaults to the embedded one.
         model_dir, default_name = resolve_model(config.model or EMBEDDED_MODEL_SPEC, DEFAULT_CACHE_DIR)
-        model, self.model_config = load_model_on_ranks(config, model_dir, self.device, DTYPES[dtype])
+        model, self.model_config = load_model_on_ranks(config, model_dir, self.device, DTYPES[dtype], rank_main)
         self.model_name = config.served_model_name or default_name
         self.tokenizer = _load_tokenizer(model_dir)
         self.kv_layout: KVLayout = self.model_config.kv_layout(config.block_size, dtype)

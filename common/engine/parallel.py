@@ -1,5 +1,5 @@
 """Tensor parallelism across processes: the engine's process is rank 0, ``N - 1`` workers
-(``python -m common.engine.tp_worker``) are the other ranks.
+(``python -m common.engine.tp_worker``, or the module the caller names) are the other ranks.
 
 Start (``load_model_on_ranks``, called by the engine in place of ``load_model``):
 1. the split is checked against the model's config before anything starts (one line when
@@ -15,8 +15,11 @@ the step's packed inputs) and then the packed int64 inputs the runner already bu
 ids, positions, slot mapping, sample rows, query starts, sequence lengths, block tables). The
 workers run the same forward on their shard; rank 0 samples from the all-gathered logits.
 Other commands: INIT (the cache's block count, once), COPY (block copies of a forked
-choice), STOP, and the KV transfer's (``tp_ranks``): KV_START (open this rank's KV endpoint),
-KV_ISSUE (a step's connector metadata), KV_POLL (each rank's finished transfers, gathered).
+choice), STOP, and an extension's: an op from ``FIRST_EXTENSION_OP`` on carries ``values[0]``
+bytes (``Leader.send_bytes``), and the workers hand it to the extension their entry module
+installed (``tp_worker.RankExtension``). The engine knows no extension: the caller names the
+module the workers run (``rank_main``: ``common.engine.tp_worker``, or the KV transfer's
+``common.kv_transfer.tp_rank_main``, which serves its KV commands on every rank).
 
 A worker that dies is noticed at once by a thread waiting on its process: the other workers
 are stopped and the group is marked lost, so the next step raises :class:`RankLostError`
@@ -44,8 +47,8 @@ import torch.distributed as dist
 from common.engine.config import EngineConfig, EngineConfigError
 from common.engine.tp_group import RankLostError, TPGroup
 from common.model.config import ModelConfig
-from common.model.loader import load_model
 from common.model.llama import CausalLM
+from common.model.loader import load_model
 from common.model.tensor_parallel import TPShard, check_split
 
 log = logging.getLogger(__name__)
@@ -53,8 +56,9 @@ log = logging.getLogger(__name__)
 TP_TIMEOUT_S = 60.0  # a collective (or the group's start) that takes longer means a rank hung
 STOP_WAIT_S = 10.0  # how long close() waits for a worker to exit before it kills it
 HEADER = 10  # int64s: [op, 7 packed sizes, block-table width, 0]
-INIT, STEP, COPY, STOP, KV_START, KV_ISSUE, KV_POLL = 1, 2, 3, 4, 5, 6, 7
-BYTES_OPS = (KV_START, KV_ISSUE)  # their payload: ``values[0]`` bytes
+INIT, STEP, COPY, STOP = 1, 2, 3, 4
+FIRST_EXTENSION_OP = 16  # this op and those above are an extension's; their payload: ``values[0]`` bytes
+RANK_MAIN = "common.engine.tp_worker"  # what the workers run (``python -m``) unless the caller names another
 
 
 def rank_devices(device: torch.device, size: int) -> list[str]:
@@ -70,10 +74,10 @@ def rank_devices(device: torch.device, size: int) -> list[str]:
 
 
 def load_model_on_ranks(
-    config: EngineConfig, model_dir: Path, device: torch.device, dtype: torch.dtype
+    config: EngineConfig, model_dir: Path, device: torch.device, dtype: torch.dtype, rank_main: str = RANK_MAIN,
 ) -> tuple[CausalLM, ModelConfig]:
-    """``load_model`` at ``--tensor-parallel-size 1``; otherwise start the workers and load rank 0's
-    shard, whose collectives (``model.tp.comm``) are a :class:`Leader`."""
+    """``load_model`` at ``--tensor-parallel-size 1``; otherwise start the workers (``python -m
+    rank_main``) and load rank 0's shard, whose collectives (``model.tp.comm``) are a :class:`Leader`."""
     size = config.tensor_parallel_size
     if size == 1:
         return load_model(model_dir, device, dtype)
@@ -89,7 +93,7 @@ def load_model_on_ranks(
         "size": size, "seed": config.seed, "attention_backend": config.attention_backend,
         "fused_ops": config.fused_ops, "batch_invariant": config.batch_invariant, "timeout_s": TP_TIMEOUT_S, "cpu_threads": threads,
     }))
-    procs = [_spawn(rank, store.port) for rank in range(1, size)]
+    procs = [_spawn(rank_main, rank, store.port) for rank in range(1, size)]
     try:
         leader = Leader(store, size, torch.device(devices[0]), procs)
     except Exception:
@@ -103,8 +107,8 @@ def load_model_on_ranks(
         raise
 
 
-def _spawn(rank: int, port: int) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "common.engine.tp_worker", "127.0.0.1", str(port), str(rank)]
+def _spawn(rank_main: str, rank: int, port: int) -> subprocess.Popen:
+    argv = [sys.executable, "-m", rank_main, "127.0.0.1", str(port), str(rank)]
     return subprocess.Popen(argv, stdin=subprocess.PIPE)  # its stdin's EOF = rank 0 is gone
 
 
@@ -152,7 +156,7 @@ class Leader(TPGroup):
             self.broadcast(payload)
 
     def send_bytes(self, op: int, data: bytes) -> None:
-        """Broadcast one command whose payload is ``data`` (KV_START, KV_ISSUE)."""
+        """Broadcast one command whose payload is ``data`` (an extension's)."""
         self.send(op, [len(data)], torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None)
 
     def close(self) -> None:
@@ -185,7 +189,7 @@ def receive(group: TPGroup) -> tuple[int, list[int], torch.Tensor | None]:
         payload = group.broadcast(torch.empty(sum(values[:7]), dtype=torch.int64))
     elif op == COPY:
         payload = group.broadcast(torch.empty(2 * values[0], dtype=torch.int64))
-    elif op in BYTES_OPS and values[0]:
+    elif op >= FIRST_EXTENSION_OP and values[0]:
         payload = group.broadcast(torch.empty(values[0], dtype=torch.uint8))
     return op, values, payload
 

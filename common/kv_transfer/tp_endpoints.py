@@ -1,6 +1,7 @@
 """Each rank's KV endpoint under tensor parallelism: how rank 0 has the workers open theirs
 (``KV_START``), what a worker opens (its endpoint, or its KV ranks' with ``--kv-ranks``; its
-routes on a decode node), and how a worker serves the KV commands rank 0 broadcasts."""
+routes on a decode node), and how a worker serves the KV commands rank 0 broadcasts
+(:class:`RankKVServer`, the engine's ``RankExtension`` that ``tp_rank_main`` installs)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ from typing import TYPE_CHECKING
 import msgpack
 
 from common.engine.kv_connector import FinishedTransfers
-from common.engine.parallel import KV_ISSUE, KV_POLL, KV_START, Leader
-from common.kv_transfer.tp_ranks import RankFollower, decode_meta, encode_report
+from common.engine.model_runner import LayerHook
+from common.engine.parallel import Leader
+from common.engine.tp_worker import RankExtension, WorkerRank
+from common.kv_transfer.tp_ranks import KV_ISSUE, KV_POLL, KV_START, RankFollower, decode_meta, encode_report
 from common.kv_transfer.tp_routes import RankRoutes
 from common.kv_transfer.tp_slices import SlicedWorker, slice_caches, slice_heads, slice_layout
 from common.kv_transfer.workers import ConsumerWorker, ProducerWorker
 
 if TYPE_CHECKING:
     import torch
-
-    from common.engine.tp_group import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -111,20 +112,41 @@ def start_rank_endpoints(leader: Leader, spec: bytes) -> None:
         raise RuntimeError("a tensor-parallel rank could not open its KV endpoint: " + "; ".join(errors))
 
 
-def serve_kv_command(group: TPGroup, op: int, payload, follower: RankFollower | None,
-                     open_endpoint) -> RankFollower | None:
-    """A worker's handling of KV_START, KV_ISSUE and KV_POLL; returns its follower (new after KV_START)."""
-    if op == KV_START:
+class RankKVServer(RankExtension):
+    """A worker rank's KV part: KV_START opens its endpoint (``open_rank_endpoint``; the outcome is
+    gathered by rank 0), KV_ISSUE and KV_POLL go to its :class:`RankFollower`, and each step saves
+    what the follower was told to."""
+
+    def __init__(self, worker: WorkerRank) -> None:
+        super().__init__(worker)
+        self.follower: RankFollower | None = None  # once KV_START opened this rank's endpoint
+
+    def command(self, op: int, payload: bytes) -> None:
+        if op == KV_START:
+            self._start(payload)
+        elif op == KV_ISSUE:
+            if self.follower is not None:
+                self.follower.issue(decode_meta(payload))
+        elif op == KV_POLL:
+            self.worker.group.gather_bytes(self.follower.poll() if self.follower is not None else msgpack.packb(
+                [{}, encode_report(FinishedTransfers())]))
+        else:
+            super().command(op, payload)
+
+    def _start(self, spec: bytes) -> None:
+        w = self.worker
         try:
-            follower = open_endpoint(bytes(payload.numpy()))
+            self.follower = open_rank_endpoint(spec, w.rank, w.size, w.model_config.num_kv_heads, w.runner.kv_layout,
+                                               str(w.device), w.runner.kv_caches)
             reply = b""
         except Exception as exc:  # reported to rank 0, which fails its start with it
             log.exception("could not open this rank's KV endpoint")
             reply = f"{type(exc).__name__}: {exc}".encode()
-        group.gather_bytes(reply)
-    elif op == KV_ISSUE and follower is not None:
-        follower.issue(decode_meta(bytes(payload.numpy())))
-    elif op == KV_POLL:
-        group.gather_bytes(follower.poll() if follower is not None else msgpack.packb([{}, encode_report(
-            FinishedTransfers())]))
-    return follower
+        w.group.gather_bytes(reply)
+
+    def step_hook(self) -> LayerHook | None:
+        return self.follower.step_hook() if self.follower is not None else None
+
+    def close(self) -> None:
+        if self.follower is not None:
+            self.follower.close()

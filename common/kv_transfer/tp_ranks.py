@@ -18,9 +18,12 @@ worker side of rank 0 is a :class:`LeaderKVWorker`:
   rank 0's scheduler side makes, at the addresses of the peer's same rank.
 * ``save_kv_layer``: each rank saves its own layers in its own forward.
 * ``get_finished()``: rank 0 polls its endpoint and gathers every worker's report
-  (``KV_POLL``); :class:`RankOutcomes` turns them into one outcome per request.
+  (``KV_POLL``); :class:`~tp_outcomes.RankOutcomes` turns them into one outcome per request.
 
-One outcome (in the spirit of vLLM's ``KVOutputAggregator``):
+The three commands are the engine's extension commands (``parallel.FIRST_EXTENSION_OP`` on):
+the workers run ``tp_rank_main``, which serves them (``tp_endpoints.RankKVServer``).
+
+One outcome (``tp_outcomes``):
 
 * decode: a request landed when every rank's part landed (the first token is rank 0's).
   The first rank that fails makes it fail once, with that rank's reason; every other rank
@@ -38,14 +41,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgpack
 
 from common.engine.kv_connector import (EMPTY_METADATA, ConnectorState, DiscardSpec, FinishedTransfers, HandoverSpec,
                                         KVConnectorMetadata, KVConnectorWorker, LoadSpec, SaveSpec)
-from common.engine.parallel import KV_ISSUE, KV_POLL, Leader
+from common.engine.parallel import FIRST_EXTENSION_OP, Leader
+from common.kv_transfer.tp_outcomes import RankOutcomes
 from common.kv_transfer.tp_routes import RankRoutes, merge, rank_address
 from common.kv_transfer.tp_slices import SlicedWorker
 
@@ -56,7 +59,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STOPPED = object()  # a rank's part ended by an abort
+# rank 0's commands to the workers: open your KV endpoint, carry out this metadata, report what ended
+KV_START, KV_ISSUE, KV_POLL = FIRST_EXTENSION_OP, FIRST_EXTENSION_OP + 1, FIRST_EXTENSION_OP + 2
 
 
 # ---- what crosses the tensor-parallel group --------------------------------------------------
@@ -100,104 +104,7 @@ def for_rank(meta: KVConnectorMetadata, rank: int) -> KVConnectorMetadata:
         releases=tuple((rid, rank_address(addr, rank), *rest) for rid, addr, *rest in meta.releases))
 
 
-# ---- rank 0: one outcome from N reports ----------------------------------------------------
-@dataclass
-class _Load:
-    ranks: frozenset[int]  # the ranks whose part this load waits for
-    ended: dict[int, object] = field(default_factory=dict)  # rank -> None (landed), its error, or STOPPED
-    aborted: bool = False  # by the scheduler: the outcome is "stopped"
-    aborting: bool = False  # a rank failed: the others were told to stop
-    error: str = ""  # the first rank's failure
-    landed: FinishedTransfers | None = None  # rank 0's report of its landing (first token, extras)
-
-    @property
-    def complete(self) -> bool:
-        return self.ranks <= self.ended.keys()
-
-
-class RankOutcomes:
-    """Rank 0's view of every multi-rank transfer still in progress (decode: loads; prefill:
-    blocks held for a hand-over), and the one outcome each gets."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.loads: dict[str, _Load] = {}
-        self.held: dict[str, set[int]] = {}  # prefill: request id -> ranks that released it
-
-    def expect_load(self, request_id: str, ranks: frozenset[int] | None = None) -> None:
-        self.loads[request_id] = _Load(ranks if ranks is not None else frozenset(range(self.size)))
-
-    def expect_release(self, request_id: str) -> None:
-        self.held[request_id] = set()
-
-    def aborted(self, request_id: str) -> None:
-        """The scheduler aborted the load: once no rank writes into its blocks, it is "stopped"."""
-        if (load := self.loads.get(request_id)) is not None:
-            load.aborted = True
-
-    def landing(self, request_id: str) -> bool:
-        """May a rank still write into this request's blocks?"""
-        return request_id in self.loads
-
-    def combine(self, reports: list[FinishedTransfers]) -> tuple[FinishedTransfers, list[str]]:
-        """Every rank's report (rank 0's first) -> the one report the scheduler applies, and the
-        loads whose other ranks must now be told to stop (a rank failed)."""
-        out = FinishedTransfers()
-        touched: list[str] = []
-        for rank, rep in enumerate(reports):
-            for rid in rep.freeable:
-                if (released := self.held.get(rid)) is None:
-                    if rank == 0:
-                        out.freeable.add(rid)  # not a held hand-over: the scheduler knows what it holds
-                    continue
-                released.add(rank)
-                if len(released) == self.size:
-                    del self.held[rid]
-                    out.freeable.add(rid)
-            ends = [(rid, None) for rid in rep.done_recving] + list(rep.failed_recving.items()) + \
-                   [(rid, STOPPED) for rid in rep.stopped]
-            for rid, end in ends:
-                load = self.loads.get(rid)
-                if load is None or rank not in load.ranks:
-                    if rank == 0:
-                        _pass_on(out, rep, rid, end)  # not a load of ours (never issued to the workers)
-                    continue
-                load.ended[rank] = end
-                if rank == 0 and end is None:
-                    load.landed = rep
-                if isinstance(end, str) and not load.error:
-                    load.error = f"tensor-parallel rank {rank}: {end}" if self.size > 1 else end
-                touched.append(rid)
-        to_stop = []
-        for rid in dict.fromkeys(touched):
-            load = self.loads[rid]
-            if load.complete:
-                del self.loads[rid]
-                if load.aborted:
-                    out.stopped.add(rid)
-                elif load.error or load.landed is None or STOPPED in load.ended.values():
-                    out.failed_recving[rid] = load.error or "a tensor-parallel rank's part stopped unasked"
-                else:
-                    _pass_on(out, load.landed, rid, None)
-            elif load.error and not (load.aborting or load.aborted):
-                load.aborting = True
-                to_stop.append(rid)
-        return out, to_stop
-
-
-def _pass_on(out: FinishedTransfers, rep: FinishedTransfers, rid: str, end: object) -> None:
-    """Copy ``rid``'s ending from rank 0's report ``rep`` into ``out``."""
-    if end is STOPPED:
-        out.stopped.add(rid)
-    elif isinstance(end, str):
-        out.failed_recving[rid] = end
-    else:
-        out.done_recving[rid] = rep.done_recving[rid]
-        for name in ("first_logprobs", "choice_firsts", "cached_tokens"):
-            if rid in (extras := getattr(rep, name)):
-                getattr(out, name)[rid] = extras[rid]
-
-
+# ---- rank 0 -------------------------------------------------------------------------------------
 class LeaderKVWorker(KVConnectorWorker):
     """Rank 0's connector worker under tensor parallelism: its own endpoint's worker
     (``inner``), its routed loads (``routes``, decode), the workers told every decision, and

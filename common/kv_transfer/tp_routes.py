@@ -8,7 +8,7 @@ in one slice of d's heads. So a load becomes k routes, each an ordinary one-rank
   ``KVTransferEngine`` whose layout is the slice's and whose cache is a view of this rank's
   cache at those heads. The prefill rank sees a consumer of its own layout and needs no change;
   the receive goes through a staging buffer (the view is not contiguous), then into the blocks;
-* the routes' outcomes become this rank's one outcome with :class:`~tp_ranks.RankOutcomes`, as the
+* the routes' outcomes become this rank's one outcome with :class:`~tp_outcomes.RankOutcomes`, as the
   ranks' do on rank 0: landed when every route landed (the first token is the first route's),
   failed with the first route's reason once no route can still write into the blocks.
 
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from common.engine.kv_connector import FinishedTransfers, KVConnectorMetadata, KVConnectorWorker, LoadSpec
 from common.kv_topology import KVTopology, Route, plan, routes_to
+from common.kv_transfer.tp_outcomes import RankOutcomes
 from common.kv_transfer.workers import ConsumerWorker
 
 if TYPE_CHECKING:
@@ -58,8 +59,6 @@ class RankRoutes:
     def __init__(self, rank: int, tp_size: int, num_kv_heads: int, layout: KVLayout, kv_caches: list[torch.Tensor],
                  open_engine: Callable[[KVLayout], KVTransferEngine]) -> None:
         """``num_kv_heads``: the model's; ``layout`` and ``kv_caches``: this rank's."""
-        from common.kv_transfer.tp_ranks import RankOutcomes
-
         self.rank, self.tp_size, self.num_kv_heads = rank, tp_size, num_kv_heads
         self.layout, self.kv_caches = layout, kv_caches
         self.open_engine = open_engine

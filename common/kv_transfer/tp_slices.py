@@ -20,6 +20,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from common.engine.kv_connector import FinishedTransfers, KVConnectorMetadata, KVConnectorWorker
+from common.kv_transfer.tp_outcomes import RankOutcomes
 
 if TYPE_CHECKING:
     import torch
@@ -53,8 +54,6 @@ class SlicedWorker(KVConnectorWorker):
     its follower's), so only the others' hand-overs and forgets are done here."""
 
     def __init__(self, workers: list[ProducerWorker], num_heads: int) -> None:
-        from common.kv_transfer.tp_ranks import RankOutcomes
-
         self.workers = workers
         self.heads = [slice_heads(num_heads, len(workers), j) for j in range(len(workers))]
         self.outcomes = RankOutcomes(len(workers))  # a hand-over is freeable once every KV rank released it

@@ -11,10 +11,9 @@ import pytest
 
 from common.engine.kv_connector import (DiscardSpec, FinishedTransfers, HandoverSpec, KVConnectorMetadata,
                                         KVConnectorWorker, LoadSpec, SaveSpec)
-from common.engine.parallel import KV_ISSUE, KV_POLL
 from common.kv_transfer.consumer_table import ConsumerTable
-from common.kv_transfer.tp_ranks import (LeaderKVWorker, RankOutcomes, decode_meta, decode_report, encode_meta,
-                                         encode_report, for_rank, rank_address)
+from common.kv_transfer.tp_ranks import (KV_ISSUE, KV_POLL, LeaderKVWorker, RankOutcomes, decode_meta, decode_report,
+                                         encode_meta, encode_report, for_rank, rank_address)
 
 
 def _tuples(x):
