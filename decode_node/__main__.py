@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdserve.node import check_ports, parse_config
-from pdserve.startup import one_line_failures
+from common.node.node import check_ports, parse_config
+from common.node.startup import one_line_failures
 
 
 def main(argv: list[str] | None = None) -> None:

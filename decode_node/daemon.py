@@ -37,10 +37,10 @@ from prometheus_client import Counter
 
 from common.config import NodeConfig
 from common.metrics import PREFIX, NodeMetrics
+from common.node.daemon import Daemon, started_daemon
+from common.node.node import serve_http
 from decode_node.connector import ConsumerConnector, ConsumerScheduler
 from decode_node.release import ReleaseRefusedKV
-from pdserve.daemon import Daemon, started_daemon
-from pdserve.node import serve_http
 
 
 def serve(config: NodeConfig) -> None:

@@ -1,7 +1,7 @@
-"""The processes' start-up and the ``pdserve`` command: what runs a node (``node``, ``daemon``),
-the command line (``cli``), and ``pdserve up|down`` (``launcher``, ``launcher_cli``, ``run_dir``).
+"""The ``pdserve`` command: the command line (``cli``), and ``pdserve up|down`` (``launcher``,
+``launcher_cli``, ``run_dir``, ``pass_through``).
 
-The libraries it wires together live in ``common/`` (engine, model, serving, KV transfer), which
-imports nothing from here; the role packages (``prefill_node``, ``decode_node``, ``proxy``) hold
-what is particular to each process.
+It only starts things: a node's start-up lives in ``common/node``, the libraries in ``common/``
+(engine, model, serving, KV transfer), and the role packages (``prefill_node``, ``decode_node``,
+``proxy``) hold what is particular to each process. No library or role package imports it.
 """

@@ -16,7 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 # command -> (module, what it starts); each module's ``main(argv)`` parses its own flags.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("pdserve.node", "a colocated node (prefill and decode in one process): the baseline"),
+    "serve": ("common.node.node", "a colocated node (prefill and decode in one process): the baseline"),
     "prefill": ("prefill_node.__main__", "a prefill daemon"),
     "decode": ("decode_node.__main__", "a decode daemon"),
     "proxy": ("proxy.__main__", "the proxy: OpenAI front, registry, P/D pairing"),

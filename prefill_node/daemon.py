@@ -28,10 +28,10 @@ from __future__ import annotations
 from fastapi import Request
 
 from common.config import NodeConfig
+from common.node.daemon import Daemon, started_daemon
+from common.node.node import serve_http
 from common.serving.context import PreparedRequest
 from common.serving.errors import OpenAIError
-from pdserve.daemon import Daemon, started_daemon
-from pdserve.node import serve_http
 from prefill_node.connector import ProducerConnector
 
 

@@ -2,7 +2,7 @@
 
 Flags -> logging (every line names the proxy and its address, uvicorn's own lines too) -> the
 HTTP and registry addresses and ports checked (keyless: loopback only, unless
---insecure-keyless-network; a taken port is one line and exit 1, pdserve/startup.py) -> the
+--insecure-keyless-network; a taken port is one line and exit 1, common/node/startup.py) -> the
 app (its lifespan starts the registry) -> uvicorn until SIGTERM / SIGINT.
 """
 
@@ -12,8 +12,8 @@ import uvicorn
 
 from common.config import load_config
 from common.logging_setup import configure_logging
+from common.node.startup import check_keyless_binds, check_port_free, one_line_failures
 from common.serving.http_server import HttpLimits, server_config
-from pdserve.startup import check_keyless_binds, check_port_free, one_line_failures
 from proxy.app import build_app
 from proxy.config import ProxyConfig
 

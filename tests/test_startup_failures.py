@@ -131,7 +131,7 @@ def test_device_takes_a_cuda_index() -> None:
 
 def test_a_worker_rank_lost_during_start_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     from common.engine.tp_group import RankLostError
-    from pdserve.startup import START_FAILED_EXIT_CODE, one_line_failures
+    from common.node.startup import START_FAILED_EXIT_CODE, one_line_failures
 
     with pytest.raises(SystemExit) as exit_info, one_line_failures("pdserve serve"):
         raise RankLostError("tensor-parallel rank 1 (pid 7)\nexited with code 1")

@@ -56,7 +56,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._dead: str | None = None
         # called once, from the engine thread, if it stops after an unexpected error: the node
-        # stops serving and exits non-zero so a supervisor restarts it (pdserve/node.py)
+        # stops serving and exits non-zero so a supervisor restarts it (common/node/node.py)
         self.on_dead: Callable[[str], None] = lambda reason: None
         self._busy_since: float | None = None  # when the thread's current iteration with work began
 

@@ -55,7 +55,7 @@ class LLMEngine:
         self.kv_worker = self.connector.worker
         self.device = config.resolved_device()
         dtype = config.resolved_dtype()
-        # A node resolved --model to a directory already (pdserve/node.py: its default is the real
+        # A node resolved --model to a directory already (common/node/node.py: its default is the real
         # model); an engine built directly, as the tests build theirs, defaults to the embedded one.
         model_dir, default_name = resolve_model(config.model or EMBEDDED_MODEL_SPEC, DEFAULT_CACHE_DIR)
         model, self.model_config = load_model_on_ranks(config, model_dir, self.device, DTYPES[dtype], rank_main)

@@ -17,7 +17,7 @@ router = APIRouter()
 @router.get("/health")
 async def health(ctx: ServingContext = Depends(get_context)) -> Response:
     """200 as long as the process answers and its engine thread runs; 503 with the reason once
-    that thread has died (the process is on its way out, see pdserve/node.py)."""
+    that thread has died (the process is on its way out, see common/node/node.py)."""
     dead = getattr(ctx.engine, "dead_reason", None)
     if dead is not None:
         return JSONResponse({"status": "engine dead", "error": dead}, status_code=503)

@@ -25,7 +25,7 @@ from proxy.config import ProxyConfig
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 ROLES = ("proxy", "prefill", "decode")
-DRAIN_S = 30  # uvicorn's timeout_graceful_shutdown in pdserve/node.py
+DRAIN_S = 30  # uvicorn's timeout_graceful_shutdown in common/node/node.py
 KEY_FLAG = "--cluster-key-file"
 
 

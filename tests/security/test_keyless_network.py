@@ -19,7 +19,7 @@ from helpers.cluster import ROOT, start, stop_all
 from helpers.ports import free_port
 from helpers.waiting import wait_for
 from helpers.zmq_peer import raw_dealer
-from pdserve.startup import START_FAILED_EXIT_CODE
+from common.node.startup import START_FAILED_EXIT_CODE
 from proxy.registry import ServiceRegistry
 
 ADDRESS = routable_host()
@@ -64,7 +64,7 @@ def test_the_colocated_node_and_loopback_need_no_key() -> None:
     """``pdserve serve`` has no peers, so 0.0.0.0 stays allowed; a keyless daemon on loopback
     passes its checks (only the flags are parsed here: --help never starts anything)."""
     from common.config import NodeConfig, load_config
-    from pdserve.node import check_ports
+    from common.node.node import check_ports
 
     serve = load_config(NodeConfig, ["--host", "0.0.0.0", "--port", str(free_port())], "pdserve serve", env={})
     check_ports(serve)

@@ -9,7 +9,7 @@ import common.kv_transfer.producer as producer_mod
 import common.kv_transfer.pair_handshake as receiver_mod  # the consumer builds its pair there
 import common.kv_transfer.sender as sender_mod
 from common.config import NodeConfig, load_config
-from pdserve.daemon import transfer_config
+from common.node.daemon import transfer_config
 from common.kv_transfer.config import TransferConfig
 from common.kv_transfer.engine import KVTransferEngine
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401

@@ -4,10 +4,10 @@
 Start-up, top to bottom (``serve``): logging -> the ports and the device checked (before
 minutes of model loading) -> the model (the default one fetched, a GGUF converted, once) -> the engine thread -> the
 HTTP app -> uvicorn. A start that cannot succeed prints one line and exits 1
-(pdserve/startup.py). SIGTERM / SIGINT make uvicorn stop taking connections and finish
+(common/node/startup.py). SIGTERM / SIGINT make uvicorn stop taking connections and finish
 in-flight responses; the engine is shut down after it, which ends any stream still open with
 "abort". An engine thread that dies (a step raised) takes /ready and /health to 503 and stops
-uvicorn; the process exits with code 3. The daemons (pdserve/daemon.py) add their KV endpoint
+uvicorn; the process exits with code 3. The daemons (common/node/daemon.py) add their KV endpoint
 and registration between the engine and the app.
 """
 
@@ -25,10 +25,10 @@ from fastapi import FastAPI
 from common.config import ROLE_HTTP_PORTS, ROLE_KV_PORTS, NodeConfig, load_config
 from common.logging_setup import configure_logging
 from common.metrics import NodeMetrics
+from common.node.startup import check_keyless_binds, check_port_free, one_line_failures
 from common.serving.app import build_app
 from common.serving.context import PrepareHook
 from common.serving.http_server import HttpLimits, server_config
-from pdserve.startup import check_keyless_binds, check_port_free, one_line_failures
 
 if TYPE_CHECKING:
     from common.engine.async_engine import AsyncLLMEngine

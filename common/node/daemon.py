@@ -25,10 +25,10 @@ from prometheus_client import Gauge
 from common.cluster_auth import ClusterKey, warn_if_open
 from common.config import NodeConfig
 from common.metrics import PREFIX, NodeMetrics
+from common.node.node import check_machine, node_app, start_engine, start_logging, with_model
+from common.node.startup import StartupError
 from common.serving.auth import SignedIdsOnly
 from common.serving.context import PrepareHook
-from pdserve.node import check_machine, node_app, start_engine, start_logging, with_model
-from pdserve.startup import StartupError
 
 if TYPE_CHECKING:
     import torch
