@@ -55,13 +55,11 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
-    has_prefill: bool = False  # some scheduled token is a prompt token
     kv_connector_metadata: KVConnectorMetadata = EMPTY_METADATA  # what the connector's workers do this step
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
-        self.has_prefill |= seq.num_computed_tokens < seq.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -6,7 +6,6 @@ on the prefill node, ``engine.consumer`` on the decode node. See ARCHITECTURE.md
 """
 
 from common.kv_transfer.config import (
-    LayoutMismatchError,
     PairBrokenError,
     TransferConfig,
     TransferError,
@@ -16,7 +15,6 @@ from common.kv_transfer.engine import KVTransferEngine
 
 __all__ = [
     "KVTransferEngine",
-    "LayoutMismatchError",
     "PairBrokenError",
     "TransferConfig",
     "TransferError",

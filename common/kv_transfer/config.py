@@ -11,10 +11,6 @@ class TransferError(RuntimeError):
     """A transfer failed: dead or unreachable peer, timeout, refused handshake."""
 
 
-class LayoutMismatchError(TransferError):
-    """The two sides' KV layouts differ; the message names each difference."""
-
-
 class PairBrokenError(TransferError):
     """The data-plane pair failed (timeout, closed connection); it must be rebuilt."""
 
