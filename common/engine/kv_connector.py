@@ -44,13 +44,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from common.engine.sequence import Sequence
-    from common.kv_transfer.engine import KVTransferEngine
 
 
 @dataclass(frozen=True)
@@ -258,13 +257,15 @@ class KVConnectorWorker:
 
 class TransferWorker(KVConnectorWorker):
     """A worker side that moves bytes with the daemon's transfer engine (``bind``, once both
-    the engine's KV cache and the transfer engine exist; until then it does nothing)."""
+    the engine's KV cache and the transfer engine exist; until then it does nothing). The
+    transfer engine's type is the KV transfer layer's, above this one: the engine only holds it
+    for the worker sides that use it (``common/kv_transfer/workers.py``)."""
 
     def __init__(self) -> None:
-        self.transfer: KVTransferEngine | None = None
+        self.transfer: Any = None  # the daemon's KVTransferEngine, once bound
         self.kv_caches: list[torch.Tensor] = []
 
-    def bind(self, transfer: KVTransferEngine, kv_caches: list[torch.Tensor]) -> None:
+    def bind(self, transfer: Any, kv_caches: list[torch.Tensor]) -> None:
         self.transfer, self.kv_caches = transfer, kv_caches
 
 
@@ -275,7 +276,7 @@ class KVConnector:
     scheduler: KVConnectorScheduler
     worker: KVConnectorWorker
 
-    def bind(self, transfer: KVTransferEngine, kv_caches: list[torch.Tensor]) -> None:
+    def bind(self, transfer: Any, kv_caches: list[torch.Tensor]) -> None:
         """The daemon's hook: hand the worker side its transfer engine and the KV cache."""
         assert isinstance(self.worker, TransferWorker), "this connector moves no KV"
         self.worker.bind(transfer, kv_caches)
