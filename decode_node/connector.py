@@ -3,7 +3,7 @@
 A tagged request's life here (its id names a prefill node), by its one record in the
 consumer's table (:class:`~common.kv_transfer.consumer_table.ConsumerTable`, shared with
 the transfer engine at ``bind``; the states are
-:class:`~common.engine.kv_connector.ConnectorState`'s):
+:class:`~common.kv_transfer.consumer_table.ConsumerState`'s):
 
 1. **LOAD_PENDING** — the scheduler allocated blocks for the whole prompt and parked the
    request (blocks held, no running slot). Blocks of a prefix this node already has cached
@@ -44,10 +44,10 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from common.engine.kv_connector import (ConnectorState, FinishedTransfers, KVConnector, KVConnectorMetadata,
+from common.engine.kv_connector import (FinishedTransfers, KVConnector, KVConnectorMetadata,
                                         KVConnectorScheduler, LoadSpec)
 from common.kv_transfer.config import no_pair_reason
-from common.kv_transfer.consumer_table import ConsumerTable
+from common.kv_transfer.consumer_table import ConsumerState, ConsumerTable
 from common.kv_transfer.workers import ConsumerWorker
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class ConsumerScheduler(KVConnectorScheduler):
         # the prefill node's TP size, as the registry last said (0: unknown; pdserve/daemon.py)
         self.peer_tp_size: Callable[[str], int] = lambda prefill_addr: 0
 
-    def state(self, request_id: str) -> ConnectorState | None:
+    def state(self, request_id: str) -> ConsumerState | None:
         return self.table.state(request_id)
 
     def num_external_tokens(self, seq: Sequence) -> int:

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.engine.kv_connector import (ConnectorState, DiscardSpec, FinishedTransfers, HandoverSpec,
+from common.engine.kv_connector import (DiscardSpec, FinishedTransfers, HandoverSpec,
                                         KVConnector, KVConnectorScheduler, SaveSpec)
-from common.kv_transfer.producer_table import ProducerTable
+from common.kv_transfer.producer_table import ProducerState, ProducerTable
 from common.kv_transfer.workers import ProducerWorker
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class ProducerScheduler(KVConnectorScheduler):
         super().__init__()
         self.table = ProducerTable()  # until bind: then the transfer engine's (one table a side)
 
-    def state(self, request_id: str) -> ConnectorState | None:
+    def state(self, request_id: str) -> ProducerState | None:
         return self.table.state(request_id)
 
     def saves(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[SaveSpec]:

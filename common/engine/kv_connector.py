@@ -15,8 +15,9 @@ no transfer engine, no network. It decides, from the ``Sequence`` objects it see
     few uncached tokens here instead (``prefill_here``; the peer is told to drop the KV), and
     which parked requests whose peer gave no pair are computed here after all (``fall_back``);
   * whether the scheduler holds a finished request's blocks (``request_finished``), read
-    from the side's one table of transfers (request id -> record with one
-    :class:`ConnectorState`), which the transfer engine updates too (shared at ``bind``).
+    from the side's one table of transfers (request id -> record with one state: the
+    transfer layer's ``ProducerState`` or ``ConsumerState``), which the transfer engine
+    updates too (shared at ``bind``).
 Everything decided since the last metadata goes into the next :class:`KVConnectorMetadata`
 (``build_meta``): frozen dataclasses of ids, ints and strings, no ``Sequence``. The engine
 gives the workers the one built at schedule time before the forward, and what the step's
@@ -141,42 +142,6 @@ class FinishedTransfers:
     prefill_here: dict[str, str] = field(default_factory=dict)
 
 
-class ConnectorState(enum.Enum):
-    """Where one transfer is: the one state of its one record, on either side.
-
-    The record and its transitions belong to the side's table in the transfer layer
-    (``common/kv_transfer/consumer_table.py``, ``producer_table.py``; their docstrings hold the
-    tables). The scheduler side sets the states it decides (marked *scheduler*) and reads the
-    others there; the transfer engine's threads set the rest.
-    """
-
-    # consumer (decode node)
-    LOAD_PENDING = "load_pending"  # scheduler: blocks allocated; the load goes out with the next metadata
-    LOADING = "loading"  # scheduler: the load is in the step's metadata, on its way to the transfer engine
-    QUEUED = "queued"  # handed to the link thread; handshake (if no pair yet) and PULL next
-    PULLED = "pulled"  # both: the PULL is out (consumer) / in (producer); no byte moved yet
-    RECEIVING = "receiving"  # layers landing in the blocks; DONE finishes it
-    LANDED = "finished"  # every layer and DONE in and checked: the first token waits for a poll
-    REPORTED = "reported"  # polled; DONE's logprobs, choices and cached count wait to be taken
-    FAILED = "failed"  # ended with an error that waits for a poll
-    ABORTING = "aborting"  # scheduler: aborted while KV may still land in the blocks (held)
-    STOPPED = "stopped"  # aborted, nothing writes into the blocks any more: waits for a poll
-    # producer (prefill node)
-    RESERVED = "reserved"  # admitted while nobody asked for its KV: counted against the unclaimed limit
-    HANDED_OVER = "handed_over"  # scheduler: first token sampled, blocks held; the hand-over is on its way
-    HELD = "held"  # prefill finished, nobody asked yet: KV waits in the blocks under a lease
-    SENDING = "sending"  # pulled and finished: every layer and DONE queued on the pair
-    AWAITING_ACK = "awaiting_ack"  # DONE sent; freed on ACK, or when the lease ends
-    RELEASED = "released"  # the blocks may be freed: waits for a poll
-    DROPPED = "dropped"  # aborted, failed or expired; kept a while to answer a late PULL
-
-    @property
-    def receiving(self) -> bool:
-        """Consumer: the load is out and KV may still land in its blocks."""
-        return self in (ConnectorState.LOADING, ConnectorState.QUEUED, ConnectorState.PULLED,
-                        ConnectorState.RECEIVING)
-
-
 class KVConnectorScheduler:
     """Scheduler side with no transfer (role ``both``); the roles override the decisions.
 
@@ -190,8 +155,8 @@ class KVConnectorScheduler:
         self._aborts: list[str] = []
         self._releases: list[tuple[str, str]] = []
 
-    def state(self, request_id: str) -> ConnectorState | None:
-        """The request's transfer state (None: no transfer)."""
+    def state(self, request_id: str) -> enum.Enum | None:
+        """The request's transfer state, the role's own enum (None: no transfer)."""
         return None
 
     # ---- decisions (called by the Scheduler) ---------------------------------------------

@@ -25,10 +25,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.engine.kv_connector import ConnectorState
 from common.kv_layout import KVLayout
 from common.kv_transfer.config import TransferConfig, TransferError, TransferStats
-from common.kv_transfer.consumer_table import ConsumerTable, Transfer
+from common.kv_transfer.consumer_table import ConsumerState, ConsumerTable, Transfer
 from common.kv_transfer.messages import Abort, Message
 from common.kv_transfer.receiver import PairReceiver
 
@@ -72,10 +71,10 @@ class KVConsumer:
         if len(block_ids) < self.num_blocks(num_tokens) - first_block:
             raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens "
                              f"from block {first_block}")
-        t = Transfer(request_id, list(block_ids), num_tokens, kv_caches, first_block)
+        load = (request_id, block_ids, num_tokens, kv_caches, first_block)
         if not self.known_peer(prefill_addr):  # nothing is opened, nothing lands in the blocks
-            self._refuse(t, f"{prefill_addr} is not a known prefill node (not in --kv-peers "
-                            "nor registered with the proxy); not asking it for KV")
+            self._refuse(load, f"{prefill_addr} is not a known prefill node (not in --kv-peers "
+                               "nor registered with the proxy); not asking it for KV")
             return
         with self._lock:
             if self._closed:
@@ -85,14 +84,15 @@ class KVConsumer:
             if not full:
                 if link is None:
                     link = self._links[prefill_addr] = PairReceiver(self, prefill_addr)
-                if self.table.start(t, link):
+                t = self.table.start(*load, link)
+                if t is not None:
                     link.events.put(("new", t))  # under the lock: an idle link retires only with an empty queue
         if full:  # one thread per producer: ids naming ever new addresses must not grow them without bound
-            self._refuse(t, f"{self.config.max_peers} producers already in use; not asking {prefill_addr}")
+            self._refuse(load, f"{self.config.max_peers} producers already in use; not asking {prefill_addr}")
 
-    def _refuse(self, t: Transfer, reason: str) -> None:
+    def _refuse(self, load: tuple, reason: str) -> None:
         self.stats.add(failures=1)
-        self.table.start(t, None, error=reason)
+        self.table.start(*load, None, error=reason)
         self.on_progress()
 
     def poll_finished(self) -> tuple[dict[str, int], dict[str, str]]:
@@ -120,7 +120,7 @@ class KVConsumer:
         self.control.send(prefill_addr, Abort(request_id=request_id), connect=connect)
 
     def transfer_state(self, request_id: str) -> str:
-        """The request's :class:`~common.engine.kv_connector.ConnectorState` value, or "unknown"
+        """The request's :class:`~common.kv_transfer.consumer_table.ConsumerState` value, or "unknown"
         (never asked for, or polled)."""
         return self.table.value(request_id)
 
@@ -163,10 +163,6 @@ class KVConsumer:
     def num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.layout.block_size)
 
-    def advance(self, t: Transfer, state: ConnectorState) -> None:
-        """PULL sent (PULLED) or a layer landed (RECEIVING)."""
-        self.table.advance(t, state)
-
     def landed(self, t: Transfer, first_token: int, first_logprobs: list | None = None,
                choices: list | None = None, cached_tokens: int = 0) -> None:
         now = time.monotonic()
@@ -175,7 +171,7 @@ class KVConsumer:
             self.stats.transfer_rate(t.nbytes, now - t.first_byte)
         logprobs = {int(tok): float(lp) for tok, lp in first_logprobs} if first_logprobs else None
         firsts = [(int(tok), {int(a): float(b) for a, b in lps} or None) for tok, lps in choices or []]
-        if self.table.finish(t, ConnectorState.LANDED, first_token=first_token, first_logprobs=logprobs,
+        if self.table.finish(t, ConsumerState.LANDED, first_token=first_token, first_logprobs=logprobs,
                              choices=firsts, cached_tokens=max(cached_tokens, 0)):
             self.on_progress()
 
@@ -186,5 +182,5 @@ class KVConsumer:
 
     def failed(self, t: Transfer, reason: str) -> None:
         self.stats.add(failures=1)
-        if self.table.finish(t, ConnectorState.FAILED, error=reason):
+        if self.table.finish(t, ConsumerState.FAILED, error=reason):
             self.on_progress()

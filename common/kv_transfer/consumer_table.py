@@ -1,19 +1,21 @@
 """The decode node's one table of transfers: one record per request, one state, its moves.
 
 The scheduler side of the consumer connector (engine thread) and :class:`KVConsumer` with
-its link threads share this table (the connector takes the transfer engine's at ``bind``);
-every state change is one of the methods below, under the table's lock. A link thread keeps
-references to the records it works on, never copies of their state.
+its link threads share this table (the connector takes the transfer engine's at ``bind``).
+The table writes every field of its records, under its lock: the other threads report what
+happened (a method below) and read. A state changes only through :meth:`ConsumerTable._move`,
+along :data:`MOVES`; any other move is a bug and raises :class:`IllegalMove`. A link thread
+keeps references to the records it works on, never copies of their state.
 
 | state        | entered by (thread)                                  | next                            |
 |--------------|------------------------------------------------------|---------------------------------|
 | LOAD_PENDING | ``plan``: blocks allocated (engine, scheduler)       | LOADING; gone (``unplan``)      |
-| LOADING      | ``issue``: the load is in the metadata (engine)      | QUEUED, FAILED; ABORTING        |
+| LOADING      | ``issue``: the load is in the metadata (engine)      | QUEUED, FAILED; ABORTING, STOPPED |
 | QUEUED       | ``start``: ``KVConsumer.request`` (engine, worker)   | PULLED, FAILED; ABORTING        |
-| PULLED       | ``advance``: PULL sent (link)                        | RECEIVING, LANDED, FAILED; ABORTING |
-| RECEIVING    | ``advance``: a layer landed (link)                   | LANDED, FAILED; ABORTING        |
+| PULLED       | ``pull_sent`` (link)                                 | RECEIVING, LANDED, FAILED; ABORTING |
+| RECEIVING    | ``layers_landed`` (link)                             | LANDED, FAILED; ABORTING        |
 | LANDED       | ``finish``: DONE checked (link)                      | REPORTED (``poll_finished``); STOPPED (``stop``) |
-| REPORTED     | ``poll_finished`` (engine)                           | gone (``take_landed``, next poll) |
+| REPORTED     | ``poll_finished`` (engine)                           | gone (``take_landed``, next poll); STOPPED |
 | FAILED       | ``finish`` (link), or ``start`` of a refused request | gone (``poll_finished``); STOPPED (``stop``) |
 | ABORTING     | ``abort`` (scheduler) or ``stop`` (worker) of a load that may still land (engine) | STOPPED (``abort_stopped``, link) |
 | STOPPED      | ``abort_stopped`` (link); ``stop`` of one nothing writes into | gone (``poll_aborted``)  |
@@ -24,6 +26,7 @@ held until the link says it stopped.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,13 +34,51 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.engine.kv_connector import ConnectorState
 from common.kv_transfer.verify import new_nonce
 
 if TYPE_CHECKING:
     from common.kv_transfer.receiver import PairReceiver
 
-S = ConnectorState
+
+class IllegalMove(AssertionError):
+    """A record asked to make a move its table does not allow: a bug, never a peer's doing."""
+
+
+class ConsumerState(enum.Enum):
+    """Where one transfer is on the decode node (the table above)."""
+
+    LOAD_PENDING = "load_pending"  # scheduler: blocks allocated; the load goes out with the next metadata
+    LOADING = "loading"  # scheduler: the load is in the step's metadata, on its way to the transfer engine
+    QUEUED = "queued"  # handed to the link thread; handshake (if no pair yet) and PULL next
+    PULLED = "pulled"  # the PULL is out; no byte landed yet
+    RECEIVING = "receiving"  # layers landing in the blocks; DONE finishes it
+    LANDED = "landed"  # every layer and DONE in and checked: the first token waits for a poll
+    REPORTED = "reported"  # polled; DONE's logprobs, choices and cached count wait to be taken
+    FAILED = "failed"  # ended with an error that waits for a poll
+    ABORTING = "aborting"  # aborted while KV may still land in the blocks (held)
+    STOPPED = "stopped"  # aborted, nothing writes into the blocks any more: waits for a poll
+
+    @property
+    def receiving(self) -> bool:
+        """The load is out and KV may still land in its blocks."""
+        return self in (S.LOADING, S.QUEUED, S.PULLED, S.RECEIVING)
+
+
+S = ConsumerState
+# every move a record may make (a record is new before its first state, gone after its last)
+MOVES: dict[ConsumerState | None, frozenset[ConsumerState]] = {
+    None: frozenset({S.LOAD_PENDING, S.QUEUED, S.FAILED, S.STOPPED}),
+    S.LOAD_PENDING: frozenset({S.LOADING}),
+    S.LOADING: frozenset({S.QUEUED, S.FAILED, S.ABORTING, S.STOPPED}),
+    S.QUEUED: frozenset({S.PULLED, S.FAILED, S.ABORTING}),
+    S.PULLED: frozenset({S.RECEIVING, S.LANDED, S.FAILED, S.ABORTING}),
+    S.RECEIVING: frozenset({S.RECEIVING, S.LANDED, S.FAILED, S.ABORTING}),
+    S.LANDED: frozenset({S.REPORTED, S.STOPPED}),
+    S.REPORTED: frozenset({S.STOPPED}),
+    S.FAILED: frozenset({S.STOPPED}),
+    S.ABORTING: frozenset({S.ABORTING, S.STOPPED}),
+    S.STOPPED: frozenset({S.STOPPED}),
+}
 
 
 @dataclass
@@ -47,7 +88,7 @@ class Transfer:
     num_tokens: int = 0
     kv_caches: list[torch.Tensor] = field(default_factory=list)
     first_block: int = 0
-    state: ConnectorState = S.QUEUED  # changed by ConsumerTable only
+    state: ConsumerState | None = None  # moved by ConsumerTable only
     link: PairReceiver | None = None  # the thread that receives it
     started: float = field(default_factory=time.monotonic)
     first_byte: float | None = None  # its first layer arrived: the transfer rate runs from here to DONE
@@ -71,6 +112,8 @@ class Transfer:
 
 
 class ConsumerTable:
+    """The decode node's records, by request id; every field of a record is written here."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._records: dict[str, Transfer] = {}
@@ -78,15 +121,27 @@ class ConsumerTable:
     def __len__(self) -> int:
         return len(self._records)
 
-    def state(self, request_id: str) -> ConnectorState | None:
+    def state(self, request_id: str) -> ConsumerState | None:
         with self.lock:
             t = self._records.get(request_id)
             return t.state if t is not None else None
 
+    @staticmethod
+    def _move(t: Transfer, to: ConsumerState) -> None:
+        """The one place a state changes (lock held)."""
+        if to not in MOVES[t.state]:
+            raise IllegalMove(f"transfer {t.request_id}: {t.state and t.state.name} -> {to.name}")
+        t.state = to
+
+    def _new(self, request_id: str, to: ConsumerState) -> Transfer:
+        t = self._records[request_id] = Transfer(request_id)
+        self._move(t, to)
+        return t
+
     # ---- scheduler side (engine thread) -------------------------------------------------
     def plan(self, request_id: str) -> None:
         with self.lock:
-            self._records[request_id] = Transfer(request_id, state=S.LOAD_PENDING)
+            self._new(request_id, S.LOAD_PENDING)
 
     def unplan(self, request_id: str) -> bool:
         """Forget a load not yet issued; False if it was issued already."""
@@ -101,7 +156,7 @@ class ConsumerTable:
         with self.lock:
             t = self._records.get(request_id)
             if t is not None and t.state is S.LOAD_PENDING:
-                t.state = S.LOADING
+                self._move(t, S.LOADING)
 
     def abort(self, request_id: str) -> bool:
         """The request ended: True (ABORTING, blocks held) when KV may still land in its blocks;
@@ -109,7 +164,7 @@ class ConsumerTable:
         with self.lock:
             t = self._records.get(request_id)
             if t is not None and t.state.receiving:
-                t.state = S.ABORTING
+                self._move(t, S.ABORTING)
                 return True
             return False
 
@@ -125,16 +180,24 @@ class ConsumerTable:
                     del self._records[rid]
 
     # ---- transfer engine (engine thread: worker side) ------------------------------------
-    def start(self, t: Transfer, link: PairReceiver | None, error: str = "") -> bool:
-        """``t`` replaces the request's record: QUEUED on ``link``, or FAILED with ``error``.
-        False when the request was aborted meanwhile (nothing is queued)."""
+    def start(self, request_id: str, block_ids: list[int], num_tokens: int, kv_caches: list[torch.Tensor],
+              first_block: int, link: PairReceiver | None, error: str = "") -> Transfer | None:
+        """The load goes out: its planned record (or a new one) is filled in and QUEUED on
+        ``link``, or FAILED with ``error``. None when the request was aborted meanwhile (nothing
+        is queued). A record left over from an earlier load of the same id (ended, not yet
+        polled) is replaced: its link may still hold it."""
         with self.lock:
-            old = self._records.get(t.request_id)
-            if old is not None and old.state is S.ABORTING:
-                return False
-            t.link, t.state, t.error = link, (S.FAILED if error else S.QUEUED), error
-            self._records[t.request_id] = t
-            return True
+            t = self._records.get(request_id)
+            if t is not None and t.state is S.ABORTING:
+                return None
+            if t is None or t.state not in (S.LOAD_PENDING, S.LOADING):
+                t = self._records[request_id] = Transfer(request_id)
+            elif t.state is S.LOAD_PENDING:
+                self._move(t, S.LOADING)  # issued by the transfer engine's own caller (no scheduler)
+            t.block_ids, t.num_tokens, t.kv_caches, t.first_block = list(block_ids), num_tokens, kv_caches, first_block
+            t.link, t.error, t.started = link, error, time.monotonic()
+            self._move(t, S.FAILED if error else S.QUEUED)
+            return t
 
     def stop(self, request_id: str) -> PairReceiver | None:
         """Abort issued: the link that may still receive into the blocks (ABORTING until it says
@@ -142,25 +205,51 @@ class ConsumerTable:
         with self.lock:
             t = self._records.get(request_id)
             if t is not None and t.link is not None and t.state in (S.ABORTING, S.QUEUED, S.PULLED, S.RECEIVING):
-                t.state = S.ABORTING
+                self._move(t, S.ABORTING)
                 return t.link
-            self._records[request_id] = Transfer(request_id, state=S.STOPPED)
+            if t is None or t.state is S.LOAD_PENDING:  # a plan never issued: nothing can land
+                self._new(request_id, S.STOPPED)
+            else:
+                self._move(t, S.STOPPED)
             return None
 
-    # ---- link threads ---------------------------------------------------------------------
-    def advance(self, t: Transfer, state: ConnectorState) -> None:
-        """PULL sent (PULLED) or a layer landed (RECEIVING); ignored once it left the link."""
+    # ---- link threads: what they report ------------------------------------------------------
+    def pull_sent(self, t: Transfer) -> None:
+        """The PULL is out (PULLED); ignored once the transfer left the link."""
         with self.lock:
-            if t.live:
-                t.state = state
+            if t.state is S.QUEUED:
+                self._move(t, S.PULLED)
 
-    def finish(self, t: Transfer, state: ConnectorState, **result) -> bool:
+    def retry(self, t: Transfer) -> bool:
+        """The producer forgot the pair: asked again once on a new one (False: asked again already)."""
+        with self.lock:
+            retried, t.retried = t.retried, True
+            return not retried
+
+    def first_byte(self, t: Transfer) -> None:
+        """Bytes of ``t`` started arriving: its transfer rate runs from now."""
+        with self.lock:
+            if t.first_byte is None:
+                t.first_byte = time.monotonic()
+
+    def layers_landed(self, t: Transfer, layers, nbytes: int, checksums: dict[int, int]) -> None:
+        """``layers`` (``nbytes``, their CRC-32s on a checksummed pair) are in the blocks (RECEIVING);
+        ignored once the transfer left the link."""
+        with self.lock:
+            t.checksums.update(checksums)
+            t.layers.update(layers)
+            t.nbytes += nbytes
+            t.last_landed = time.monotonic()
+            if t.live:
+                self._move(t, S.RECEIVING)
+
+    def finish(self, t: Transfer, state: ConsumerState, **result) -> bool:
         """LANDED or FAILED with what came (``first_token``…, or ``error``); False if it was
         aborted or replaced meanwhile."""
         with self.lock:
             if not t.live or self._records.get(t.request_id) is not t:
                 return False
-            t.state = state
+            self._move(t, state)
             for name, value in result.items():
                 setattr(t, name, value)
             return True
@@ -169,9 +258,9 @@ class ConsumerTable:
         with self.lock:
             t = self._records.get(request_id)
             if t is None:
-                self._records[request_id] = Transfer(request_id, state=S.STOPPED)
+                self._new(request_id, S.STOPPED)
             elif t.state is S.ABORTING:
-                t.state = S.STOPPED
+                self._move(t, S.STOPPED)
 
     # ---- polls (engine thread: worker side) ------------------------------------------------
     def poll_finished(self) -> tuple[dict[str, int], dict[str, str]]:
@@ -181,7 +270,8 @@ class ConsumerTable:
                 if t.state is S.REPORTED:
                     del self._records[rid]  # nobody took its extras
                 elif t.state is S.LANDED:
-                    t.state, done[rid] = S.REPORTED, t.first_token
+                    self._move(t, S.REPORTED)
+                    done[rid] = t.first_token
                 elif t.state is S.FAILED:
                     del self._records[rid]
                     failed[rid] = t.error

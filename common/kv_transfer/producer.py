@@ -27,14 +27,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.engine.kv_connector import ConnectorState
 from common.kv_layout import KVLayout
 from common.kv_transfer.config import TransferConfig, TransferStats
 from common.kv_transfer.cuda_ipc import open_cache
 from common.kv_transfer.messages import (UNKNOWN_PAIR, Abort, Ack, Error, Handshake, HandshakeOk, Message, Ok,
                                          Ping, Pull)
 from common.kv_transfer.paged import ByteBudget, block_run, gather_blocks
-from common.kv_transfer.producer_table import ProducerRequest, ProducerTable
+from common.kv_transfer.producer_table import ProducerRequest, ProducerState, ProducerTable
 from common.kv_transfer.sender import PairSender, SendJob
 from common.kv_transfer.streams import StreamOps, stream_ops
 from common.kv_transfer.verify import use_checksum
@@ -88,13 +87,13 @@ class KVProducer:
             if len(ids) < req.num_blocks:
                 return  # sent from the paged blocks after finish()
             if req.link.transport in ("tcp", "cuda_ipc"):  # sent from the blocks: nothing staged
-                req.queued_layers.add(layer_idx)
+                self.table.queue(req, [layer_idx])
                 req.link.jobs.put(SendJob("layers", req, [layer_idx], source=(kv_layer, ids),
                                           ready=self._kv_written(kv_layer)))
                 return
             if not self._budget.try_acquire(len(ids) * self.layout.bytes_per_block_per_layer()):
                 return
-            req.queued_layers.add(layer_idx)
+            self.table.queue(req, [layer_idx])
             # Queued under the lock: a pair failing now either sees this job when it drains
             # its queue or marks the request dropped before we get here (no leaked budget).
             staged = gather_blocks(kv_layer, ids)
@@ -109,16 +108,14 @@ class KVProducer:
         first token travels with its logprobs when the request asked for them, and with the
         other choices' first tokens when it asked for n > 1: ``Done.choices``)."""
         with self._lock:
-            req = self.table.finish(request_id, time.monotonic() + self.config.lease_s)  # HELD
+            req = self.table.finish(  # HELD
+                request_id, time.monotonic() + self.config.lease_s, first_token=first_token,
+                first_logprobs=[[t, lp] for t, lp in (first_logprobs or {}).items()], choices=list(choices or []),
+                cached_tokens=cached_tokens, kv_caches=kv_caches, block_ids=block_ids,
+                ready=self._kv_written(kv_caches[0]) if kv_caches else None)
             if req is None:
                 self.on_progress()  # aborted or expired while prefill ran: only its blocks are freed
                 return
-            req.first_token = first_token
-            req.first_logprobs = [[t, lp] for t, lp in (first_logprobs or {}).items()]
-            req.choices = list(choices or [])
-            req.cached_tokens = cached_tokens
-            req.kv_caches, req.block_ids = kv_caches, list(block_ids)[req.first_block:]
-            req.ready = self._kv_written(kv_caches[0]) if kv_caches else None
             self._queue_rest(req)  # SENDING if pulled
 
     def _kv_written(self, kv_layer: torch.Tensor):
@@ -134,11 +131,11 @@ class KVProducer:
                 self.control.reply(req.link.identity, Error(reason=why, request_id=request_id))
 
     def request_state(self, request_id: str) -> str:
-        """A :class:`~common.engine.kv_connector.ConnectorState` value while the request is live,
+        """A :class:`~common.kv_transfer.producer_table.ProducerState` value while the request is live,
         "gone" (dropped) or "unknown" (never seen, or acknowledged)."""
         with self._lock:
             req = self.table.records.get(request_id)
-            if req is None or req.state is ConnectorState.RELEASED and not req.dropped:
+            if req is None or req.state is ProducerState.RELEASED and not req.dropped:
                 return "unknown"
             return "gone" if req.dropped else req.state.value
 
@@ -235,7 +232,7 @@ class KVProducer:
         link = PairSender(msg.pair_id, identity, config=self.config, stats=self.stats, budget=self._budget,
                           control=self.control, device=self.device, on_done_sent=self.done_sent,
                           on_failed=self.link_failed, on_message=self.handle, streams=self.streams,
-                          in_use=self.link_in_use)
+                          in_use=self.link_in_use, table=self.table)
         link.checksum = use_checksum(msg.checksum, self.config.checksum)
         link.consumer = msg.consumer
         link.probation_until = None if member else time.monotonic() + self.config.probation_s
@@ -283,7 +280,7 @@ class KVProducer:
             why = req.why if req is not None else None
             if why is None and (link is None or link.broken):
                 why = UNKNOWN_PAIR
-            elif why is None and req is not None and (req.link is not None or req.state is ConnectorState.RELEASED):
+            elif why is None and req is not None and (req.link is not None or req.state is ProducerState.RELEASED):
                 why = "request already pulled"
             elif why is None and not 0 <= msg.first_block < msg.num_blocks:
                 why = f"first block {msg.first_block} is outside the prompt's {msg.num_blocks} blocks"
@@ -291,12 +288,8 @@ class KVProducer:
                 self._reply(identity, Error(id=msg.id, reason=why, request_id=msg.request_id))
                 return
             # a new PULLED record if the consumer asked before prefill finished (a reservation is claimed)
-            req = self.table.pulled(msg.request_id, time.monotonic() + self.config.lease_s)
-            req.link, req.remote_block_ids, req.first_block = link, list(msg.block_ids), msg.first_block
-            req.nonce = msg.nonce
-            req.num_blocks = msg.num_blocks - msg.first_block
-            if req.finished:
-                req.block_ids = req.block_ids[req.first_block:]
+            req = self.table.pulled(msg.request_id, time.monotonic() + self.config.lease_s, link, msg.block_ids,
+                                    msg.num_blocks, msg.first_block, msg.nonce)
             if msg.id:  # 0: came in-band on a tcp pair, where nobody waits for an answer
                 self._reply(identity, Ok(id=msg.id))
             self._queue_rest(req)
@@ -318,20 +311,20 @@ class KVProducer:
                 [link for link in self._links.values() if link.identity == identity]
             ipc = [link for link in links if link.transport == "cuda_ipc"]
             if ipc:  # answered by the sender once its stream drained: no copy lands after the reply
-                fence_req = req or ProducerRequest(msg.request_id, None, ConnectorState.DROPPED)
+                fence_req = req or ProducerRequest(msg.request_id)  # in no table: the fence only answers
                 ipc[0].jobs.put(SendJob("fence", fence_req, reply_id=msg.id))
                 return
         self._reply(identity, Ok(id=msg.id))
 
     # ---- shared helpers (lock held) ----------------------------------------------------
     def _queue_rest(self, req: ProducerRequest) -> None:
-        if req.state is not ConnectorState.HELD or req.link is None:
+        if req.state is not ProducerState.HELD or req.link is None:
             return
         if len(req.block_ids) < req.num_blocks:
             self._fail_request(req, f"producer has {len(req.block_ids)} blocks, consumer wants {req.num_blocks}")
             return
         rest = [layer for layer in range(self.layout.num_layers) if layer not in req.queued_layers]
-        req.queued_layers.update(rest)
+        self.table.queue(req, rest)
         ids = req.block_ids[: req.num_blocks]
         # gloo/nccl send a contiguous run in place layer by layer and gather anything else;
         # tcp never gathers. Small layers are coalesced: every message has a fixed cost.
@@ -353,14 +346,14 @@ class KVProducer:
 
     def _drop(self, request_id: str, why: str) -> None:
         req = self.table.drop(request_id, why)
-        if req is not None and req.state is ConnectorState.RELEASED:
+        if req is not None and req.state is ProducerState.RELEASED:
             self.on_progress()  # its blocks may be freed: an Event's set, takes no lock of ours
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
         with self._lock:
             for req in [r for r in self.table.records.values() if r.deadline is not None and r.deadline <= now
-                        and r.state is not ConnectorState.RESERVED]:
+                        and r.state is not ProducerState.RESERVED]:
                 self.stats.add(leases_expired=1)
                 reason = "producer lease expired"
                 # not a normal release: a decode node asked for nothing, or never acknowledged
@@ -382,14 +375,14 @@ class KVProducer:
         with self._lock:
             self._links.pop(link.pair_id, None)
             for req in [r for r in self.table.records.values() if r.link is link and not r.dropped
-                        and r.state is not ConnectorState.RELEASED]:
+                        and r.state is not ProducerState.RELEASED]:
                 self._fail_request(req, f"transfer failed: {reason}")
             link.drain()  # under the lock: nothing can be queued to this pair any more
 
     def link_in_use(self, link: PairSender) -> bool:
         """Whether a live request still uses the pair (an idle one may be closed)."""
         with self._lock:
-            return any(r.link is link and not r.dropped and r.state is not ConnectorState.RELEASED
+            return any(r.link is link and not r.dropped and r.state is not ProducerState.RELEASED
                        for r in self.table.records.values())
 
     # ---- metrics and shutdown ------------------------------------------------------------

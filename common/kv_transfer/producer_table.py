@@ -2,8 +2,11 @@
 
 The scheduler side of the producer connector (engine thread) and :class:`KVProducer` with
 its control and sender threads share this table (the connector takes the transfer
-engine's at ``bind``). Every state change is one of the methods below, made under the
-table's ``lock`` (KVProducer holds it while it also queues the sends a change calls for).
+engine's at ``bind``). The table writes every field of its records, under its ``lock``
+(KVProducer holds it while it also queues the sends a change calls for): the other threads
+report what happened (a method below) and read. A state changes only through
+:meth:`ProducerTable._move`, along :data:`MOVES`; any other move is a bug and raises
+:class:`~common.kv_transfer.consumer_table.IllegalMove`.
 
 | state        | entered by (thread)                                       | next                          |
 |--------------|-----------------------------------------------------------|-------------------------------|
@@ -23,6 +26,7 @@ pull is told "already pulled" at once instead of waiting a lease for a prefill t
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,13 +34,39 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.engine.kv_connector import ConnectorState
+from common.kv_transfer.consumer_table import IllegalMove
 from common.request_id import ANY_DECODE, parse_tags
 
 if TYPE_CHECKING:
     from common.kv_transfer.sender import PairSender
 
-S = ConnectorState
+
+class ProducerState(enum.Enum):
+    """Where one transfer is on the prefill node (the table above)."""
+
+    RESERVED = "reserved"  # admitted while nobody asked for its KV: counted against the unclaimed limit
+    PULLED = "pulled"  # the consumer asked before prefill finished; no byte moved yet
+    HANDED_OVER = "handed_over"  # scheduler: first token sampled, blocks held; the hand-over is on its way
+    HELD = "held"  # prefill finished: KV waits in the blocks under a lease (sent once pulled)
+    SENDING = "sending"  # pulled and finished: every layer and DONE queued on the pair
+    AWAITING_ACK = "awaiting_ack"  # DONE sent; freed on ACK, or when the lease ends
+    RELEASED = "released"  # the blocks may be freed: waits for a poll
+    DROPPED = "dropped"  # aborted, failed or expired; kept a while to answer a late PULL
+
+
+S = ProducerState
+# every move a record may make (a record is new before its first state, gone after its last)
+MOVES: dict[ProducerState | None, frozenset[ProducerState]] = {
+    None: frozenset({S.RESERVED, S.PULLED, S.HANDED_OVER, S.HELD, S.DROPPED}),
+    S.RESERVED: frozenset({S.PULLED, S.HANDED_OVER, S.HELD, S.DROPPED}),
+    S.PULLED: frozenset({S.HANDED_OVER, S.HELD, S.DROPPED}),
+    S.HANDED_OVER: frozenset({S.HELD, S.DROPPED}),
+    S.HELD: frozenset({S.HELD, S.SENDING, S.RELEASED}),
+    S.SENDING: frozenset({S.AWAITING_ACK, S.RELEASED}),
+    S.AWAITING_ACK: frozenset({S.RELEASED}),
+    S.RELEASED: frozenset({S.DROPPED}),
+    S.DROPPED: frozenset({S.RELEASED}),
+}
 MAX_DROPPED = 10_000
 ALREADY_PULLED = "KV already pulled (a kv_transfer_params transfer id is pulled once)"
 FINISHED = (S.HELD, S.SENDING, S.AWAITING_ACK)  # prefill done: the record knows its blocks
@@ -45,8 +75,8 @@ FINISHED = (S.HELD, S.SENDING, S.AWAITING_ACK)  # prefill done: the record knows
 @dataclass
 class ProducerRequest:
     request_id: str
-    deadline: float | None  # lease (reservation: its end); None while layers are being sent
-    state: ConnectorState  # changed by ProducerTable only
+    deadline: float | None = None  # lease (reservation: its end); None while layers are being sent
+    state: ProducerState | None = None  # moved by ProducerTable only
     # first seen (the consumer's pull or prefill's finish): kv_transfer_seconds runs from here to the
     # ACK, as the consumer's runs from its request to the last layer
     created: float = field(default_factory=time.monotonic)
@@ -80,6 +110,8 @@ class ProducerRequest:
 
 
 class ProducerTable:
+    """The prefill node's records, by request id; every field of a record is written here."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.records: dict[str, ProducerRequest] = {}  # read under ``lock``; changed by the methods below
@@ -88,10 +120,22 @@ class ProducerTable:
     def __len__(self) -> int:
         return len(self.records)
 
-    def state(self, request_id: str) -> ConnectorState | None:
+    def state(self, request_id: str) -> ProducerState | None:
         with self.lock:
             req = self.records.get(request_id)
             return req.state if req is not None else None
+
+    @staticmethod
+    def _move(req: ProducerRequest, to: ProducerState, deadline: float | None = None) -> None:
+        """The one place a state changes (lock held); every move sets the lease anew."""
+        if to not in MOVES[req.state]:
+            raise IllegalMove(f"transfer {req.request_id}: {req.state and req.state.name} -> {to.name}")
+        req.state, req.deadline = to, deadline
+
+    def _new(self, request_id: str, to: ProducerState, deadline: float | None = None) -> ProducerRequest:
+        req = self.records[request_id] = ProducerRequest(request_id)
+        self._move(req, to, deadline)
+        return req
 
     # ---- scheduler side (engine thread; takes the lock) ------------------------------------
     def hand_over(self, request_id: str) -> None:
@@ -99,11 +143,11 @@ class ProducerTable:
         with self.lock:
             req = self.records.get(request_id)
             if req is None:
-                self.records[request_id] = ProducerRequest(request_id, None, S.HANDED_OVER)
+                self._new(request_id, S.HANDED_OVER)
             elif req.state is S.RESERVED:
-                req.state, req.deadline = S.HANDED_OVER, None  # the lease starts at finish
+                self._move(req, S.HANDED_OVER)  # the lease starts at finish
             elif req.state is S.PULLED:
-                req.state = S.HANDED_OVER  # the PULL's link and lease stay
+                self._move(req, S.HANDED_OVER, req.deadline)  # the PULL's link and lease stay
 
     def forget(self, request_ids) -> None:
         """The scheduler freed these requests' blocks: their records go, if still there."""
@@ -128,36 +172,63 @@ class ProducerTable:
                    if rid != request_id and q.state in (S.HELD, S.RESERVED, S.HANDED_OVER))
         if held + num_blocks > limit_blocks:
             return False
-        self.records[request_id] = ProducerRequest(request_id, now + lease_s, S.RESERVED, reserved_blocks=num_blocks)
+        if request_id in self.records:
+            del self.records[request_id]  # reserved again: counted anew
+        self._new(request_id, S.RESERVED, now + lease_s).reserved_blocks = num_blocks
         return True
 
-    def pulled(self, request_id: str, deadline: float) -> ProducerRequest:
-        """The record a PULL attaches to: a new PULLED one unless prefill already has one."""
+    def pulled(self, request_id: str, deadline: float, link: PairSender, block_ids: list[int],
+               num_blocks: int, first_block: int, nonce: int) -> ProducerRequest:
+        """A PULL attaches ``link`` and what the consumer wants (``num_blocks`` prompt blocks from
+        ``first_block`` on, into its ``block_ids``) to the record: a PULLED one unless prefill
+        already made one (a reservation is claimed)."""
         req = self.records.get(request_id)
-        if req is None or req.state is S.RESERVED:
-            req = self.records[request_id] = ProducerRequest(request_id, deadline, S.PULLED)
+        if req is None:
+            req = self._new(request_id, S.PULLED, deadline)
+        elif req.state is S.RESERVED:
+            self._move(req, S.PULLED, deadline)
         req.reserved_blocks = 0  # claimed
+        req.link, req.remote_block_ids, req.first_block = link, list(block_ids), first_block
+        req.nonce, req.num_blocks = nonce, num_blocks - first_block
+        if req.finished:
+            req.block_ids = req.block_ids[first_block:]
         return req
 
-    def finish(self, request_id: str, deadline: float) -> ProducerRequest | None:
-        """Prefill finished: the record is HELD (the caller moves it on to SENDING if pulled);
-        None (and RELEASED) when it was dropped meanwhile."""
+    def finish(self, request_id: str, deadline: float, *, first_token: int, first_logprobs: list,
+               choices: list, cached_tokens: int, kv_caches: list[torch.Tensor], block_ids: list[int],
+               ready: object | None) -> ProducerRequest | None:
+        """Prefill finished with these results: the record is HELD (the caller moves it on to
+        SENDING if pulled); None (and RELEASED) when it was dropped meanwhile."""
         req = self.records.get(request_id)
         if req is not None and req.state is S.DROPPED:
             self._num_dropped -= 1
-            req.state = S.RELEASED  # aborted or expired while prefill ran: only the blocks are left
+            self._move(req, S.RELEASED)  # aborted or expired while prefill ran: only the blocks are left
             return None
-        if req is None or req.state is S.RESERVED:
-            req = self.records[request_id] = ProducerRequest(request_id, None, S.HELD)
-        req.state, req.deadline, req.reserved_blocks = S.HELD, deadline, 0  # its real blocks count now
+        if req is None:
+            req = self._new(request_id, S.HELD, deadline)
+        else:
+            self._move(req, S.HELD, deadline)
+        req.reserved_blocks = 0  # its real blocks count now
+        req.first_token, req.first_logprobs, req.choices = first_token, first_logprobs, choices
+        req.cached_tokens, req.kv_caches, req.ready = cached_tokens, kv_caches, ready
+        req.block_ids = list(block_ids)[req.first_block:]
         return req
 
+    def queue(self, req: ProducerRequest, layers) -> None:
+        """``layers`` of ``req`` are queued for its pair's sender."""
+        req.queued_layers.update(layers)
+
     def sending(self, req: ProducerRequest) -> None:
-        req.state, req.deadline = S.SENDING, None
+        self._move(req, S.SENDING)
+
+    def checksummed(self, req: ProducerRequest, checksums: dict[int, int]) -> None:
+        """The sender computed these layers' CRC-32s (sender thread: takes the lock)."""
+        with self.lock:
+            req.checksums.update(checksums)
 
     def done_sent(self, req: ProducerRequest, deadline: float) -> None:
         if req.state is S.SENDING:  # not dropped meanwhile
-            req.state, req.deadline = S.AWAITING_ACK, deadline
+            self._move(req, S.AWAITING_ACK, deadline)
 
     def renew_acks(self, link: PairSender, deadline: float) -> None:
         """The consumer on ``link`` pinged: its AWAITING_ACK records' leases run until ``deadline``."""
@@ -169,7 +240,7 @@ class ProducerTable:
         req = self.records.get(request_id)
         if req is None or not req.finished:
             return None
-        req.state, req.deadline = S.RELEASED, None
+        self._move(req, S.RELEASED)
         return req
 
     def drop(self, request_id: str, why: str) -> ProducerRequest | None:
@@ -179,26 +250,31 @@ class ProducerTable:
         if req is not None and (req.dropped or req.state is S.RELEASED):
             return None
         if req is not None and req.finished:
-            req.state, req.why, req.deadline = S.RELEASED, why, None
+            self._move(req, S.RELEASED)
+            req.why = why
             return req
-        if req is not None:
-            del self.records[request_id]  # to the end: the newest tombstones are kept
-            req.state, req.why, req.deadline = S.DROPPED, why, None
-        self._tombstone(ProducerRequest(request_id, None, S.DROPPED, why=why) if req is None else req)
+        if req is None:
+            self._tombstone(self._new(request_id, S.DROPPED), why)
+            return None
+        del self.records[request_id]  # to the end: the newest tombstones are kept
+        self._move(req, S.DROPPED)
+        self._tombstone(req, why)
         return req
 
     def poll_freeable(self) -> set[str]:
         out = {rid for rid, req in self.records.items() if req.state is S.RELEASED}
         for rid in out:
             req = self.records.pop(rid)
-            if req.why is None and _any_decode(rid):  # a kv_transfer_params id is pulled once: say so after
-                req.why = ALREADY_PULLED
-            if req.why is not None:
-                req.state = S.DROPPED
-                self._tombstone(req)
+            why = req.why
+            if why is None and _any_decode(rid):  # a kv_transfer_params id is pulled once: say so after
+                why = ALREADY_PULLED
+            if why is not None:
+                self._move(req, S.DROPPED)
+                self._tombstone(req, why)
         return out
 
-    def _tombstone(self, req: ProducerRequest) -> None:
+    def _tombstone(self, req: ProducerRequest, why: str) -> None:
+        req.why = why
         self.records[req.request_id] = req
         self._num_dropped += 1
         if self._num_dropped > MAX_DROPPED:

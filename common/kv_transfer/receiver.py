@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.engine.kv_connector import ConnectorState
 from common.kv_transfer.config import PairBrokenError, TransferError
 from common.kv_transfer.consumer_table import Transfer
 from common.kv_transfer.inbox import Inbox
@@ -130,7 +129,7 @@ class PairReceiver:
         t = self.transfers.get(frame.request_id)
         fits, reason = False, ""
         if t is not None:
-            t.first_byte = t.first_byte or time.monotonic()
+            self.owner.table.first_byte(t)
             bad_layer = not all(0 <= x < len(t.kv_caches) for x in frame.layers)
             if frame.num_blocks > len(t.block_ids) or bad_layer:
                 reason = f"layers {list(frame.layers)}: {frame.num_blocks} blocks do not fit the request"
@@ -167,7 +166,7 @@ class PairReceiver:
             return
         self.transfers[t.request_id] = t
         self._cache_blocks = t.kv_caches[0].shape[1]
-        self.owner.advance(t, ConnectorState.PULLED)
+        self.owner.table.pull_sent(t)
         pull = Pull(request_id=t.request_id, pair_id=self.pair_id, num_tokens=t.num_tokens,
                     num_blocks=self.owner.num_blocks(t.num_tokens), block_ids=t.block_ids,
                     first_block=t.first_block, nonce=t.nonce)
@@ -188,10 +187,9 @@ class PairReceiver:
         if not isinstance(reply, Error) or request_id not in self.transfers:
             return
         t = self.transfers.pop(request_id)
-        if reply.reason == UNKNOWN_PAIR and not t.retried:  # the producer restarted while the pair idled
+        if reply.reason == UNKNOWN_PAIR and self.owner.table.retry(t):  # the producer restarted while the pair idled
             if pair_id == self.pair_id:
                 self._close_pair()
-            t.retried = True
             self._on_new(t)
             return
         self.owner.failed(t, f"producer refused: {reply.reason}")
@@ -279,7 +277,7 @@ class PairReceiver:
         assert self.pair is not None
         t = self.transfers.get(msg.request_id)
         if t is not None:
-            t.first_byte = t.first_byte or time.monotonic()
+            self.owner.table.first_byte(t)
         bad = check_notice(msg, self.owner.layout, len(t.block_ids) if t is not None else self._cache_blocks)
         if bad is not None:  # its bytes cannot be received in step: the pair goes
             raise TransferError(f"bad layer notice from producer {self.address}: {bad}")
@@ -316,14 +314,11 @@ class PairReceiver:
     def _landed(self, t: Transfer, layers: list[int] | tuple[int, ...], num_blocks: int, nbytes: int) -> None:
         """``layers`` of ``t`` are in its first ``num_blocks`` blocks now."""
         # the checksum is over the blocks as they now hold the bytes, in the sender's order
+        checksums = {}
         if self.checksum and self.transport != "cuda_ipc":
             ids = t.block_ids[:num_blocks]
-            for layer in layers:
-                t.checksums[layer] = blocks_checksum(t.kv_caches[layer], ids)
-        t.layers.update(layers)
-        t.nbytes += nbytes
-        t.last_landed = time.monotonic()
-        self.owner.advance(t, ConnectorState.RECEIVING)
+            checksums = {layer: blocks_checksum(t.kv_caches[layer], ids) for layer in layers}
+        self.owner.table.layers_landed(t, layers, nbytes, checksums)
 
     def _finish(self, msg: Done) -> None:
         t = self.transfers.pop(msg.request_id, None)

@@ -42,6 +42,7 @@ from common.kv_transfer.verify import blocks_checksum
 if TYPE_CHECKING:
     from common.kv_transfer.control import ControlPlane
     from common.kv_transfer.producer import ProducerRequest
+    from common.kv_transfer.producer_table import ProducerTable
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,8 @@ class PairSender:
                  on_failed: Callable[[PairSender, str], None],
                  on_message: Callable[[bytes, Message], None] | None = None,
                  streams: StreamOps | None = None,
-                 in_use: Callable[[PairSender], bool] = lambda link: True) -> None:
+                 in_use: Callable[[PairSender], bool] = lambda link: True,
+                 table: ProducerTable) -> None:
         self.pair_id, self.identity = pair_id, identity
         self.config, self.stats, self._budget, self._control = config, stats, budget, control
         self.device = device
@@ -103,6 +105,7 @@ class PairSender:
         self._peer_cache: list | None = None  # cuda_ipc: handed to the pair, then held by it alone
         self._last_heard = time.monotonic()
         self._in_use = in_use  # does a live request still use this pair (the producer's table)
+        self._table = table  # where this pair's checksums are recorded (a record's fields are its table's)
         self.last_used = time.monotonic()  # handshake or last PULL on this pair
         # keyless admission (producer.py): the consumer's KV address, and until when a pair whose
         # consumer is no registered decode node may keep its slot (None: a member's pair)
@@ -294,12 +297,14 @@ class PairSender:
         (a GPU tensor is copied to the host: an explicit ``--kv-checksum on`` costs that)."""
         if job.staged is not None:  # [layers, 2, blocks, ...]: each layer's blocks gathered already
             every = list(range(job.staged.shape[2]))
-            for j, layer in enumerate(job.layers):
-                job.req.checksums[layer] = blocks_checksum(job.staged[j], every)
+            self._checksummed(job.req, {layer: blocks_checksum(job.staged[j], every)
+                                        for j, layer in enumerate(job.layers)})
             return
         kv_caches, ids = self._source(job)
-        for layer in job.layers:
-            job.req.checksums[layer] = blocks_checksum(kv_caches[layer], ids)
+        self._checksummed(job.req, {layer: blocks_checksum(kv_caches[layer], ids) for layer in job.layers})
+
+    def _checksummed(self, req: ProducerRequest, checksums: dict[int, int]) -> None:
+        self._table.checksummed(req, checksums)
 
     def _after_kv_written(self, job: SendJob) -> None:
         """gloo/nccl: order this thread's stream after the engine's event for the job's KV (its
@@ -314,8 +319,7 @@ class PairSender:
         kv_caches, ids = self._source(job)
         assert job.staged is None, "save_layer stages nothing for a tcp pair"
         if self.checksum:  # before the trailer is built: a DONE riding with the last layer carries its CRC
-            for layer in job.layers:
-                job.req.checksums[layer] = blocks_checksum(kv_caches[layer], ids)
+            self._checksummed(job.req, {layer: blocks_checksum(kv_caches[layer], ids) for layer in job.layers})
         done = ahead if ahead is not None and ahead.kind == "done" and ahead.req is job.req \
             and not ahead.announced and not ahead.req.dropped else None
         trailer = self.pair.message_frame(encode(self._done(done.req))) if done is not None else b""

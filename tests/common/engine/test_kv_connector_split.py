@@ -12,7 +12,9 @@ import pickle
 from types import SimpleNamespace
 
 from common.engine.block_manager import BlockManager
-from common.engine.kv_connector import (ConnectorState, DiscardSpec, FinishedTransfers, HandoverSpec,
+from common.kv_transfer.consumer_table import ConsumerState
+from common.kv_transfer.producer_table import ProducerState
+from common.engine.kv_connector import (DiscardSpec, FinishedTransfers, HandoverSpec,
                                         KVConnectorMetadata, LoadSpec, SaveSpec)
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import ScheduledBatch, Scheduler
@@ -98,7 +100,7 @@ def test_saves_only_for_the_pass_that_completes_the_prompt_then_hands_over():
     assert save == SaveSpec("x", 0, TO_D["decode_addr"], tuple(x.block_table), 10)
     [handover] = [h for m in metas for h in m.handovers]
     assert handover == HandoverSpec("x", TO_D["decode_addr"], FIRST, None, tuple(x.block_table), 10)
-    assert conn.state("x") is ConnectorState.HANDED_OVER and not any(m.discards for m in metas)
+    assert conn.state("x") is ProducerState.HANDED_OVER and not any(m.discards for m in metas)
     # the hand-over is in the metadata right after the step that sampled (not one step later)
     first_with = [next(i for i, m in enumerate(metas) if getattr(m, kind)) for kind in ("saves", "handovers")]
     assert first_with[1] == first_with[0] + 1
@@ -132,7 +134,7 @@ def test_load_asks_only_for_blocks_after_the_cached_prefix():
     x = s.parked["x"]
     assert not batch and batch.kv_connector_metadata == KVConnectorMetadata(loads=(
         LoadSpec("x", FROM_P["prefill_addr"], tuple(x.block_table[2:]), 2, 14),))
-    assert len(x.block_table) == 4 and conn.state("x") is ConnectorState.LOADING
+    assert len(x.block_table) == 4 and conn.state("x") is ConsumerState.LOADING
 
     s.process_transfers(FinishedTransfers(done_recving={"x": 42}, first_logprobs={"x": {42: -0.1}}))
     assert conn.state("x") is None and x.output_token_ids == [42] and x.num_computed_tokens == 14
@@ -144,7 +146,7 @@ def test_abort_before_hand_off_drops_the_load_and_frees_blocks():
     x = seq("x", 9, FROM_P)
     x.block_table = s.block_manager.allocate(3)
     conn.on_blocks_allocated(x, 0)
-    assert conn.state("x") is ConnectorState.LOAD_PENDING and conn.has_pending()
+    assert conn.state("x") is ConsumerState.LOAD_PENDING and conn.has_pending()
     assert conn.request_finished(x) is False  # nobody writes into the blocks: free them now
     assert conn.state("x") is None and not conn.has_pending() and not conn.build_meta()
 
@@ -156,7 +158,7 @@ def test_abort_after_hand_off_holds_blocks_until_the_receive_stops():
     s.add(x)
     assert s.schedule().kv_connector_metadata.loads
     s.finish(x, "abort")  # e.g. the client went away: AsyncLLMEngine's abort command, between steps
-    assert conn.state("x") is ConnectorState.ABORTING and "x" in s.held
+    assert conn.state("x") is ConsumerState.ABORTING and "x" in s.held
     assert s.take_kv_metadata() == KVConnectorMetadata(aborts=("x",))
     assert s.process_transfers(FinishedTransfers(done_recving={"x": 42})) == []  # raced landing: dropped
     assert s.block_manager.num_free_blocks == 29

@@ -60,7 +60,7 @@ def test_consumer_asks_first_layers_pushed_during_prefill(no_thread_leak):
         assert p.call("prefill", "r1", 11, P_BLOCKS, p_ids, 18, 1234, True, 0.0) == "ok"
         assert p.call("eager", "r1") == LAYOUT.num_layers  # every layer queued by save_layer, before finish
         deadline = time.monotonic() + 15
-        while d.consumer.transfer_state("r1") != "finished":  # landed, not yet polled
+        while d.consumer.transfer_state("r1") != "landed":  # not yet polled
             assert time.monotonic() < deadline, d.consumer.transfer_state("r1")
             time.sleep(0.02)
         done, failed = wait_finished(d, {"r1"})

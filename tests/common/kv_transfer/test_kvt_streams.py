@@ -15,13 +15,12 @@ import torch
 
 import common.kv_transfer.producer as producer_mod
 import common.kv_transfer.sender as sender_mod
-from common.engine.kv_connector import ConnectorState as ProducerState
 from common.kv_transfer.config import TransferConfig, TransferStats
 from common.kv_transfer.cuda_ipc import IpcPair
 from common.kv_transfer.messages import Handshake, Pull
 from common.kv_transfer.paged import ByteBudget
 from common.kv_transfer.producer import KVProducer
-from common.kv_transfer.producer_table import ProducerRequest
+from common.kv_transfer.producer_table import ProducerRequest, ProducerState, ProducerTable
 from common.kv_transfer.sender import PairSender, SendJob
 from common.kv_transfer.transport import Endpoint
 from kvt_fixtures import FAST, LAYOUT
@@ -121,7 +120,7 @@ def test_done_goes_out_only_after_the_copies_event_completed():
     peer = [torch.zeros(LAYOUT.layer_shape(8), dtype=LAYOUT.torch_dtype) for _ in range(LAYOUT.num_layers)]
     sender = PairSender("p", b"d", config=TransferConfig(**FAST), stats=TransferStats(), budget=ByteBudget(1 << 20),
                         control=control, device="cpu", on_done_sent=lambda req: None,
-                        on_failed=lambda link, why: None, streams=streams)
+                        on_failed=lambda link, why: None, streams=streams, table=ProducerTable())
     sender.start(None, "cuda_ipc", peer)
     kv = make_kv(LAYOUT, 8, 4)
     job = _ipc_job([0, 5], [4, 3], kv, ready="layer-written")
@@ -163,7 +162,7 @@ def test_a_silent_consumers_ipc_pair_is_closed_and_its_cache_unmapped():
     sender = PairSender("p", b"d", config=cfg, stats=TransferStats(), budget=ByteBudget(1 << 20),
                         control=FakeControl(log), device="cpu", on_done_sent=lambda req: None,
                         on_failed=lambda link, why: (failed.append(why), closed.set()),
-                        streams=RecordingStreams(log))
+                        streams=RecordingStreams(log), table=ProducerTable())
     sender.start(None, "cuda_ipc", peer)
     del peer
     assert closed.wait(10)
@@ -181,7 +180,7 @@ def test_a_pinging_consumers_pair_stays():
     cfg = TransferConfig(**dict(FAST, timeout_s=0.5, heartbeat_s=0.05))
     sender = PairSender("p", b"d", config=cfg, stats=TransferStats(), budget=ByteBudget(1 << 20),
                         control=FakeControl(log), device="cpu", on_done_sent=lambda req: None,
-                        on_failed=lambda link, why: None, streams=RecordingStreams(log))
+                        on_failed=lambda link, why: None, streams=RecordingStreams(log), table=ProducerTable())
     wakeups = threading.Semaphore(0)
     check = sender._check_consumer
 

@@ -3,11 +3,28 @@ the moves their docstrings list, and the races they settle, without threads or s
 
 from __future__ import annotations
 
-from common.engine.kv_connector import ConnectorState as S
-from common.kv_transfer.consumer_table import ConsumerTable, Transfer
+import pytest
+
+from common.kv_transfer import consumer_table, producer_table
+from common.kv_transfer.consumer_table import ConsumerState as C
+from common.kv_transfer.consumer_table import ConsumerTable, IllegalMove
+from common.kv_transfer.producer_table import ProducerState as S
 from common.kv_transfer.producer_table import ProducerTable
 
 LINK = object()  # stands in for the link thread a record is handed to
+
+
+def pull(t: ProducerTable, rid: str, deadline: float, link=None):
+    return t.pulled(rid, deadline, link, [], 0, 0, 0)
+
+
+def finish(t: ProducerTable, rid: str, deadline: float):
+    return t.finish(rid, deadline, first_token=0, first_logprobs=[], choices=[], cached_tokens=0, kv_caches=[],
+                    block_ids=[], ready=None)
+
+
+def start(t: ConsumerTable, rid: str, block_ids: list[int], num_tokens: int):
+    return t.start(rid, block_ids, num_tokens, [], 0, LINK)
 
 
 def test_unclaimed_reservations_count_until_claimed_finished_or_dropped():
@@ -15,7 +32,7 @@ def test_unclaimed_reservations_count_until_claimed_finished_or_dropped():
     with t.lock:
         assert t.reserve("a", 3, 5, now=0.0, lease_s=10) and t.reserve("b", 2, 5, now=0.0, lease_s=10)
         assert not t.reserve("c", 1, 5, now=0.0, lease_s=10)  # 3 + 2 held for nobody
-        t.pulled("a", deadline=10.0)  # claimed: no longer unclaimed
+        pull(t, "a", deadline=10.0)  # claimed: no longer unclaimed
         assert t.reserve("c", 3, 5, now=0.0, lease_s=10)
         t.drop("c", "discarded")
         assert t.records["c"].state is S.DROPPED
@@ -29,8 +46,8 @@ def test_producer_record_from_hand_over_to_release():
     t.hand_over("x")  # the scheduler side, before the worker's finish
     assert t.state("x") is S.HANDED_OVER
     with t.lock:
-        req = t.pulled("x", deadline=5.0)
-        assert req.state is S.HANDED_OVER and t.finish("x", deadline=9.0) is req and req.state is S.HELD
+        req = pull(t, "x", deadline=5.0)
+        assert req.state is S.HANDED_OVER and finish(t, "x", deadline=9.0) is req and req.state is S.HELD
         t.sending(req)
         t.done_sent(req, deadline=20.0)
         assert req.state is S.AWAITING_ACK and t.ack("x") is req and req.state is S.RELEASED
@@ -44,9 +61,8 @@ def test_a_pinging_consumer_renews_only_its_pairs_ack_leases():
     mine, other = object(), object()
     with t.lock:
         for rid, link, state in (("a", mine, "awaiting"), ("b", other, "awaiting"), ("c", mine, "held")):
-            req = t.pulled(rid, deadline=5.0)
-            req.link = link
-            t.finish(rid, deadline=9.0)
+            req = pull(t, rid, deadline=5.0, link=link)
+            finish(t, rid, deadline=9.0)
             if state == "awaiting":
                 t.sending(req)
                 t.done_sent(req, deadline=20.0)
@@ -59,9 +75,9 @@ def test_a_pinging_consumer_renews_only_its_pairs_ack_leases():
 def test_producer_drop_while_prefill_runs_frees_the_blocks_at_finish_and_keeps_the_reason():
     t = ProducerTable()
     with t.lock:
-        t.pulled("x", deadline=5.0)
+        pull(t, "x", deadline=5.0)
         t.drop("x", "aborted by the consumer")
-        assert t.records["x"].state is S.DROPPED and t.finish("x", deadline=9.0) is None
+        assert t.records["x"].state is S.DROPPED and finish(t, "x", deadline=9.0) is None
         assert t.poll_freeable() == {"x"}
         assert t.records["x"].state is S.DROPPED and t.records["x"].why == "aborted by the consumer"
         assert t.drop("x", "again") is None  # dropped once
@@ -71,12 +87,12 @@ def test_consumer_abort_wins_over_a_landing_and_holds_until_the_link_stopped():
     t = ConsumerTable()
     t.plan("x")
     t.issue("x")
-    rec = Transfer("x", [1, 2], 8)
-    assert t.start(rec, LINK) and t.state("x") is S.QUEUED
-    t.advance(rec, S.PULLED)
-    assert t.abort("x") and t.state("x") is S.ABORTING  # the scheduler side decides
+    rec = start(t, "x", [1, 2], 8)
+    assert rec is not None and t.state("x") is C.QUEUED
+    t.pull_sent(rec)
+    assert t.abort("x") and t.state("x") is C.ABORTING  # the scheduler side decides
     assert t.stop("x") is LINK  # the worker issues it: the link still has to say it stopped
-    assert not t.finish(rec, S.LANDED, first_token=7)  # a landing after the abort is ignored
+    assert not t.finish(rec, C.LANDED, first_token=7)  # a landing after the abort is ignored
     assert t.poll_finished() == ({}, {}) and t.poll_aborted() == set()
     t.abort_stopped("x")
     assert t.poll_aborted() == {"x"} and t.state("x") is None
@@ -84,10 +100,49 @@ def test_consumer_abort_wins_over_a_landing_and_holds_until_the_link_stopped():
 
 def test_consumer_landed_extras_wait_one_poll_and_pending_loads_are_dropped_at_once():
     t = ConsumerTable()
-    rec = Transfer("x", [1], 4)
-    t.start(rec, LINK)
-    assert t.finish(rec, S.LANDED, first_token=7, cached_tokens=3)
+    rec = start(t, "x", [1], 4)
+    t.pull_sent(rec)
+    assert t.finish(rec, C.LANDED, first_token=7, cached_tokens=3)
     assert t.poll_finished() == ({"x": 7}, {}) and t.value("x") == "unknown"
     assert t.take_landed({"x"})["x"].cached_tokens == 3 and t.state("x") is None
     t.plan("y")
     assert t.unplan("y") and not t.abort("y") and t.state("y") is None
+
+
+def test_a_planned_record_is_filled_in_place_and_reports_fill_it_too():
+    """The record the scheduler planned is the one the load, the link's reports and DONE fill:
+    nothing holds a second copy of it."""
+    t = ConsumerTable()
+    t.plan("x")
+    t.issue("x")
+    with t.lock:
+        planned = t._records["x"]
+    rec = start(t, "x", [4, 5], 20)
+    assert rec is planned and rec.block_ids == [4, 5] and rec.num_tokens == 20 and rec.link is LINK
+    t.pull_sent(rec)
+    t.first_byte(rec)
+    t.layers_landed(rec, [0, 1], 512, {0: 11, 1: 12})
+    assert (rec.state, rec.layers, rec.nbytes, rec.checksums) == (C.RECEIVING, {0, 1}, 512, {0: 11, 1: 12})
+    assert rec.first_byte is not None and rec.last_landed is not None
+    assert t.retry(rec) and not t.retry(rec)  # asked again on a new pair once
+
+
+@pytest.mark.parametrize("module", [consumer_table, producer_table])
+def test_every_state_has_its_moves_and_an_illegal_move_raises(module):
+    """The moves map names every state; a move it does not list is a bug and raises."""
+    states = set(module.ConsumerState if module is consumer_table else module.ProducerState)
+    assert set(module.MOVES) == states | {None}
+    assert set().union(*module.MOVES.values()) <= states
+
+
+def test_illegal_moves_raise_on_both_sides():
+    c = ConsumerTable()
+    c.plan("x")
+    with pytest.raises(IllegalMove, match="LOAD_PENDING -> LANDED"), c.lock:
+        c._move(c._records["x"], C.LANDED)  # DONE for a load never sent
+    p = ProducerTable()
+    p.hand_over("y")
+    with pytest.raises(IllegalMove, match="HANDED_OVER -> AWAITING_ACK"), p.lock:
+        p._move(p.records["y"], S.AWAITING_ACK)
+    with p.lock:
+        assert p.ack("y") is None  # nothing was sent: an ACK moves nothing

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from common.config import NodeConfig
-from common.engine.kv_connector import ConnectorState as S
 from common.engine.kv_connector import FinishedTransfers, HandoverSpec, KVConnectorMetadata, LoadSpec, SaveSpec
 from common.kv_layout import KVLayout
+from common.kv_transfer.consumer_table import ConsumerState as C
 from common.kv_transfer.consumer_table import ConsumerTable, Transfer
+from common.kv_transfer.producer_table import ProducerState as S
 from common.kv_transfer.producer_table import ProducerTable
 from common.kv_transfer.tp_routes import RankRoutes
 from common.kv_transfer.tp_slices import SlicedWorker, slice_caches, slice_heads, slice_layout
@@ -64,8 +65,7 @@ class FakeConsumer:
 
     def request(self, rid, addr, block_ids, num_tokens, kv_caches, first_block=0):
         self.requests.append((rid, addr, tuple(block_ids), num_tokens, kv_caches, first_block))
-        t = self.transfers[rid] = Transfer(rid, list(block_ids), num_tokens, kv_caches, first_block)
-        self.table.start(t, link=object())
+        self.transfers[rid] = self.table.start(rid, block_ids, num_tokens, kv_caches, first_block, link=object())
 
     def abort(self, rid):
         self.aborts.append(rid)
@@ -88,10 +88,11 @@ class FakeConsumer:
 
     # what a link thread would do
     def land(self, rid, token, **extras):
-        assert self.table.finish(self.transfers[rid], S.LANDED, first_token=token, **extras)
+        self.table.pull_sent(self.transfers[rid])
+        assert self.table.finish(self.transfers[rid], C.LANDED, first_token=token, **extras)
 
     def fail(self, rid, error):
-        assert self.table.finish(self.transfers[rid], S.FAILED, error=error)
+        assert self.table.finish(self.transfers[rid], C.FAILED, error=error)
 
 
 def _routes(rank=0, tp=1, heads=2):
@@ -166,7 +167,7 @@ def test_a_route_failure_aborts_the_other_and_fails_once():
     e1.consumer.fail("r1", "connection reset")
     assert routes.get_finished() == FinishedTransfers()  # route 0 may still write into the blocks
     assert e0.consumer.aborts == ["r1"] and e1.consumer.aborts == []
-    assert e0.consumer.table.state("r1") is S.ABORTING
+    assert e0.consumer.table.state("r1") is C.ABORTING
     e0.consumer.table.abort_stopped("r1")
     out = routes.get_finished()
     assert out.failed_recving == {"r1": "the route from prefill rank 1: connection reset"}
