@@ -14,7 +14,7 @@ import msgpack
 
 # 2: Handshake.backend/endpoint/ipc, HandshakeOk.backend, Pull.first_block/block_ids,
 # Done.first_logprobs, sealed frames under a cluster key. A peer on another version is
-# logged ("protocol version 1 != 2") and dropped: upgrade P and D together.
+# logged ("protocol version 2 != 3") and dropped: upgrade P and D together.
 # 3: verified KV (verify.py): Pull.nonce; Done.nonce/num_layers/nbytes/checksums; Handshake.checksum,
 # HandshakeOk.checksum.
 PROTOCOL_VERSION = 3
