@@ -72,7 +72,7 @@ class ConsumerScheduler(KVConnectorScheduler):
         self.table = ConsumerTable()  # until bind: then the transfer engine's (one table a side)
         # tensor parallelism: another rank may still write into a request's blocks (tp_ranks)
         self.still_landing: Callable[[str], bool] = lambda request_id: False
-        # the prefill node's TP size, as the registry last said (0: unknown; pdserve/daemon.py)
+        # the prefill node's TP size, as the registry last said (0: unknown; common/node/daemon.py)
         self.peer_tp_size: Callable[[str], int] = lambda prefill_addr: 0
 
     def state(self, request_id: str) -> ConsumerState | None:
