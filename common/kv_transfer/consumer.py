@@ -95,6 +95,11 @@ class KVConsumer:
         self.table.start(*load, None, error=reason)
         self.on_progress()
 
+    def refuse(self, request_id: str, reason: str) -> None:
+        """A load its caller could not even ask for (``request`` raised): FAILED with ``reason``,
+        reported by the next :meth:`poll_finished` like any failed transfer."""
+        self.table.start(request_id, [], 0, [], 0, None, error=reason)
+
     def poll_finished(self) -> tuple[dict[str, int], dict[str, str]]:
         """(request_id -> first token for landed transfers, request_id -> error for failed ones).
         A landed one's logprobs, choices and cached count wait for :meth:`take_landed` until the

@@ -43,15 +43,6 @@ class ProducerWorker(TransferWorker):
 class ConsumerWorker(TransferWorker):
     """Moves the bytes: the only half bound to the transfer engine and the KV cache (``bind``)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._refused: dict[str, str] = {}  # loads the transfer engine refused; reported as failed
-
-    @property
-    def refused(self) -> set[str]:
-        """Loads of the last ``issue`` refused at once (reported failed at the next poll)."""
-        return set(self._refused)
-
     def issue(self, meta: KVConnectorMetadata) -> None:
         if self.transfer is None:
             return
@@ -65,15 +56,13 @@ class ConsumerWorker(TransferWorker):
                 consumer.request(load.request_id, load.prefill_addr, list(load.block_ids),
                                  load.num_prompt_tokens, self.kv_caches, first_block=load.first_block)
             except (ValueError, TransferError) as e:  # one bad load fails its request, not the engine
-                self._refused[load.request_id] = str(e)
+                consumer.refuse(load.request_id, str(e))
 
     def get_finished(self) -> FinishedTransfers:
         if self.transfer is None:
             return FinishedTransfers()
         consumer = self.transfer.consumer
         done, failed = consumer.poll_finished()
-        if self._refused:
-            failed, self._refused = {**failed, **self._refused}, {}
         landed = consumer.take_landed(done) if done else {}
         return FinishedTransfers(
             stopped=consumer.poll_aborted(), done_recving=done, failed_recving=failed,

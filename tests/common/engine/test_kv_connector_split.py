@@ -183,15 +183,22 @@ class RecordingTransfer:
     def __init__(self, refuse: str | None = None):
         self.calls: list[tuple] = []
         rec = self.calls
+        failed: dict[str, str] = {}  # what ``refuse`` recorded, as the real table would: the next poll's
 
         class Half:
             def __getattr__(self, name):
                 def call(*args, **kw):
                     if name == "request" and refuse:
                         raise ValueError(refuse)
+                    if name == "refuse":
+                        failed[args[0]] = args[1]
+                        return None
                     rec.append((name, *args, *kw.values()))
-                    return set() if name in ("poll_freeable", "poll_aborted") else (
-                        ({}, {}) if name == "poll_finished" else None)
+                    if name == "poll_finished":
+                        out = ({}, dict(failed))
+                        failed.clear()
+                        return out
+                    return set() if name in ("poll_freeable", "poll_aborted") else None
                 return call
 
         self.producer = self.consumer = Half()
