@@ -45,9 +45,10 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from common.engine.kv_connector import (EMPTY_METADATA, ConnectorState, DiscardSpec, FinishedTransfers, HandoverSpec,
+from common.engine.kv_connector import (EMPTY_METADATA, DiscardSpec, FinishedTransfers, HandoverSpec,
                                         KVConnectorMetadata, KVConnectorWorker, LoadSpec, SaveSpec)
 from common.engine.parallel import FIRST_EXTENSION_OP, Leader
+from common.kv_transfer.consumer_table import ConsumerState
 from common.kv_transfer.tp_outcomes import RankOutcomes
 from common.kv_transfer.tp_routes import RankRoutes, merge, rank_address
 from common.kv_transfer.tp_slices import SlicedWorker
@@ -144,7 +145,7 @@ class LeaderKVWorker(KVConnectorWorker):
         transfer = getattr(self.inner, "transfer", None)
         if transfer is not None:
             table = transfer.consumer.table
-            refused |= {s.request_id for s in meta.loads if table.state(s.request_id) is ConnectorState.FAILED}
+            refused |= {s.request_id for s in meta.loads if table.state(s.request_id) is ConsumerState.FAILED}
         return refused
 
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, meta: KVConnectorMetadata) -> None:
