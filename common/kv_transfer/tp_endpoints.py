@@ -17,7 +17,8 @@ from common.engine.kv_connector import FinishedTransfers
 from common.engine.model_runner import LayerHook
 from common.engine.parallel import Leader
 from common.engine.tp_worker import RankExtension, WorkerRank
-from common.kv_transfer.tp_ranks import KV_ISSUE, KV_POLL, KV_START, RankFollower, decode_meta, encode_report
+from common.kv_transfer.tp_ranks import (KV_ISSUE, KV_MEMBERS, KV_POLL, KV_START, RankFollower, decode_member_list,
+                                         decode_meta, encode_report)
 from common.kv_transfer.tp_routes import RankRoutes
 from common.kv_transfer.tp_slices import SlicedWorker, slice_caches, slice_heads, slice_layout
 from common.kv_transfer.workers import ConsumerWorker, ProducerWorker
@@ -114,8 +115,8 @@ def start_rank_endpoints(leader: Leader, spec: bytes) -> None:
 
 class RankKVServer(RankExtension):
     """A worker rank's KV part: KV_START opens its endpoint (``open_rank_endpoint``; the outcome is
-    gathered by rank 0), KV_ISSUE and KV_POLL go to its :class:`RankFollower`, and each step saves
-    what the follower was told to."""
+    gathered by rank 0), KV_ISSUE, KV_POLL and KV_MEMBERS go to its :class:`RankFollower`, and each
+    step saves what the follower was told to."""
 
     def __init__(self, worker: WorkerRank) -> None:
         super().__init__(worker)
@@ -127,6 +128,9 @@ class RankKVServer(RankExtension):
         elif op == KV_ISSUE:
             if self.follower is not None:
                 self.follower.issue(decode_meta(payload))
+        elif op == KV_MEMBERS:
+            if self.follower is not None:
+                self.follower.set_members(decode_member_list(payload))
         elif op == KV_POLL:
             self.worker.group.gather_bytes(self.follower.poll() if self.follower is not None else msgpack.packb(
                 [{}, encode_report(FinishedTransfers())]))

@@ -20,7 +20,12 @@ worker side of rank 0 is a :class:`LeaderKVWorker`:
 * ``get_finished()``: rank 0 polls its endpoint and gathers every worker's report
   (``KV_POLL``); :class:`~tp_outcomes.RankOutcomes` turns them into one outcome per request.
 
-The three commands are the engine's extension commands (``parallel.FIRST_EXTENSION_OP`` on):
+* membership (prefill, keyless): which consumers are registered decode nodes, whose pairs a
+  stranger's never keeps out of a slot (``KVProducer.is_member``). Rank 0 learns the list from
+  the registry; ``get_finished`` forwards it (``KV_MEMBERS``) whenever it changed, and each
+  worker's producers answer from it by rank 0's rule (:func:`counts_as_member`).
+
+The four commands are the engine's extension commands (``parallel.FIRST_EXTENSION_OP`` on):
 the workers run ``tp_rank_main``, which serves them (``tp_endpoints.RankKVServer``).
 
 One outcome (``tp_outcomes``):
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -60,8 +66,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# rank 0's commands to the workers: open your KV endpoint, carry out this metadata, report what ended
-KV_START, KV_ISSUE, KV_POLL = FIRST_EXTENSION_OP, FIRST_EXTENSION_OP + 1, FIRST_EXTENSION_OP + 2
+# rank 0's commands to the workers: open your KV endpoint, carry out this metadata, report what ended,
+# these consumers are members
+KV_START, KV_ISSUE, KV_POLL, KV_MEMBERS = range(FIRST_EXTENSION_OP, FIRST_EXTENSION_OP + 4)
 
 
 # ---- what crosses the tensor-parallel group --------------------------------------------------
@@ -92,6 +99,24 @@ def decode_report(data: bytes) -> FinishedTransfers:
                              done_recving=dict.fromkeys(r["done"], 0), failed_recving=dict(r["failed"]))
 
 
+def encode_member_list(members: frozenset[str] | None) -> bytes:
+    """KV_MEMBERS' payload: the members' KV addresses, or None (every consumer counts)."""
+    return msgpack.packb(None if members is None else sorted(members))
+
+
+def decode_member_list(data: bytes) -> frozenset[str] | None:
+    members = msgpack.unpackb(data)
+    return None if members is None else frozenset(members)
+
+
+def counts_as_member(members: frozenset[str] | None, consumer: str) -> bool:
+    """Is the pair of the consumer at ``consumer`` a member's? ``members``: the registered decode
+    nodes' KV addresses (one per KV rank: a decode rank r handshakes from its node's port + r), or
+    None when every consumer counts (a cluster key, or no registry answer yet): the daemon's
+    ``member_decode`` rule (common/node/daemon.py), which rank 0's own endpoint uses."""
+    return members is None or consumer in members
+
+
 def for_rank(meta: KVConnectorMetadata, rank: int) -> KVConnectorMetadata:
     """``meta`` with each peer address moved to that peer's rank ``rank``."""
     if rank == 0:
@@ -109,12 +134,21 @@ def for_rank(meta: KVConnectorMetadata, rank: int) -> KVConnectorMetadata:
 class LeaderKVWorker(KVConnectorWorker):
     """Rank 0's connector worker under tensor parallelism: its own endpoint's worker
     (``inner``), its routed loads (``routes``, decode), the workers told every decision, and
-    their reports combined."""
+    their reports combined.
+
+    ``members`` (prefill): the decode nodes' KV addresses the registry last named, or None when
+    every consumer counts (the daemon's ``decode_members``); forwarded to the workers' endpoints
+    when it changes. A worker endpoint starts at None, as rank 0's producer starts with every
+    consumer a member, so nothing is sent until the registry has answered."""
 
     def __init__(self, inner: KVConnectorWorker, leader: Leader, role: str,
-                 routes: RankRoutes | None = None, peer_tp_size=lambda addr: 0) -> None:
+                 routes: RankRoutes | None = None, peer_tp_size=lambda addr: 0,
+                 members: Callable[[], frozenset[str] | None] = lambda: None) -> None:
         self.inner, self.leader, self.role, self.routes = inner, leader, role, routes
         self.peer_tp_size = peer_tp_size  # a prefill node's TP size (0: unknown), for releases
+        self.members = members
+        self._members_read: frozenset[str] | None = None  # members()'s last answer, to skip comparing it
+        self._members_sent: frozenset[str] | None = None  # what the workers' endpoints were told
         self.outcomes = RankOutcomes(leader.size)
         self.rank_stats: list[dict] = [{} for _ in range(leader.size)]  # each worker's transfer counters
 
@@ -138,7 +172,11 @@ class LeaderKVWorker(KVConnectorWorker):
 
     def _refused(self, meta: KVConnectorMetadata) -> set[str]:
         """The loads rank 0 refused as it issued them (a bad request, an unknown peer): the workers
-        must not ask that peer either."""
+        must not ask that peer either. This is what keeps a decode node's worker ranks, whose
+        consumers keep ``known_peer``'s default (any address), from pulling from a prefill node rank 0
+        does not know: rank 0's consumer refuses it before opening anything (``KVConsumer.request``,
+        FAILED in its table; a routed load is taken only from a known peer, ``RankRoutes.split``),
+        and a refused load is left out of KV_ISSUE."""
         if not meta.loads:
             return set()
         refused = set(getattr(self.inner, "refused", ()))
@@ -152,6 +190,7 @@ class LeaderKVWorker(KVConnectorWorker):
         self.inner.save_kv_layer(layer_idx, kv_layer, meta)
 
     def get_finished(self) -> FinishedTransfers:
+        self._forward_members()
         own = self.inner.get_finished()
         if self.routes is not None:
             own = merge(own, self.routes.get_finished())
@@ -174,6 +213,18 @@ class LeaderKVWorker(KVConnectorWorker):
             self.leader.send_bytes(KV_ISSUE, encode_meta(stop))
         return out
 
+    def _forward_members(self) -> None:
+        """Send the workers ``members()`` if it changed since they were last told (KV_MEMBERS). Runs
+        at each poll on the engine thread, which owns the group: a change reaches the workers at the
+        next step (an idle engine polls nothing: at its next request's first step)."""
+        members = self.members()
+        if members is self._members_read:  # the registry client keeps one set until a heartbeat's answer
+            return
+        self._members_read = members
+        if members != self._members_sent:
+            self._members_sent = members
+            self.leader.send_bytes(KV_MEMBERS, encode_member_list(members))
+
 
 def _held_aborts(meta: KVConnectorMetadata, worker: KVConnectorWorker) -> KVConnectorMetadata:
     """Of ``meta.aborts``, those that may still receive on this rank (the table moves them to ABORTING),
@@ -185,14 +236,31 @@ def _held_aborts(meta: KVConnectorMetadata, worker: KVConnectorWorker) -> KVConn
 # ---- a worker rank ------------------------------------------------------------------------------
 class RankFollower:
     """A worker rank's part: rank 0's decisions carried out on this rank's own KV endpoint and
-    cache (and its routes, on a decode node), with the table calls rank 0's scheduler side makes."""
+    cache (and its routes, on a decode node), with the table calls rank 0's scheduler side makes.
+    On a prefill node its producers' pair slots go to members first by rank 0's list (KV_MEMBERS)."""
 
     def __init__(self, role: str, rank: int, transfer: KVTransferEngine, worker: KVConnectorWorker,
                  routes: RankRoutes | None = None) -> None:
         """``transfer``: the rank's (first) endpoint, whose table the follower keeps; ``worker``: bound
-        to it (or a ``SlicedWorker`` over the rank's KV ranks)."""
+        to it (or a ``SlicedWorker`` over the rank's KV ranks, whose others ask the first's is_member)."""
         self.role, self.rank, self.transfer, self.worker, self.routes = role, rank, transfer, worker, routes
         self._saves = EMPTY_METADATA  # the metadata whose saves the next step makes
+        self.members: frozenset[str] | None = None  # rank 0's last KV_MEMBERS; None: every consumer counts
+        if role == "prefill":
+            transfer.producer.is_member = self.is_member
+
+    def is_member(self, consumer: str) -> bool:
+        """The producer's question (control thread): does ``consumer`` name a registered decode node?"""
+        return counts_as_member(self.members, consumer)
+
+    def set_members(self, members: frozenset[str] | None) -> None:
+        """KV_MEMBERS: rank 0's member list changed (one assignment: the control thread reads it unlocked)."""
+        self.members = members
+        if members is None:
+            log.info("rank %d: every consumer's pair counts as a member's", self.rank)
+        else:
+            log.info("rank %d: %d registered decode KV address(es) are members; other consumers' pairs are "
+                     "strangers'", self.rank, len(members))
 
     def issue(self, meta: KVConnectorMetadata) -> None:
         if self.role == "decode":

@@ -51,10 +51,14 @@ class SlicedWorker(KVConnectorWorker):
     a request is freeable once every one of them released it.
 
     ``workers[0]``'s table is the one the caller keeps (rank 0: the scheduler's; a worker rank:
-    its follower's), so only the others' hand-overs and forgets are done here."""
+    its follower's), so only the others' hand-overs and forgets are done here. Likewise its
+    producer's ``is_member`` (the keyless pair-slot priority), which the caller sets: the others ask it."""
 
     def __init__(self, workers: list[ProducerWorker], num_heads: int) -> None:
         self.workers = workers
+        first = workers[0].transfer.producer  # type: ignore[union-attr]
+        for worker in workers[1:]:  # asked at each handshake: whatever the caller set by then
+            worker.transfer.producer.is_member = lambda consumer: first.is_member(consumer)  # type: ignore[union-attr]
         self.heads = [slice_heads(num_heads, len(workers), j) for j in range(len(workers))]
         self.outcomes = RankOutcomes(len(workers))  # a hand-over is freeable once every KV rank released it
 

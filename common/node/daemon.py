@@ -195,7 +195,9 @@ class Daemon:
                                      llm.kv_caches, opener)
         scheduler = connector.scheduler  # type: ignore[attr-defined]
         if leader is not None:
-            worker = LeaderKVWorker(worker, leader, cfg.role, self.routes, self.prefill_tp_size)
+            # a prefill node's worker ranks give their pair slots to members first by rank 0's list
+            members = self.decode_members if cfg.role == "prefill" else lambda: None
+            worker = LeaderKVWorker(worker, leader, cfg.role, self.routes, self.prefill_tp_size, members)
             self.rank_stats = worker.rank_stats
             if cfg.role == "decode":
                 scheduler.still_landing = worker.outcomes.landing
@@ -246,9 +248,17 @@ class Daemon:
         """Does a pair's consumer at ``kv_addr`` count as a member (its pair's slot is never given to
         a stranger's)? With a cluster key, yes: its handshake was sealed. Keyless, when the registry
         names it among the decode nodes it answers this prefill node with; with no answer (no
-        proxy, or vLLM's), every consumer counts, as before."""
-        members = self.heartbeater.members if self.heartbeater is not None else None
-        return self.key is not None or members is None or kv_addr in members
+        proxy, or vLLM's), every consumer counts, as before. Rank 0's endpoint asks this; the other
+        KV endpoints ask ``decode_members``' list, which rank 0 forwards (``tp_ranks``), by the same rule."""
+        members = self.decode_members()
+        return members is None or kv_addr in members
+
+    def decode_members(self) -> frozenset[str] | None:
+        """The consumers' KV addresses that count as members (one per decode KV rank), or None when
+        every consumer does: with a cluster key, or before the registry answered (or without one)."""
+        if self.key is not None or self.heartbeater is None:
+            return None
+        return self.heartbeater.members
 
     def prefill_tp_size(self, kv_addr: str) -> int:
         """The TP size the registry last gave for the prefill node at ``kv_addr`` (0: not said; a
