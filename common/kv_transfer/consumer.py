@@ -45,7 +45,7 @@ class KVConsumer:
         self.layout, self.config, self.stats = layout, config, stats
         self.vocab_size = vocab_size  # a DONE's tokens must lie in [0, vocab_size) (peer_checks.py)
         # whether KV may be pulled from this producer address; the decode daemon sets it from
-        # --kv-peers and the registry's member list (pdserve/daemon.py). Asked before anything opens.
+        # --kv-peers and the registry's member list (common/node/daemon.py). Asked before anything opens.
         self.known_peer: Callable[[str], bool] = lambda address: True
         self.transport = transport  # --kv-transport: what this side asks for at each handshake
         self.address = ""  # this endpoint's own KV address, named in each handshake (set by the engine)

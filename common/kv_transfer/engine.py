@@ -1,7 +1,8 @@
 """One KV transfer endpoint per daemon process: control plane, pairs, producer, consumer.
 
-The prefill daemon uses ``engine.producer``, the decode daemon ``engine.consumer``; a
-process may use both. Every call the engine thread makes returns without waiting on the
+The prefill daemon's endpoint (``role="prefill"``) builds only ``engine.producer``, the decode
+daemon's (``role="decode"``) only ``engine.consumer``; ``role="both"`` (tests, benchmarks)
+builds the two. Every call the engine thread makes returns without waiting on the
 network; results are polled (``producer.poll_freeable``, ``consumer.poll_finished``), and
 ``on_progress`` (the engine thread's wake-up) is called, from a transfer thread, whenever a
 poll would return something new: a waiting engine steps at once instead of at its next poll.
@@ -16,9 +17,11 @@ from common.kv_layout import KVLayout
 from common.kv_transfer.config import TransferConfig, TransferStats
 from common.kv_transfer.consumer import KVConsumer
 from common.kv_transfer.control import ControlPlane, split_address
-from common.kv_transfer.messages import Message
+from common.kv_transfer.messages import Error, Message
 from common.kv_transfer.producer import KVProducer
 from common.kv_transfer.transport import check_mode
+
+ROLES = ("prefill", "decode", "both")
 
 
 class KVTransferEngine:
@@ -28,46 +31,76 @@ class KVTransferEngine:
     auto, cuda_ipc, nccl, tcp or gloo) it decides each pair's data plane at its handshake
     (transport.py). ``advertise_host`` is the address peers use to reach this process
     (default: the bind host); ``key`` (the cluster key) seals every control message;
-    ``vocab_size`` bounds the token ids a producer's DONE may carry.
+    ``vocab_size`` bounds the token ids a producer's DONE may carry; ``role`` picks the halves
+    built (prefill: the producer, decode: the consumer, both).
     """
 
     def __init__(self, zmq_address: str, layout: KVLayout, config: TransferConfig | None = None,
                  stats: TransferStats | None = None, device: str = "cpu", advertise_host: str | None = None,
                  transport: str = "auto", key: ClusterKey | None = None,
-                 on_progress: Callable[[], None] | None = None, vocab_size: int | None = None) -> None:
+                 on_progress: Callable[[], None] | None = None, vocab_size: int | None = None,
+                 role: str = "both") -> None:
         check_mode(transport)
-        self.layout = layout
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        self.layout, self.role = layout, role
         self.config = config or TransferConfig()
         self.stats = stats or TransferStats()
         host, _ = split_address(zmq_address)
-        # peers reach the pair's store here: the bind host may be 0.0.0.0, which they cannot dial
-        self.producer = KVProducer(layout, self.config, self.stats, advertise_host or host, device, transport)
-        self.consumer = KVConsumer(layout, self.config, self.stats, transport, vocab_size)
+        self._producer = self._consumer = None
+        if role != "decode":
+            # peers reach the pair's store here: the bind host may be 0.0.0.0, which they cannot dial
+            self._producer = KVProducer(layout, self.config, self.stats, advertise_host or host, device, transport)
+        if role != "prefill":
+            self._consumer = KVConsumer(layout, self.config, self.stats, transport, vocab_size)
         self.control = ControlPlane(zmq_address, self._on_router, self._on_dealer, key=key,
                                     idle_s=self.config.peer_idle_s, max_peers=self.config.max_peers)
-        self.producer.control = self.consumer.control = self.control
-        if on_progress is not None:
-            self.producer.on_progress = self.consumer.on_progress = on_progress
         self.address = self.control.address
-        self.consumer.address = f"{advertise_host or host}:{split_address(self.address)[1]}"
+        for half in self._halves():
+            half.control = self.control
+            if on_progress is not None:
+                half.on_progress = on_progress
+        if self._consumer is not None:
+            self._consumer.address = f"{advertise_host or host}:{split_address(self.address)[1]}"
+
+    @property
+    def producer(self) -> KVProducer:
+        if self._producer is None:
+            raise AttributeError(f"a {self.role} node's KV endpoint has no producer half")
+        return self._producer
+
+    @property
+    def consumer(self) -> KVConsumer:
+        if self._consumer is None:
+            raise AttributeError(f"a {self.role} node's KV endpoint has no consumer half")
+        return self._consumer
+
+    def _halves(self) -> list:
+        return [h for h in (self._producer, self._consumer) if h is not None]
 
     def _on_router(self, identity: bytes, msg: Message) -> None:
-        self.producer.handle(identity, msg)
+        if self._producer is not None:
+            self._producer.handle(identity, msg)
+        elif msg.id:  # asked a decode node for KV: told at once, not left to its deadline
+            self.control.reply(identity, Error(id=msg.id, reason="this KV endpoint is a decode node's: "
+                                                                "it has no KV to give"))
 
     def _on_dealer(self, address: str, msg: Message) -> None:
-        self.consumer.handle(address, msg)
+        if self._consumer is not None:
+            self._consumer.handle(address, msg)
 
     def pair_counts(self) -> dict[str, int]:
         """Live data-plane pairs by transport, both halves together (for /metrics)."""
         counts: dict[str, int] = {}
-        for transport in self.producer.pair_transports() + self.consumer.pair_transports():
-            counts[transport] = counts.get(transport, 0) + 1
+        for half in self._halves():
+            for transport in half.pair_transports():
+                counts[transport] = counts.get(transport, 0) + 1
         return counts
 
     def close(self) -> None:
         """Stop every thread, close every pair and socket."""
-        self.consumer.close()
-        self.producer.close()
+        for half in reversed(self._halves()):
+            half.close()
         self.control.close()
 
     def __enter__(self) -> KVTransferEngine:

@@ -120,6 +120,7 @@ class Daemon:
             f"{cfg.host}:{cfg.kv_port}", layout, transfer_config(cfg), stats,
             device=str(engine.engine.device), advertise_host=cfg.kv_host, transport=transport,
             key=self.key, on_progress=engine.wake, vocab_size=engine.engine.model_config.vocab_size,
+            role=cfg.role,
         )
         warn_if_open(f"the {cfg.role} daemon (HTTP and KV endpoint)", cfg.host, self.key,
                      "get completions past the proxy's API key, make this node connect to any address, "
@@ -138,8 +139,10 @@ class Daemon:
                                            cfg.heartbeat_interval_s, key=self.key)
             self.heartbeater.start()
             logger.info("registering with the proxy at %s as %s", cfg.proxy, self.node_id)
-        self.transfer.consumer.known_peer = self.known_prefill
-        self.transfer.producer.is_member = self.member_decode
+        if cfg.role == "decode":
+            self.transfer.consumer.known_peer = self.known_prefill
+        else:
+            self.transfer.producer.is_member = self.member_decode
         if hasattr(connector, "scheduler") and hasattr(connector.scheduler, "peer_tp_size"):
             connector.scheduler.peer_tp_size = self.prefill_tp_size  # type: ignore[attr-defined]
 
@@ -181,7 +184,7 @@ class Daemon:
         port = int(self.transfer.address.rpartition(":")[2])
         spec = endpoint_spec(cfg.role, cfg.host, port, cfg.kv_host, cfg.kv_transport, cfg.cluster_key_file,
                              self.transfer.config, llm.model_config.vocab_size, k)
-        opener = engine_opener(json.loads(spec), str(llm.device), self.transfer.stats)
+        opener = engine_opener(json.loads(spec), str(llm.device), self.transfer.stats, f"{cfg.kv_host}:{port}")
         if leader is not None:
             start_rank_endpoints(leader, spec)
         if cfg.kv_rank_count > 1:

@@ -1,0 +1,141 @@
+"""Where one small KV transfer's time goes: a timeline of a tcp transfer, step by step.
+
+    python bench/kv_fixed_cost.py [--transfers 80] [--blocks 1]
+
+The same two processes as bench/kv_transfer.py (a child plays the prefill node, this process the
+decode node; the child's producer has already finished the request, so the transfer is all that
+is timed). Each step of the path is wrapped to stamp the monotonic clock (one clock for both
+processes) on entry (``>``) and exit (``<``); the table gives each stamp's median offset from the
+decode engine's ``request`` call over ``--transfers`` transfers (the first 10 are warm-up), and
+the step it closes. ``raw TCP`` is the same bytes as one ``sendall`` after a one-byte request.
+The wrappers cost about a microsecond each: the total is a little above bench/kv_transfer.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kv_transfer as kvb  # noqa: E402
+
+STAMPS: list[tuple[str, int]] = []
+# (class path, method, label, what the step ending at its entry stamp was)
+STEPS = [
+    ("consumer.KVConsumer", "request", "D engine: request", ""),
+    ("receiver.PairReceiver", "_on_new", "D link: new transfer", "engine thread -> link thread"),
+    ("tcp_pair.TcpPair", "send_message", "D link: PULL on the socket", "record, pair check"),
+    ("sender.PairSender", "_read_message", "P sender: PULL read", "loopback + sender thread wakes"),
+    ("producer.KVProducer", "handle", "P sender: PULL handled", "frame + msgpack decode"),
+    ("sender.PairSender", "_run_job", "P sender: send job", "table, lease, jobs queued"),
+    ("tcp_pair.TcpPair", "send_kv", "P sender: bytes out", "job dispatch, views"),
+    ("receiver.PairReceiver", "_on_data", "D link: bytes readable", "loopback + link thread wakes"),
+    ("tcp_pair.TcpPair", "recv_kv", "D link: receive into blocks", "frame header, checks"),
+    ("receiver.PairReceiver", "_finish", "D link: DONE read", "blocks landed, next frame"),
+    ("consumer.KVConsumer", "landed", "D link: DONE checked", "identity, checksums"),
+]
+
+
+def stamp(label: str) -> None:
+    STAMPS.append((label, time.perf_counter_ns()))
+
+
+def wrap(owner, method: str, label: str) -> None:
+    inner = getattr(owner, method)
+
+    @functools.wraps(inner)
+    def stamped(*args, **kwargs):
+        stamp(label + " >")
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            stamp(label + " <")
+
+    setattr(owner, method, stamped)
+
+
+def instrument() -> None:
+    import importlib
+
+    for path, method, label, _ in STEPS:
+        module, cls = path.split(".")
+        wrap(getattr(importlib.import_module(f"common.kv_transfer.{module}"), cls), method, label)
+    consumer = importlib.import_module("common.kv_transfer.consumer").KVConsumer
+    poll = consumer.poll_finished
+
+    def polled(self):
+        out = poll(self)
+        if out[0] or out[1]:
+            stamp("D engine: woken, polled it >")
+        return out
+
+    consumer.poll_finished = polled
+
+
+def child(*args) -> None:
+    """The prefill side, instrumented; its stamps go to a file the parent reads."""
+    instrument()
+    try:
+        kvb.child_main(*args)
+    finally:
+        Path(CHILD_STAMPS).write_text(json.dumps(STAMPS))
+
+
+CHILD_STAMPS = str(Path(tempfile.gettempdir()) / "pdserve_kv_fixed_cost_child.json")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--transfers", type=int, default=80)
+    parser.add_argument("--blocks", type=int, default=1, help="64 KB blocks of one layer per transfer")
+    args = parser.parse_args()
+    kvb.child_main = child
+    instrument()
+    b = kvb.Bench()
+    nbytes = args.blocks * kvb.BLOCK_BYTES
+    try:
+        totals = [b.engine_seconds("tcp", 1, nbytes, False) for _ in range(args.transfers)][10:]
+        raw = [b.tcp_seconds(nbytes, 1) for _ in range(args.transfers)][10:]
+    finally:
+        b.close()
+    stamps = sorted(STAMPS + [tuple(s) for s in json.loads(Path(CHILD_STAMPS).read_text())], key=lambda s: s[1])
+    runs: list[list[tuple[str, int]]] = []
+    for label, t in stamps:
+        if label == "D engine: request >":
+            runs.append([])
+        if runs:
+            runs[-1].append((label, t))
+    offsets: dict[str, list[float]] = collections.defaultdict(list)
+    for run in runs[10:]:
+        seen: set[str] = set()
+        for label, t in run:
+            if label not in seen:  # a step's first entry and exit in this transfer
+                seen.add(label)
+                offsets[label].append((t - run[0][1]) / 1000)
+    why = {label + " >": step for _, _, label, step in STEPS if step}
+    print(f"{len(totals)} transfers of {nbytes // 1024} KB (1 layer), tcp, medians; offsets from the "
+          "decode engine's request\n")
+    print("| stamp | µs from request | step ending here |")
+    print("|---|---|---|")
+    previous = 0.0
+    for label, values in sorted(offsets.items(), key=lambda kv: statistics.median(kv[1])):
+        if not label.endswith(">") or len(values) < len(runs[10:]) // 2:
+            continue
+        at = statistics.median(values)
+        print(f"| {label[:-2]} | {at:.0f} | {why.get(label, '')} (+{at - previous:.0f}) |")
+        previous = at
+    print(f"\nwhole transfer (uninstrumented clock in the bench): {statistics.median(totals) * 1e6:.0f} µs; "
+          f"raw TCP, same bytes: {statistics.median(raw) * 1e6:.0f} µs")
+
+
+if __name__ == "__main__":
+    main()
