@@ -5,8 +5,9 @@ Queues: ``waiting`` (FIFO, new and preempted) -> ``running`` (at most ``max_num_
 goes ``waiting`` -> ``parked`` (blocks for the whole prompt held, no running slot) and,
 once the worker reports the KV landed with the first token, back to the front of
 ``waiting`` with its prompt marked computed (or, when no pair with the peer could be had,
-back with nothing computed: a local prefill). With a producer connector a finished
-sequence may sit in ``held`` (blocks kept) until the peer has read its KV.
+back with nothing computed: a local prefill). A finished sequence whose blocks a KV transfer
+still uses sits in ``blocks_lent`` until it lets go: the peer has read its KV (prefill), or
+an aborted receive stopped writing (decode).
 
 The scheduler side of the connector (``kv_connector``) is told what happens and makes the
 transfer decisions; ``schedule`` attaches the step's ``KVConnectorMetadata`` to the batch
@@ -94,7 +95,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.parked: dict[str, Sequence] = {}
-        self.held: dict[str, Sequence] = {}
+        # finished requests whose blocks are lent to a KV transfer until it lets go of them: on a
+        # prefill node, the send (until the peer has the KV: ``freeable``); on a decode node, an
+        # aborted receive (until nothing writes into them: ``stopped``)
+        self.blocks_lent: dict[str, Sequence] = {}
         # the hash chain's root names what changes a block's KV besides its tokens (the engine
         # passes the model identity); block size goes in here so no caller can forget it
         self.cache_root = root_hash(cache_root, block_manager.block_size)
@@ -116,7 +120,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def has_pending_transfers(self) -> bool:
-        return bool(self.parked or self.held)
+        return bool(self.parked or self.blocks_lent)
 
     def find(self, request_id: str) -> Sequence | None:
         for seq in (*self.running, *self.waiting):
@@ -284,7 +288,7 @@ class Scheduler:
         finished = self.connector.update_finished(finished)
         touched = []
         for rid in finished.freeable | finished.stopped:  # a peer done with them, or an aborted receive stopped
-            seq = self.held.pop(rid, None)
+            seq = self.blocks_lent.pop(rid, None)
             if seq is not None:
                 self.block_manager.release(seq.block_table)
         for rid, first_token in finished.done_recving.items():
@@ -382,7 +386,7 @@ class Scheduler:
         seq.error = error
         self.fairness.left(seq)
         if self.connector.request_finished(seq) and seq.block_table:
-            self.held[seq.request_id] = seq
+            self.blocks_lent[seq.request_id] = seq
         else:
             self.block_manager.release(seq.block_table)
 

@@ -80,7 +80,7 @@ def test_decode_side_asks_for_every_block_another_salt_cached(checkpoint_dir):
         p.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1, cache_salt=salt),
                       kv_transfer_params={"decode_addr": "127.0.0.1:1"})
         [first_token] = [t for o in p.step() for t in o.new_token_ids]
-        p_table = p.scheduler.held[rid].block_table
+        p_table = p.scheduler.blocks_lent[rid].block_table
         d.add_request(rid, prompt, greedy(salt), kv_transfer_params={"prefill_addr": "127.0.0.1:2"})
         d.step()
         first, blocks = dw.loads[rid]

@@ -44,7 +44,7 @@ def test_producer_to_consumer_matches_colocated(checkpoint_dir):
     # drain stops after the step that sampled: the hand-over reached the worker within that step
     assert first == expected[0] and pw.handed_over == ["x"]
     assert pw.saved_layers == {"x": [0, 1]}  # only the pass that completes the prompt saves
-    held = p.scheduler.held["x"]
+    held = p.scheduler.blocks_lent["x"]
     assert p.block_manager.num_free_blocks == 16 - 2
 
     dw = RecordingWorker()

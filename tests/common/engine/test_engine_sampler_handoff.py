@@ -44,7 +44,7 @@ def test_first_token_goes_out_alone_before_compute_and_the_stream_continues(chec
     pw = RecordingWorker()
     p = make(path, producer(pw))
     [first], [first_logprobs] = run(p, "x", 1, kv_transfer_params={"decode_addr": "127.0.0.1:1"})
-    held = p.scheduler.held["x"]
+    held = p.scheduler.blocks_lent["x"]
     [handover] = [h for m in pw.metas for h in m.handovers]
     assert handover.first_token == first and dict(handover.first_logprobs) == first_logprobs
 

@@ -96,7 +96,7 @@ def test_saves_only_for_the_pass_that_completes_the_prompt_then_hands_over():
     saves = [sv for m in metas for sv in m.saves]
     assert len(saves) == 1  # 10 tokens in passes of 4, 4, 2: the last one saves
     [save] = saves
-    x = s.held["x"]
+    x = s.blocks_lent["x"]
     assert save == SaveSpec("x", 0, TO_D["decode_addr"], tuple(x.block_table), 10)
     [handover] = [h for m in metas for h in m.handovers]
     assert handover == HandoverSpec("x", TO_D["decode_addr"], FIRST, None, tuple(x.block_table), 10)
@@ -106,7 +106,7 @@ def test_saves_only_for_the_pass_that_completes_the_prompt_then_hands_over():
     assert first_with[1] == first_with[0] + 1
 
     s.process_transfers(FinishedTransfers(freeable={"x", "unknown"}))
-    assert s.block_manager.num_free_blocks == 32 and conn.state("x") is None and not s.held
+    assert s.block_manager.num_free_blocks == 32 and conn.state("x") is None and not s.blocks_lent
 
 
 def test_abort_before_the_first_token_is_discarded_and_frees_at_once():
@@ -116,7 +116,7 @@ def test_abort_before_the_first_token_is_discarded_and_frees_at_once():
     s.add(x)
     compute(s, s.schedule())
     s.finish(x, "abort")
-    assert s.block_manager.num_free_blocks == 32 and not s.held
+    assert s.block_manager.num_free_blocks == 32 and not s.blocks_lent
     assert s.take_kv_metadata() == KVConnectorMetadata(discards=(DiscardSpec(
         "x", "prefill ended (abort) before the first token"),))
     assert conn.state("x") is None
@@ -158,12 +158,12 @@ def test_abort_after_hand_off_holds_blocks_until_the_receive_stops():
     s.add(x)
     assert s.schedule().kv_connector_metadata.loads
     s.finish(x, "abort")  # e.g. the client went away: AsyncLLMEngine's abort command, between steps
-    assert conn.state("x") is ConsumerState.ABORTING and "x" in s.held
+    assert conn.state("x") is ConsumerState.ABORTING and "x" in s.blocks_lent
     assert s.take_kv_metadata() == KVConnectorMetadata(aborts=("x",))
     assert s.process_transfers(FinishedTransfers(done_recving={"x": 42})) == []  # raced landing: dropped
     assert s.block_manager.num_free_blocks == 29
     s.process_transfers(FinishedTransfers(stopped={"x"}))
-    assert s.block_manager.num_free_blocks == 32 and not s.held and conn.state("x") is None
+    assert s.block_manager.num_free_blocks == 32 and not s.blocks_lent and conn.state("x") is None
 
 
 def test_failed_load_finishes_with_error():

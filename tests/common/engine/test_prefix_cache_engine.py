@@ -28,7 +28,7 @@ def tokens(n: int, seed: int) -> list[int]:
 def check_blocks(e: LLMEngine) -> None:
     """Each block's ref count is the number of live tables holding it; free means unheld."""
     s, bm = e.scheduler, e.block_manager
-    live = [*s.running, *s.waiting, *s.parked.values(), *s.held.values()]
+    live = [*s.running, *s.waiting, *s.parked.values(), *s.blocks_lent.values()]
     holders = Counter(b for seq in live for b in seq.block_table)
     assert all(bm._ref_counts[b] == holders[b] for b in range(bm.num_blocks))
     free = [*bm._free, *bm._evictable]
@@ -136,7 +136,7 @@ def test_decode_side_asks_only_for_the_blocks_it_lacks(checkpoint_dir):
         p.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1),
                       kv_transfer_params={"decode_addr": "127.0.0.1:1"})
         [first_token] = [t for o in p.step() for t in o.new_token_ids]
-        p_table = p.scheduler.held[rid].block_table
+        p_table = p.scheduler.blocks_lent[rid].block_table
         d.add_request(rid, prompt, GREEDY, kv_transfer_params={"prefill_addr": "127.0.0.1:2"})
         got = [t for o in d.step() for t in o.new_token_ids]
         if want_first is None:
