@@ -44,10 +44,14 @@ def view_transport(device: str, transport: str) -> str:
     return "nccl" if device.startswith("cuda") and transport in ("auto", "cuda_ipc") else transport
 
 
-def engine_opener(spec: dict, device: str, stats) -> Callable:
+def engine_opener(spec: dict, device: str, stats, own_address: str = "") -> Callable:
     """How a rank opens an endpoint over part of its heads (a route's consumer, ``tp_routes``; a KV
     rank's producer, ``tp_slices``): ``open_engine(layout, port=0)`` (0: any free port, as for a
-    consumer, which nobody dials), sharing the rank's counters, on ``view_transport``."""
+    consumer, which nobody dials), sharing the rank's counters, on ``view_transport``.
+
+    Such a consumer names ``own_address`` (its rank's KV address) in its handshakes, not its own
+    port: a keyless prefill node gives its pair slots to the addresses the registry lists first,
+    one per decode rank, and would take a route's pair for a stranger's."""
     from common.cluster_auth import ClusterKey
     from common.kv_transfer.config import TransferConfig
     from common.kv_transfer.engine import KVTransferEngine
@@ -55,9 +59,12 @@ def engine_opener(spec: dict, device: str, stats) -> Callable:
     transport = view_transport(device, spec["transport"])
 
     def open_engine(layout, port: int = 0):
-        return KVTransferEngine(f"{spec['host']}:{port}", layout, TransferConfig(**spec["config"]), stats,
-                                device=device, advertise_host=spec["advertise_host"], transport=transport,
-                                key=ClusterKey.optional(spec["key_file"]), vocab_size=spec["vocab_size"])
+        engine = KVTransferEngine(f"{spec['host']}:{port}", layout, TransferConfig(**spec["config"]), stats,
+                                  device=device, advertise_host=spec["advertise_host"], transport=transport,
+                                  key=ClusterKey.optional(spec["key_file"]), vocab_size=spec["vocab_size"])
+        if port == 0 and own_address:
+            engine.consumer.address = own_address
+        return engine
 
     return open_engine
 
@@ -85,7 +92,8 @@ def open_rank_endpoint(spec: bytes, rank: int, size: int, num_kv_heads: int, lay
 
     s = json.loads(spec)
     stats, k = TransferStats(), s.get("slices", 1)
-    port, opener = s["port"] + rank * k, engine_opener(s, device, stats)
+    port = s["port"] + rank * k
+    opener = engine_opener(s, device, stats, f"{s['advertise_host'] or s['host']}:{port}")
     if k > 1:
         first = ProducerWorker()
         first.bind(opener(slice_layout(layout, k), port), slice_caches(kv_caches, slice_heads(layout.num_kv_heads, k, 0)))

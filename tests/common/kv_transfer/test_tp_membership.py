@@ -9,13 +9,15 @@ each command in this process as a worker rank's loop would.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 from kvt_fixtures import LAYOUT, no_thread_leak  # noqa: F401
 
+from common.kv_transfer.config import TransferConfig
 from common.kv_transfer.engine import KVTransferEngine
-from common.kv_transfer.tp_endpoints import RankKVServer
+from common.kv_transfer.tp_endpoints import RankKVServer, engine_opener
 from common.kv_transfer.tp_ranks import KV_MEMBERS, LeaderKVWorker, RankFollower
 from common.kv_transfer.tp_slices import SlicedWorker
 from common.kv_transfer.workers import ProducerWorker
@@ -132,3 +134,14 @@ def test_a_sliced_rank0_asks_whatever_its_first_endpoint_is_told():
     assert [w.transfer.producer.is_member(DECODE) for w in workers] == [True] * 3
     assert [w.transfer.producer.is_member("10.0.0.9:7000") for w in workers] == [False] * 3
 
+
+def test_a_route_consumer_names_its_rank_address_not_its_own_port(no_thread_leak):  # noqa: F811
+    """A decode rank's route consumer listens at a port nobody dials: its handshakes name the rank's
+    address, the one the registry lists, so a keyless prefill node does not take it for a stranger."""
+    spec = {"host": "127.0.0.1", "advertise_host": None, "transport": "tcp", "key_file": None,
+            "config": dataclasses.asdict(TransferConfig()), "vocab_size": 100}
+    route = engine_opener(spec, "cpu", None, "127.0.0.1:7001")(LAYOUT)
+    try:
+        assert route.consumer.address == "127.0.0.1:7001" != f"127.0.0.1:{route.address.rpartition(':')[2]}"
+    finally:
+        route.close()
