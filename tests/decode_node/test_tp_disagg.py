@@ -8,19 +8,27 @@ KV and an answer that lost them would not be the colocated node's.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from disagg_client import disaggregated, post, prefill_body, read_stream
 
+from common.kv_transfer.messages import Handshake, HandshakeOk, decode, encode
+from common.kv_transfer.transport import Endpoint, open_pair
+from common.model.config import ModelConfig
+from common.model.embedded import ensure_embedded_model
 from common.request_id import make_request_id
 from helpers.cluster import metric, pd_cluster, start, stop_all, wait_idle
 from helpers.procs import children, gone
-from helpers.waiting import wait_until
+from helpers.waiting import wait_for, wait_until
+from helpers.zmq_peer import raw_dealer
 
 TP = ("--tensor-parallel-size", "2")
 TIMEOUT_S = 2.0
@@ -79,6 +87,47 @@ def test_tp2_to_tp2_streamed_gives_the_colocated_text(cluster) -> None:
     text, events = read_stream(procs["proxy"].url, "/v1/completions", body, "tp-stream")
     want = _complete(procs["both"].url, PROMPTS[1], max_tokens=16)["text"]
     assert text == want and len(events) > 1
+
+
+def _rank1_pair(dealer, consumer: str):
+    """A pair with prefill rank 1 (one of the model's 2 KV heads) whose handshake names ``consumer``,
+    joined (a pair left waiting for its consumer would hold up the rank's stop)."""
+    model = ModelConfig.from_dir(ensure_embedded_model(Path("~/.cache/pdserve/models").expanduser()))
+    layout = dataclasses.replace(model.kv_layout(16, "float32"), num_kv_heads=model.num_kv_heads // 2)
+    pair_id = uuid.uuid4().hex
+    dealer.send(encode(Handshake(id=1, pair_id=pair_id, layout=layout.to_dict(), backend="tcp",
+                                 endpoint=Endpoint.local("cpu").to_dict(), consumer=consumer)))
+    assert dealer.poll(10_000), "no handshake reply"
+    reply = decode(dealer.recv())
+    assert isinstance(reply, HandshakeOk), reply
+    return open_pair("tcp", 1, TIMEOUT_S, pair_id, connect_timeout_s=10, host=reply.store_host,
+                     port=reply.store_port)
+
+
+def test_prefill_rank1_gives_pair_slots_to_registered_decode_ranks_first(cluster) -> None:
+    """Keyless, rank 0 forwards the registry's member list to rank 1 (issue 33): there a pair naming
+    no registered decode rank is a stranger's, dropped once its 5 s of probation are up, while one
+    naming the decode node's rank 1 is a member's and keeps its slot."""
+    _, procs = cluster
+    prefill, member = procs["prefill"], f"127.0.0.1:{procs['decode'].kv_port + 1}"
+
+    def told() -> bool:  # a step on the prefill node forwards the list: a request makes one
+        _complete(procs["proxy"].url, PROMPTS[0])
+        return "rank 1: 2 registered decode KV address(es) are members" in prefill.log.read_text()
+
+    def dropped(consumer: str) -> bool:
+        return f"of '{consumer}': it names no registered decode node" in prefill.log.read_text()
+
+    assert wait_for(told, 30, step=0.5), prefill.log_tail()
+    with raw_dealer(f"127.0.0.1:{prefill.kv_port + 1}") as dealer:
+        pairs = [_rank1_pair(dealer, "127.0.0.1:9"), _rank1_pair(dealer, member)]
+        try:  # a later handshake finds the probation over
+            assert wait_for(lambda: pairs.append(_rank1_pair(dealer, "")) or dropped("127.0.0.1:9"), 15, step=0.5), \
+                prefill.log_tail()
+            assert not dropped(member)
+        finally:
+            for pair in pairs:
+                pair.close()
 
 
 def test_a_prefill_rank_killed_mid_transfer_fails_the_request_once_and_frees_decode_blocks(cluster) -> None:
