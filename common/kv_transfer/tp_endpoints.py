@@ -61,7 +61,8 @@ def engine_opener(spec: dict, device: str, stats, own_address: str = "") -> Call
     def open_engine(layout, port: int = 0):
         engine = KVTransferEngine(f"{spec['host']}:{port}", layout, TransferConfig(**spec["config"]), stats,
                                   device=device, advertise_host=spec["advertise_host"], transport=transport,
-                                  key=ClusterKey.optional(spec["key_file"]), vocab_size=spec["vocab_size"])
+                                  key=ClusterKey.optional(spec["key_file"]), vocab_size=spec["vocab_size"],
+                                  role=spec["role"])
         if port == 0 and own_address:
             engine.consumer.address = own_address
         return engine
@@ -102,7 +103,7 @@ def open_rank_endpoint(spec: bytes, rank: int, size: int, num_kv_heads: int, lay
     transfer = KVTransferEngine(f"{s['host']}:{port}", layout, TransferConfig(**s["config"]),
                                 stats, device=device, advertise_host=s["advertise_host"],
                                 transport=s["transport"], key=ClusterKey.optional(s["key_file"]),
-                                vocab_size=s["vocab_size"])
+                                vocab_size=s["vocab_size"], role=s["role"])
     worker = ProducerWorker() if s["role"] == "prefill" else ConsumerWorker()
     worker.bind(transfer, kv_caches)
     routes = None

@@ -138,7 +138,7 @@ def test_a_sliced_rank0_asks_whatever_its_first_endpoint_is_told():
 def test_a_route_consumer_names_its_rank_address_not_its_own_port(no_thread_leak):  # noqa: F811
     """A decode rank's route consumer listens at a port nobody dials: its handshakes name the rank's
     address, the one the registry lists, so a keyless prefill node does not take it for a stranger."""
-    spec = {"host": "127.0.0.1", "advertise_host": None, "transport": "tcp", "key_file": None,
+    spec = {"role": "decode", "host": "127.0.0.1", "advertise_host": None, "transport": "tcp", "key_file": None,
             "config": dataclasses.asdict(TransferConfig()), "vocab_size": 100}
     route = engine_opener(spec, "cpu", None, "127.0.0.1:7001")(LAYOUT)
     try:
