@@ -118,10 +118,13 @@ class KVConsumer:
         if link is not None:
             link.events.put(("abort", request_id))
 
-    def release_remote(self, request_id: str, prefill_addr: str, connect: bool = True) -> None:
+    def release_remote(self, request_id: str, prefill_addr: str, connect: bool | None = None) -> None:
         """Tell the producer at ``prefill_addr`` to drop ``request_id`` that this side will never
         ask for (e.g. the decode node refused the request): its KV is freed now, not at lease end.
-        ``connect=False``: only over a connection already open (an unverified id may name any address)."""
+        A connection is opened only where a pull would have opened one (``known_peer``; ``connect``
+        overrides): to any other address (an unverified id may name any) only one already open is used."""
+        if connect is None:
+            connect = self.known_peer(prefill_addr)
         self.control.send(prefill_addr, Abort(request_id=request_id), connect=connect)
 
     def transfer_state(self, request_id: str) -> str:

@@ -164,9 +164,12 @@ class LeaderKVWorker(KVConnectorWorker):
             self.outcomes.expect_load(load.request_id, frozenset({0}) if load.request_id in refused else None)
         for h in meta.handovers:
             self.outcomes.expect_release(h.request_id)
+        # a release naming a prefill node rank 0 would not pull from is not forwarded: the workers'
+        # consumers know no peers of their own, and an unverified id may name any address
+        known = self.inner.transfer.consumer.known_peer if meta.releases else None  # type: ignore[attr-defined]
         meta = dataclasses.replace(
             meta, loads=tuple(s for s in meta.loads if s.request_id not in refused),
-            releases=tuple((rid, addr, self.peer_tp_size(addr)) for rid, addr, *_ in meta.releases))
+            releases=tuple((rid, addr, self.peer_tp_size(addr)) for rid, addr, *_ in meta.releases if known(addr)))
         if meta:
             self.leader.send_bytes(KV_ISSUE, encode_meta(meta))
 

@@ -49,7 +49,7 @@ class ConsumerWorker(TransferWorker):
         consumer = self.transfer.consumer
         for rid in meta.aborts:
             consumer.abort(rid)
-        for rid, addr in meta.releases:  # as the pull would have, it may open the connection
+        for rid, addr in meta.releases:  # as the pull would have, it may open the connection (known peers)
             consumer.release_remote(rid, addr)
         for load in meta.loads:
             try:

@@ -250,7 +250,11 @@ class FakeInner(KVConnectorWorker):
         self.issued: list[KVConnectorMetadata] = []
         self.refused: set[str] = set()
         self.reports: list[FinishedTransfers] = []
-        self.transfer = SimpleNamespace(consumer=SimpleNamespace(table=ConsumerTable()))
+        self.transfer = SimpleNamespace(consumer=SimpleNamespace(table=ConsumerTable(), known_peer=self.known))
+        self.unknown: set[str] = set()  # prefill addresses rank 0 would not pull from
+
+    def known(self, addr: str) -> bool:
+        return addr not in self.unknown
 
     def issue(self, meta):
         self.issued.append(meta)
@@ -278,6 +282,7 @@ def test_leader_issue_forwards_and_keeps_refused_loads_local():
     releases = tuple((rid, addr, 0) for rid, addr in meta.releases)
     assert _norm(decode_meta(data)) == _norm(dataclasses.replace(meta, loads=meta.loads[:1], releases=releases))
     assert w.outcomes.landing("L1") and w.outcomes.landing("L2")
+
     inner.reports = [FinishedTransfers(failed_recving={"L2": "bad request"})]
     leader.replies = [[reply({"pulls": 1}, FinishedTransfers())]]
     assert w.get_finished() == FinishedTransfers(failed_recving={"L2": "tensor-parallel rank 0: bad request"})
@@ -351,3 +356,15 @@ def test_leader_abort_skips_rank0_when_nothing_lands_there():
     assert w.get_finished() == FinishedTransfers()
     assert inner.issued[-1].aborts == ()
     assert decode_meta(leader.sent_bytes[-1][1]).aborts == ("r",)
+
+
+def test_leader_forwards_no_release_naming_a_prefill_node_rank0_would_not_pull_from():
+    """Keyless, a request's id may name any address: its release reaches the worker ranks (whose
+    consumers know no peers of their own, and would open a connection to it) only when rank 0
+    would pull from that address."""
+    leader, inner = FakeLeader(2), FakeInner()
+    w = LeaderKVWorker(inner, leader, "decode")
+    inner.unknown = {"10.0.0.4:5100"}
+    w.issue(full_meta())
+    [(_, data)] = leader.sent_bytes
+    assert [(rid, addr) for rid, addr, *_ in decode_meta(data).releases] == [("R1", "10.0.0.1:5000")]
