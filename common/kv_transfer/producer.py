@@ -394,5 +394,7 @@ class KVProducer:
         with self._lock:
             self._closed = True
             links = list(self._links.values())
+        for link in links:  # all at once: a pair whose consumer never joined stops waiting for it now
+            link.drop()
         for link in links:
             link.stop(self.config.timeout_s + 1)

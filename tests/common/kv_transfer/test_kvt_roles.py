@@ -36,3 +36,25 @@ def test_asking_a_decode_endpoint_for_kv_fails_at_once_naming_it(no_thread_leak)
         d.consumer.request("r", wrong.address, [0, 1], 8, kv)
         done, failed = wait_finished(d, {"r"}, timeout=10.0)
         assert done == {} and "decode node's: it has no KV to give" in failed["r"]
+
+
+def test_closing_a_producer_does_not_wait_for_a_pair_nobody_joined(no_thread_leak):
+    """A handshake whose consumer never connects leaves a sender waiting for it (up to the connect
+    timeout, 60 s here): closing the endpoint stops that wait at once, so a daemon's shutdown is
+    not held up by whoever reached its KV port."""
+    from common.kv_transfer.messages import Handshake, HandshakeOk, decode, encode
+    from common.kv_transfer.transport import Endpoint
+    from helpers.zmq_peer import raw_dealer
+
+    slow = TransferConfig(**dict(FAST, connect_timeout_s=60.0))
+    p = KVTransferEngine("127.0.0.1:0", LAYOUT, slow, role="prefill")
+    try:
+        with raw_dealer(p.address) as stranger:
+            stranger.send(encode(Handshake(id=1, pair_id="never-joined", layout=LAYOUT.to_dict(), backend="tcp",
+                                           endpoint=Endpoint.local("cpu").to_dict())))
+            assert stranger.poll(10_000) and isinstance(decode(stranger.recv()), HandshakeOk)
+        [link] = list(p.producer._links.values())
+        assert link.thread is not None and link.thread.is_alive()  # waiting for its consumer
+    finally:
+        p.close()
+    assert not link.thread.is_alive()
