@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from common.kv_layout import KVLayout  # noqa: E402
-from common.kv_transfer import KVTransferEngine, TransferConfig  # noqa: E402
+from common.kv_transfer import KVEndpoint, TransferConfig  # noqa: E402
 from common.kv_transfer.p2p_group import PairGroup, host_store  # noqa: E402
 
 MB = 1 << 20
@@ -65,7 +65,7 @@ def tensor_view(t: torch.Tensor) -> memoryview:
 def child_main(conn, tcp_port: int, coalesce_bytes: int) -> None:
     tcp = socket.create_connection(("127.0.0.1", tcp_port))
     tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    engines: dict[int, tuple[KVTransferEngine, list[torch.Tensor]]] = {}
+    engines: dict[int, tuple[KVEndpoint, list[torch.Tensor]]] = {}
     payloads: dict[int, torch.Tensor] = {}
     while True:
         cmd, *args = conn.recv()
@@ -90,7 +90,7 @@ def child_main(conn, tcp_port: int, coalesce_bytes: int) -> None:
             conn.send("ok")
         elif cmd == "engine":
             key, num_layers, num_blocks, transport = args
-            eng = KVTransferEngine("127.0.0.1:0", layout(num_layers),
+            eng = KVEndpoint("127.0.0.1:0", layout(num_layers),
                                    TransferConfig(timeout_s=30, coalesce_bytes=coalesce_bytes),
                                    transport=transport)
             kv = [torch.ones(layout(num_layers).layer_shape(num_blocks), dtype=torch.float16)
@@ -121,7 +121,7 @@ class Bench:
         self.proc = ctx.Process(target=child_main, args=args, daemon=True)
         self.proc.start()
         self.tcp, _ = self.listener.accept()
-        self.engines: dict[tuple, tuple[KVTransferEngine, str, list[torch.Tensor]]] = {}
+        self.engines: dict[tuple, tuple[KVEndpoint, str, list[torch.Tensor]]] = {}
         self.buffers: dict[int, torch.Tensor] = {}
         self.seq = 0
         self.progress = threading.Event()  # set by the consumer when a transfer ends, as a daemon's wake-up
@@ -166,7 +166,7 @@ class Bench:
         kvl = layout(num_layers)
         if key not in self.engines:
             address = self.call("engine", key, num_layers, num_blocks, transport)
-            eng = KVTransferEngine("127.0.0.1:0", kvl, TransferConfig(timeout_s=30), transport=transport,
+            eng = KVEndpoint("127.0.0.1:0", kvl, TransferConfig(timeout_s=30), transport=transport,
                                    on_progress=self.progress.set)
             kv = [torch.zeros(kvl.layer_shape(num_blocks), dtype=torch.float16) for _ in range(num_layers)]
             self.engines[key] = (eng, address, kv)

@@ -2,7 +2,7 @@
 
 A tagged request's life here (its id names a prefill node), by its one record in the
 consumer's table (:class:`~common.kv_transfer.consumer_table.ConsumerTable`, shared with
-the transfer engine at ``bind``; the states are
+the KV endpoint at ``bind``; the states are
 :class:`~common.kv_transfer.consumer_table.ConsumerState`'s):
 
 1. **LOAD_PENDING** — the scheduler allocated blocks for the whole prompt and parked the
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     import torch
 
     from common.engine.sequence import Sequence
-    from common.kv_transfer.engine import KVTransferEngine
+    from common.kv_transfer.endpoint import KVEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +64,12 @@ def prefill_addr(seq: Sequence) -> str | None:
 
 
 class ConsumerScheduler(KVConnectorScheduler):
-    """Decides which requests load which blocks from which peer; holds no transfer engine."""
+    """Decides which requests load which blocks from which peer; holds no KV endpoint."""
 
     def __init__(self) -> None:
         super().__init__()
         self.overrides: collections.Counter[str] = collections.Counter()  # reason -> remote tags computed here
-        self.table = ConsumerTable()  # until bind: then the transfer engine's (one table a side)
+        self.table = ConsumerTable()  # until bind: then the KV endpoint's (one table a side)
         # tensor parallelism: another rank may still write into a request's blocks (tp_ranks)
         self.still_landing: Callable[[str], bool] = lambda request_id: False
         # the prefill node's TP size, as the registry last said (0: unknown; common/node/daemon.py)
@@ -96,7 +96,7 @@ class ConsumerScheduler(KVConnectorScheduler):
     def on_blocks_allocated(self, seq: Sequence, first_block: int) -> None:
         addr = prefill_addr(seq)
         assert addr is not None
-        self.table.plan(seq.request_id)
+        self.table.load_pending(seq.request_id)
         self._loads.append(LoadSpec(seq.request_id, addr, tuple(seq.block_table[first_block:]), first_block,
                                     seq.num_prompt_tokens, self.peer_tp_size(addr)))
         logger.info("request %s: %d blocks allocated (%d cached), asking %s for %d tokens of KV",
@@ -104,7 +104,7 @@ class ConsumerScheduler(KVConnectorScheduler):
 
     def request_finished(self, seq: Sequence) -> bool:
         rid = seq.request_id
-        if self.table.unplan(rid):  # the worker never heard of it: nothing writes there
+        if self.table.cancel_pending(rid):  # the worker never heard of it: nothing writes there
             self._loads = [load for load in self._loads if load.request_id != rid]
             return False
         if not (self.table.abort(rid) or self.still_landing(rid)):  # landed, failed or never loaded: nothing lands
@@ -144,13 +144,13 @@ class ConsumerScheduler(KVConnectorScheduler):
 
 
 class ConsumerConnector(KVConnector):
-    """Both halves; the daemon binds the worker to its transfer engine once that exists."""
+    """Both halves; the daemon binds the worker to its KV endpoint once that exists."""
 
     def __init__(self) -> None:
         super().__init__(ConsumerScheduler(), ConsumerWorker())
 
-    def bind(self, transfer: KVTransferEngine, kv_caches: list[torch.Tensor]) -> None:
-        """The worker gets the transfer engine; the scheduler side reads the engine's table."""
+    def bind(self, transfer: KVEndpoint, kv_caches: list[torch.Tensor]) -> None:
+        """The worker gets the KV endpoint; the scheduler side reads the engine's table."""
         super().bind(transfer, kv_caches)
         assert isinstance(self.scheduler, ConsumerScheduler) and not self.scheduler.table
         self.scheduler.table = transfer.consumer.table

@@ -5,14 +5,14 @@ A tagged request's life here (its id names a decode node):
 1. **prefill** — the engine schedules it like any request (chunked when long). For the
    pass that completes the prompt the scheduler side puts a ``SaveSpec`` (row, decode
    node, block table) in the step's metadata; after each layer the worker
-   offers that layer to the transfer engine, which pushes it only if the decode node has
+   offers that layer to the KV endpoint, which pushes it only if the decode node has
    already asked (else the KV stays in the paged blocks).
 2. **hand-over** — sampling the first token finishes the request (max_tokens is 1 here).
    The scheduler side marks its record HANDED_OVER in the producer's one table
    (:class:`~common.kv_transfer.producer_table.ProducerTable`, shared with the transfer
    engine at ``bind``), records a ``HandoverSpec`` (first token, its logprobs, blocks) and
    holds the blocks; the engine issues it to the worker at the end of that same step, which
-   calls the transfer engine's ``finish`` (HELD: the lease starts; the rest of the KV and the
+   calls the KV endpoint's ``finish`` (HELD: the lease starts; the rest of the KV and the
    first token go out whenever the decode node asks: SENDING, AWAITING_ACK).
 3. **release** — the worker reports the request freeable (RELEASED: acknowledged by the
    decode node, aborted, failed, or its lease expired); the scheduler frees the blocks.
@@ -38,7 +38,7 @@ from common.kv_transfer.workers import ProducerWorker
 
 if TYPE_CHECKING:
     from common.engine.sequence import Sequence
-    from common.kv_transfer.engine import KVTransferEngine
+    from common.kv_transfer.endpoint import KVEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +48,11 @@ def decode_addr(seq: Sequence) -> str | None:
 
 
 class ProducerScheduler(KVConnectorScheduler):
-    """Decides what the prefill node saves, hands over and discards; holds no transfer engine."""
+    """Decides what the prefill node saves, hands over and discards; holds no KV endpoint."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.table = ProducerTable()  # until bind: then the transfer engine's (one table a side)
+        self.table = ProducerTable()  # until bind: then the KV endpoint's (one table a side)
 
     def state(self, request_id: str) -> ProducerState | None:
         return self.table.state(request_id)
@@ -97,13 +97,13 @@ class ProducerScheduler(KVConnectorScheduler):
 
 
 class ProducerConnector(KVConnector):
-    """Both halves; the daemon binds the worker to its transfer engine once that exists."""
+    """Both halves; the daemon binds the worker to its KV endpoint once that exists."""
 
     def __init__(self) -> None:
         super().__init__(ProducerScheduler(), ProducerWorker())
 
-    def bind(self, transfer: KVTransferEngine, kv_caches: list[torch.Tensor]) -> None:
-        """The worker gets the transfer engine; the scheduler side reads the engine's table."""
+    def bind(self, transfer: KVEndpoint, kv_caches: list[torch.Tensor]) -> None:
+        """The worker gets the KV endpoint; the scheduler side reads the engine's table."""
         super().bind(transfer, kv_caches)
         assert isinstance(self.scheduler, ProducerScheduler) and not self.scheduler.table
         self.scheduler.table = transfer.producer.table

@@ -10,9 +10,9 @@ A request's life here:
    The id is used exactly as received: the decode daemon asks for the KV by it.
 2. **prefill** — the engine schedules it like any request (chunked when long). After
    each layer of the pass that completes the prompt, the producer connector offers that
-   layer to the transfer engine: pushed now if the decode daemon already asked, else
+   layer to the KV endpoint: pushed now if the decode daemon already asked, else
    left in the paged blocks.
-3. **hand-over** — the first token is sampled; the transfer engine gets the request
+3. **hand-over** — the first token is sampled; the KV endpoint gets the request
    (lease starts) and sends the rest of the KV plus the first token as soon as the
    decode daemon asks. The HTTP answer (that one token) goes back to the proxy.
 4. **release** — the blocks stay held until the decode daemon acknowledges, aborts,

@@ -8,7 +8,7 @@ yields. Closing or cancelling the generator (client gone) posts "abort", which f
 the request's blocks.
 
 The thread steps while there is work, and otherwise sleeps on an event until a command
-arrives or the transfer engine calls :meth:`AsyncLLMEngine.wake` (a transfer landed, failed
+arrives or the KV endpoint calls :meth:`AsyncLLMEngine.wake` (a transfer landed, failed
 or freed blocks). While sequences are parked for remote KV or held for a send it also
 wakes every ``POLL_INTERVAL_S`` (leases and deadlines are enforced by polling).
 """

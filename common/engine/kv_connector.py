@@ -4,7 +4,7 @@ A connector is two halves (:class:`KVConnector`) that share nothing but one meta
 object per step:
 
 Scheduler side (:class:`KVConnectorScheduler`), inside the ``Scheduler``; pure bookkeeping,
-no transfer engine, no network. It decides, from the ``Sequence`` objects it sees:
+no KV endpoint, no network. It decides, from the ``Sequence`` objects it sees:
   * which requests load which blocks from which peer (``num_external_tokens`` > 0: the
     scheduler allocates blocks for the whole prompt and calls ``on_blocks_allocated``; with
     prefix caching only the blocks after ``first_block`` are asked for);
@@ -16,7 +16,7 @@ no transfer engine, no network. It decides, from the ``Sequence`` objects it see
     which parked requests whose peer gave no pair are computed here after all (``fall_back``);
   * whether the scheduler holds a finished request's blocks (``request_finished``), read
     from the side's one table of transfers (request id -> record with one state: the
-    transfer layer's ``ProducerState`` or ``ConsumerState``), which the transfer engine
+    transfer layer's ``ProducerState`` or ``ConsumerState``), which the KV endpoint
     updates too (shared at ``bind``).
 Everything decided since the last metadata goes into the next :class:`KVConnectorMetadata`
 (``build_meta``): frozen dataclasses of ids, ints and strings, no ``Sequence``. The engine
@@ -25,12 +25,12 @@ postprocess decided (a first token to hand over) at the end of that same step, s
 hand-over never waits for the next step or the async loop's poll interval.
 
 Worker side (:class:`KVConnectorWorker`), next to the model; the only half that touches
-the transfer engine. Per step: ``issue(meta)`` with the metadata built at schedule time,
+the KV endpoint. Per step: ``issue(meta)`` with the metadata built at schedule time,
 before the forward (loads, discards, aborts), and again at the end of the step with what
 its postprocess decided (hand-overs), ``save_kv_layer(layer_idx, kv_layer, meta)`` after each
 attention layer when ``meta.saves`` is not empty, ``get_finished()`` polled at the start of
 every step. It keeps no table of live transfers: the side's one table, which the scheduler
-side reads, is the transfer engine's.
+side reads, is the KV endpoint's.
 
 Tensor parallelism (``tp_ranks``): every rank's worker side gets the same metadata (block ids
 are the same on every rank; each rank moves its own heads at its own endpoint) and the
@@ -145,7 +145,7 @@ class FinishedTransfers:
 class KVConnectorScheduler:
     """Scheduler side with no transfer (role ``both``); the roles override the decisions.
 
-    Holds no transfer engine: decisions land in the pending lists that ``build_meta`` drains;
+    Holds no KV endpoint: decisions land in the pending lists that ``build_meta`` drains;
     a role's states live in its one table of transfers (``state`` reads it)."""
 
     def __init__(self) -> None:
@@ -221,13 +221,13 @@ class KVConnectorWorker:
 
 
 class TransferWorker(KVConnectorWorker):
-    """A worker side that moves bytes with the daemon's transfer engine (``bind``, once both
-    the engine's KV cache and the transfer engine exist; until then it does nothing). The
-    transfer engine's type is the KV transfer layer's, above this one: the engine only holds it
+    """A worker side that moves bytes with the daemon's KV endpoint (``bind``, once both
+    the engine's KV cache and the KV endpoint exist; until then it does nothing). The
+    KV endpoint's type is the KV transfer layer's, above this one: the engine only holds it
     for the worker sides that use it (``common/kv_transfer/workers.py``)."""
 
     def __init__(self) -> None:
-        self.transfer: Any = None  # the daemon's KVTransferEngine, once bound
+        self.transfer: Any = None  # the daemon's KVEndpoint, once bound
         self.kv_caches: list[torch.Tensor] = []
 
     def bind(self, transfer: Any, kv_caches: list[torch.Tensor]) -> None:
@@ -242,7 +242,7 @@ class KVConnector:
     worker: KVConnectorWorker
 
     def bind(self, transfer: Any, kv_caches: list[torch.Tensor]) -> None:
-        """The daemon's hook: hand the worker side its transfer engine and the KV cache."""
+        """The daemon's hook: hand the worker side its KV endpoint and the KV cache."""
         assert isinstance(self.worker, TransferWorker), "this connector moves no KV"
         self.worker.bind(transfer, kv_caches)
 

@@ -12,7 +12,7 @@ an aborted receive stopped writing (decode).
 The scheduler side of the connector (``kv_connector``) is told what happens and makes the
 transfer decisions; ``schedule`` attaches the step's ``KVConnectorMetadata`` to the batch
 and ``take_kv_metadata`` hands over what a step's postprocess decided (a first token to
-hand over). The scheduler never touches the transfer engine or the network.
+hand over). The scheduler never touches the KV endpoint or the network.
 
 Each step has a token budget (``max_num_batched_tokens``). Running sequences go first,
 decodes before prefill chunks, so a long prompt never stalls token generation; then

@@ -1,6 +1,6 @@
 """Moving one request's KV cache, layer by layer, from a prefill to a decode process.
 
-``KVTransferEngine`` is the entry point (one per daemon process): ``engine.producer``
+``KVEndpoint`` is the entry point (one per daemon process): ``engine.producer``
 on the prefill node, ``engine.consumer`` on the decode node. See ARCHITECTURE.md
 ("KV transfer") for the contract.
 """
@@ -11,10 +11,10 @@ from common.kv_transfer.config import (
     TransferError,
     TransferStats,
 )
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 
 __all__ = [
-    "KVTransferEngine",
+    "KVEndpoint",
     "PairBrokenError",
     "TransferConfig",
     "TransferError",

@@ -37,7 +37,7 @@ def no_pair_reason(error: str) -> str | None:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    """Knobs of one process's transfer engine. Times are seconds."""
+    """Knobs of one process's KV endpoint. Times are seconds."""
 
     timeout_s: float = 5.0  # one data-plane operation or one control request/response
     lease_s: float = 30.0  # how long the producer holds a request's KV waiting for the consumer

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 class KVConsumer:
-    """The consumer half of :class:`~common.kv_transfer.engine.KVTransferEngine`."""
+    """The consumer half of :class:`~common.kv_transfer.endpoint.KVEndpoint`."""
 
     def __init__(self, layout: KVLayout, config: TransferConfig, stats: TransferStats,
                  transport: str = "auto", vocab_size: int | None = None) -> None:
@@ -78,7 +78,7 @@ class KVConsumer:
             return
         with self._lock:
             if self._closed:
-                raise TransferError("transfer engine closed")
+                raise TransferError("KV endpoint closed")
             link = self._links.get(prefill_addr)
             full = link is None and len(self._links) >= self.config.max_peers
             if not full:

@@ -1,7 +1,7 @@
 """The decode node's one table of transfers: one record per request, one state, its moves.
 
 The scheduler side of the consumer connector (engine thread) and :class:`KVConsumer` with
-its link threads share this table (the connector takes the transfer engine's at ``bind``).
+its link threads share this table (the connector takes the KV endpoint's at ``bind``).
 The table writes every field of its records, under its lock: the other threads report what
 happened (a method below) and read. A state changes only through :meth:`ConsumerTable._move`,
 along :data:`MOVES`; any other move is a bug and raises :class:`IllegalMove`. A link thread
@@ -9,7 +9,7 @@ keeps references to the records it works on, never copies of their state.
 
 | state        | entered by (thread)                                  | next                            |
 |--------------|------------------------------------------------------|---------------------------------|
-| LOAD_PENDING | ``plan``: blocks allocated (engine, scheduler)       | LOADING; gone (``unplan``)      |
+| LOAD_PENDING | ``load_pending``: blocks allocated (engine, scheduler)       | LOADING; gone (``cancel_pending``)      |
 | LOADING      | ``issue``: the load is in the metadata (engine)      | QUEUED, FAILED; ABORTING, STOPPED |
 | QUEUED       | ``start``: ``KVConsumer.request`` (engine, worker)   | PULLED, FAILED; ABORTING        |
 | PULLED       | ``pull_sent`` (link)                                 | RECEIVING, LANDED, FAILED; ABORTING |
@@ -48,7 +48,7 @@ class ConsumerState(enum.Enum):
     """Where one transfer is on the decode node (the table above)."""
 
     LOAD_PENDING = "load_pending"  # scheduler: blocks allocated; the load goes out with the next metadata
-    LOADING = "loading"  # scheduler: the load is in the step's metadata, on its way to the transfer engine
+    LOADING = "loading"  # scheduler: the load is in the step's metadata, on its way to the KV endpoint
     QUEUED = "queued"  # handed to the link thread; handshake (if no pair yet) and PULL next
     PULLED = "pulled"  # the PULL is out; no byte landed yet
     RECEIVING = "receiving"  # layers landing in the blocks; DONE finishes it
@@ -139,11 +139,11 @@ class ConsumerTable:
         return t
 
     # ---- scheduler side (engine thread) -------------------------------------------------
-    def plan(self, request_id: str) -> None:
+    def load_pending(self, request_id: str) -> None:
         with self.lock:
             self._new(request_id, S.LOAD_PENDING)
 
-    def unplan(self, request_id: str) -> bool:
+    def cancel_pending(self, request_id: str) -> bool:
         """Forget a load not yet issued; False if it was issued already."""
         with self.lock:
             t = self._records.get(request_id)
@@ -179,7 +179,7 @@ class ConsumerTable:
                 if (t := self._records.get(rid)) is not None and t.state in (S.ABORTING, S.STOPPED):
                     del self._records[rid]
 
-    # ---- transfer engine (engine thread: worker side) ------------------------------------
+    # ---- KV endpoint (engine thread: worker side) ------------------------------------
     def start(self, request_id: str, block_ids: list[int], num_tokens: int, kv_caches: list[torch.Tensor],
               first_block: int, link: PairReceiver | None, error: str = "") -> Transfer | None:
         """The load goes out: its planned record (or a new one) is filled in and QUEUED on
@@ -193,7 +193,7 @@ class ConsumerTable:
             if t is None or t.state not in (S.LOAD_PENDING, S.LOADING):
                 t = self._records[request_id] = Transfer(request_id)
             elif t.state is S.LOAD_PENDING:
-                self._move(t, S.LOADING)  # issued by the transfer engine's own caller (no scheduler)
+                self._move(t, S.LOADING)  # issued by the KV endpoint's own caller (no scheduler)
             t.block_ids, t.num_tokens, t.kv_caches, t.first_block = list(block_ids), num_tokens, kv_caches, first_block
             t.link, t.error, t.started = link, error, time.monotonic()
             self._move(t, S.FAILED if error else S.QUEUED)
@@ -207,7 +207,7 @@ class ConsumerTable:
             if t is not None and t.link is not None and t.state in (S.ABORTING, S.QUEUED, S.PULLED, S.RECEIVING):
                 self._move(t, S.ABORTING)
                 return t.link
-            if t is None or t.state is S.LOAD_PENDING:  # a plan never issued: nothing can land
+            if t is None or t.state is S.LOAD_PENDING:  # a pending load never issued: nothing can land
                 self._new(request_id, S.STOPPED)
             else:
                 self._move(t, S.STOPPED)

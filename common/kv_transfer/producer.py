@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 
 class KVProducer:
-    """The producer half of :class:`~common.kv_transfer.engine.KVTransferEngine`."""
+    """The producer half of :class:`~common.kv_transfer.endpoint.KVEndpoint`."""
 
     def __init__(self, layout: KVLayout, config: TransferConfig, stats: TransferStats, host: str,
                  device: str = "cpu", transport: str = "auto", streams: StreamOps | None = None) -> None:

@@ -157,7 +157,7 @@ class ProducerTable:
                 if req is not None and req.state in (S.HANDED_OVER, S.RELEASED):
                     del self.records[rid]
 
-    # ---- transfer engine (the caller holds the lock) -----------------------------------------
+    # ---- KV endpoint (the caller holds the lock) -----------------------------------------
     def reserve(self, request_id: str, num_blocks: int, limit_blocks: int, now: float, lease_s: float) -> bool:
         """RESERVED for ``lease_s`` if the blocks held for unclaimed requests (HELD, and RESERVED
         but not yet finished) stay within ``limit_blocks``; a request already asked for (or

@@ -54,12 +54,12 @@ def engine_opener(spec: dict, device: str, stats, own_address: str = "") -> Call
     one per decode rank, and would take a route's pair for a stranger's."""
     from common.cluster_auth import ClusterKey
     from common.kv_transfer.config import TransferConfig
-    from common.kv_transfer.engine import KVTransferEngine
+    from common.kv_transfer.endpoint import KVEndpoint
 
     transport = view_transport(device, spec["transport"])
 
     def open_engine(layout, port: int = 0):
-        engine = KVTransferEngine(f"{spec['host']}:{port}", layout, TransferConfig(**spec["config"]), stats,
+        engine = KVEndpoint(f"{spec['host']}:{port}", layout, TransferConfig(**spec["config"]), stats,
                                   device=device, advertise_host=spec["advertise_host"], transport=transport,
                                   key=ClusterKey.optional(spec["key_file"]), vocab_size=spec["vocab_size"],
                                   role=spec["role"])
@@ -89,7 +89,7 @@ def open_rank_endpoint(spec: bytes, rank: int, size: int, num_kv_heads: int, lay
     its own heads' layout (``k`` KV ranks a rank: each a slice of its heads, ``tp_slices``)."""
     from common.cluster_auth import ClusterKey
     from common.kv_transfer.config import TransferConfig, TransferStats
-    from common.kv_transfer.engine import KVTransferEngine
+    from common.kv_transfer.endpoint import KVEndpoint
 
     s = json.loads(spec)
     stats, k = TransferStats(), s.get("slices", 1)
@@ -100,7 +100,7 @@ def open_rank_endpoint(spec: bytes, rank: int, size: int, num_kv_heads: int, lay
         first.bind(opener(slice_layout(layout, k), port), slice_caches(kv_caches, slice_heads(layout.num_kv_heads, k, 0)))
         worker = kv_rank_workers(first, k, port, layout, kv_caches, opener)
         return RankFollower(s["role"], rank, first.transfer, worker)
-    transfer = KVTransferEngine(f"{s['host']}:{port}", layout, TransferConfig(**s["config"]),
+    transfer = KVEndpoint(f"{s['host']}:{port}", layout, TransferConfig(**s["config"]),
                                 stats, device=device, advertise_host=s["advertise_host"],
                                 transport=s["transport"], key=ClusterKey.optional(s["key_file"]),
                                 vocab_size=s["vocab_size"], role=s["role"])

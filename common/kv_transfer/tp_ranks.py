@@ -62,7 +62,7 @@ from common.kv_transfer.tp_slices import SlicedWorker
 if TYPE_CHECKING:
     import torch
 
-    from common.kv_transfer.engine import KVTransferEngine
+    from common.kv_transfer.endpoint import KVEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ class RankFollower:
     cache (and its routes, on a decode node), with the table calls rank 0's scheduler side makes.
     On a prefill node its producers' pair slots go to members first by rank 0's list (KV_MEMBERS)."""
 
-    def __init__(self, role: str, rank: int, transfer: KVTransferEngine, worker: KVConnectorWorker,
+    def __init__(self, role: str, rank: int, transfer: KVEndpoint, worker: KVConnectorWorker,
                  routes: RankRoutes | None = None) -> None:
         """``transfer``: the rank's (first) endpoint, whose table the follower keeps; ``worker``: bound
         to it (or a ``SlicedWorker`` over the rank's KV ranks, whose others ask the first's is_member)."""
@@ -271,7 +271,7 @@ class RankFollower:
             meta = for_rank(meta, self.rank)
             table = self.transfer.consumer.table
             for load in meta.loads:
-                table.plan(load.request_id)
+                table.load_pending(load.request_id)
                 table.issue(load.request_id)
             meta = _held_aborts(meta, self.worker)
         else:

@@ -5,7 +5,7 @@ of prefill ranks d·k .. d·k + k − 1: each of those ranks sends all of its he
 in one slice of d's heads. So a load becomes k routes, each an ordinary one-rank transfer:
 
 * each route has a consumer of its own (:class:`RankRoutes` opens one per head slice, once): a
-  ``KVTransferEngine`` whose layout is the slice's and whose cache is a view of this rank's
+  ``KVEndpoint`` whose layout is the slice's and whose cache is a view of this rank's
   cache at those heads. The prefill rank sees a consumer of its own layout and needs no change;
   the receive goes through a staging buffer (the view is not contiguous), then into the blocks;
 * the routes' outcomes become this rank's one outcome with :class:`~tp_outcomes.RankOutcomes`, as the
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from common.kv_layout import KVLayout
-    from common.kv_transfer.engine import KVTransferEngine
+    from common.kv_transfer.endpoint import KVEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class RankRoutes:
     """This decode rank's routed loads: their consumers (one per head slice) and their outcomes."""
 
     def __init__(self, rank: int, tp_size: int, num_kv_heads: int, layout: KVLayout, kv_caches: list[torch.Tensor],
-                 open_engine: Callable[[KVLayout], KVTransferEngine]) -> None:
+                 open_engine: Callable[[KVLayout], KVEndpoint]) -> None:
         """``num_kv_heads``: the model's; ``layout`` and ``kv_caches``: this rank's."""
         self.rank, self.tp_size, self.num_kv_heads = rank, tp_size, num_kv_heads
         self.layout, self.kv_caches = layout, kv_caches
@@ -126,7 +126,7 @@ class RankRoutes:
         for route in routes:
             worker = self._worker(route.dst_heads)
             table = worker.transfer.consumer.table
-            table.plan(rid)
+            table.load_pending(rid)
             table.issue(rid)
             addr = rank_address(load.prefill_addr, route.src_rank)
             worker.issue(KVConnectorMetadata(loads=(dataclasses.replace(load, prefill_addr=addr),)))

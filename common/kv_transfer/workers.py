@@ -1,4 +1,4 @@
-"""The worker halves of the two roles' connectors: the only halves bound to a transfer engine
+"""The worker halves of the two roles' connectors: the only halves bound to a KV endpoint
 and a KV cache (``kv_connector``'s split). The scheduler halves live with their roles
 (``prefill_node/connector.py``, ``decode_node/connector.py``); these live here so that the
 tensor-parallel ranks (``tp_ranks``, ``tp_routes``, ``tp_slices``) can run them too.
@@ -13,7 +13,7 @@ from common.kv_transfer.config import TransferError
 
 
 class ProducerWorker(TransferWorker):
-    """Moves the bytes: the only half bound to the transfer engine and the KV cache (``bind``)."""
+    """Moves the bytes: the only half bound to the KV endpoint and the KV cache (``bind``)."""
 
     def issue(self, meta: KVConnectorMetadata) -> None:
         if self.transfer is None:
@@ -41,7 +41,7 @@ class ProducerWorker(TransferWorker):
 
 
 class ConsumerWorker(TransferWorker):
-    """Moves the bytes: the only half bound to the transfer engine and the KV cache (``bind``)."""
+    """Moves the bytes: the only half bound to the KV endpoint and the KV cache (``bind``)."""
 
     def issue(self, meta: KVConnectorMetadata) -> None:
         if self.transfer is None:

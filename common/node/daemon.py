@@ -2,11 +2,11 @@
 registration with the proxy, and transfer metrics.
 
 Start-up, top to bottom (``started_daemon``, then the role's ``serve``): logging -> the HTTP and
-KV ports and the device checked -> the engine (model, KV cache) -> the transfer engine (bound at
+KV ports and the device checked -> the engine (model, KV cache) -> the KV endpoint (bound at
 ``host:kv_port``, reached by peers at ``kv_host:kv_port``) handed to the connector ->
 heartbeats to the proxy -> the role's HTTP app (its hooks and middleware, then the signed-id
 check outermost) -> HTTP. Shut-down runs the other way: HTTP drains, the engine stops calling
-the connector, then heartbeats stop and the transfer engine closes its threads and sockets.
+the connector, then heartbeats stop and the KV endpoint closes its threads and sockets.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from common.kv_transfer.tp_routes import RankRoutes
     from common.kv_transfer.tp_slices import SlicedWorker
     from common.kv_transfer.config import TransferConfig
-    from common.kv_transfer.engine import KVTransferEngine
+    from common.kv_transfer.endpoint import KVEndpoint
     from common.registry_client import Heartbeater
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ NODE_TYPES = {"prefill": "P", "decode": "D"}
 
 
 def transfer_config(cfg: NodeConfig) -> TransferConfig:
-    """The transfer engine's knobs from the node's options."""
+    """The KV endpoint's knobs from the node's options."""
     from common.kv_transfer.config import TransferConfig
 
     # the control handshake shares the operation deadline: an unreachable prefill node fails
@@ -59,7 +59,7 @@ def transfer_config(cfg: NodeConfig) -> TransferConfig:
 
 
 class TransferConnector(Protocol):
-    def bind(self, transfer: KVTransferEngine, kv_caches: list[torch.Tensor]) -> None: ...
+    def bind(self, transfer: KVEndpoint, kv_caches: list[torch.Tensor]) -> None: ...
 
 
 @contextmanager
@@ -92,7 +92,7 @@ class Daemon:
         self.config, self.engine, self.metrics = config, engine, metrics
         self.node_id = f"{NODE_TYPES[config.role]}-{socket.gethostname()}-{config.port}-{uuid.uuid4().hex[:6]}"
         self.key = ClusterKey.optional(config.cluster_key_file)
-        self.transfer: KVTransferEngine | None = None
+        self.transfer: KVEndpoint | None = None
         self.heartbeater: Heartbeater | None = None
         self._exported: dict[str, float] = {}  # transfer counters already turned into metrics
         self._kv_pairs: Gauge | None = None  # pdserve:kv_pairs{role, transport}
@@ -104,7 +104,7 @@ class Daemon:
     def start(self, connector: TransferConnector) -> None:
         """Bind the KV endpoint, hand it to ``connector``, export its metrics, start heartbeats."""
         from common.kv_transfer.config import TransferStats
-        from common.kv_transfer.engine import KVTransferEngine
+        from common.kv_transfer.endpoint import KVEndpoint
         from common.kv_transfer.verify import REASONS
         from common.registry_client import Heartbeater
 
@@ -116,7 +116,7 @@ class Daemon:
         # this rank's heads: under tensor parallelism each rank has its own endpoint (tp_ranks); with
         # --kv-ranks, each rank's first slice of them (tp_slices)
         layout, caches, transport = self._first_kv_rank()
-        self.transfer = KVTransferEngine(
+        self.transfer = KVEndpoint(
             f"{cfg.host}:{cfg.kv_port}", layout, transfer_config(cfg), stats,
             device=str(engine.engine.device), advertise_host=cfg.kv_host, transport=transport,
             key=self.key, on_progress=engine.wake, vocab_size=engine.engine.model_config.vocab_size,
@@ -305,7 +305,7 @@ class Daemon:
         }
 
     def _export_transfer_stats(self, metrics: NodeMetrics) -> None:
-        """Counters the transfer engine keeps, turned into Prometheus increments at scrape.
+        """Counters the KV endpoint keeps, turned into Prometheus increments at scrape.
         (Received bytes and transfer times arrive through ``TransferStats.on_transfer``.)"""
         assert self.transfer is not None
         snap = self.transfer.stats.snapshot()

@@ -158,7 +158,7 @@ import zmq
 from . import sibling
 from ..engine import scheduler
 if TYPE_CHECKING:
-    from common.kv_transfer.engine import KVTransferEngine
+    from common.kv_transfer.endpoint import KVEndpoint
 else:
     import json
 class A:
@@ -170,7 +170,7 @@ class A:
     known = {"common.model.sibling", "common.engine.scheduler", "common.serving.app"}
     got = {(i.module, i.kind) for i in imports_of(source, "common.model.x", ROOT / "x.py", False, known)}
     assert got == {("typing", "module"), ("zmq", "module"), ("common.model.sibling", "module"),
-                   ("common.engine.scheduler", "module"), ("common.kv_transfer.engine", "typing"),
+                   ("common.engine.scheduler", "module"), ("common.kv_transfer.endpoint", "typing"),
                    ("json", "module"), ("msgpack", "module"), ("common.config", "lazy"),
                    ("common.serving.app", "dynamic")}
 

@@ -1,8 +1,8 @@
-"""A recording connector worker: stands in for the transfer engine in engine tests.
+"""A recording connector worker: stands in for the KV endpoint in engine tests.
 
 It keeps every metadata object it was given; a test makes transfers finish with
 ``land`` / ``fail`` / ``ack`` (reported at the next ``get_finished``). Aborted loads are
-reported stopped at once, as a transfer engine does once its receive has stopped.
+reported stopped at once, as a KV endpoint does once its receive has stopped.
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ import time
 import torch
 
 from common.kv_layout import KVLayout
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 
 
-def pull_into_blocks(consumer: KVTransferEngine, prefill, rid: str, num_tokens: int, layout: KVLayout,
+def pull_into_blocks(consumer: KVEndpoint, prefill, rid: str, num_tokens: int, layout: KVLayout,
                      blocks: list[int], timeout: float = 30.0) -> list[torch.Tensor]:
     """Ask ``prefill`` (a helpers.cluster process) for ``rid``'s KV into ``blocks`` of a fresh
     4-block cache and wait until it lands; fails with the daemon's log tail if it does not."""

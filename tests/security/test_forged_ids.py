@@ -15,7 +15,7 @@ import torch
 
 from common.kv_layout import KVLayout
 from common.kv_transfer.config import TransferConfig
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 from common.request_id import make_request_id
 from helpers.cluster import start
 from helpers.ports import free_port
@@ -39,7 +39,7 @@ def _closed_ports(n: int) -> list[int]:
 def test_200_unreachable_peers_leave_no_thread_or_fd():
     config = TransferConfig(timeout_s=1.0, handshake_timeout_s=1.0, lease_s=5.0, heartbeat_s=0.3,
                             peer_idle_s=1.0)
-    engine = KVTransferEngine("127.0.0.1:0", LAYOUT, config)
+    engine = KVEndpoint("127.0.0.1:0", LAYOUT, config)
     kv_caches = [torch.zeros(LAYOUT.layer_shape(4)) for _ in range(LAYOUT.num_layers)]
     try:
         threads, fds = threading.active_count(), _fds()
@@ -61,7 +61,7 @@ def test_200_unreachable_peers_leave_no_thread_or_fd():
 
 def test_receiver_threads_are_capped_at_max_peers():
     config = TransferConfig(timeout_s=1.0, handshake_timeout_s=1.0, heartbeat_s=0.3, max_peers=8)
-    engine = KVTransferEngine("127.0.0.1:0", LAYOUT, config)
+    engine = KVEndpoint("127.0.0.1:0", LAYOUT, config)
     kv_caches = [torch.zeros(LAYOUT.layer_shape(4)) for _ in range(LAYOUT.num_layers)]
     try:
         threads = threading.active_count()

@@ -17,7 +17,7 @@ import torch
 
 from common.cluster_auth import SIGNATURE_HEADER, ClusterKey, control_sealer
 from common.kv_transfer.config import PairBrokenError, TransferConfig
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 from common.kv_transfer.messages import Handshake, HandshakeOk, decode, encode
 from common.kv_transfer.pair_auth import CHALLENGE_MAGIC, NONCE_BYTES
 from common.kv_transfer.tcp_pair import TcpPair
@@ -41,7 +41,7 @@ def layout():
 
 def _transfer(prefill, key: ClusterKey | None, layout) -> list[torch.Tensor]:
     """One honest transfer of PROMPT's KV into blocks 1 and 2 of a fresh cache."""
-    with KVTransferEngine("127.0.0.1:0", layout, TransferConfig(timeout_s=5.0), key=key) as consumer:
+    with KVEndpoint("127.0.0.1:0", layout, TransferConfig(timeout_s=5.0), key=key) as consumer:
         rid = make_request_id(prefill.kv_addr, consumer.address, uuid.uuid4().hex)
         body = json.dumps({"model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}).encode()
         headers = {"X-Request-Id": rid, "Content-Type": "application/json"}

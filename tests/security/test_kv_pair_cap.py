@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.kv_transfer.config import TransferConfig
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 from common.kv_transfer.messages import Error, Handshake, HandshakeOk, decode, encode
 from common.kv_transfer.transport import Endpoint
 from common.model.config import ModelConfig
@@ -69,7 +69,7 @@ def test_stranger_handshakes_leave_threads_and_fds_bounded(tmp_path, layout):
         assert wait_for(lambda: _threads(pid) <= threads + 1, 30), (_threads(pid), threads)
         assert wait_for(lambda: _fds(pid) <= fds + 4, 30), (_fds(pid), fds)
 
-        with KVTransferEngine("127.0.0.1:0", layout, TransferConfig(timeout_s=5.0)) as consumer:
+        with KVEndpoint("127.0.0.1:0", layout, TransferConfig(timeout_s=5.0)) as consumer:
             prompt = list(range(40, 60))  # 20 tokens: 2 blocks
             rid = make_request_id(prefill.kv_addr, consumer.address, "honest")
             body = {"model": "pdserve-tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}

@@ -1,7 +1,7 @@
 """A producer's DONE is client input (issue 22, finding 3): a first token outside the
 vocabulary or a bad logprob fails that request alone, and the decode engine goes on.
 
-The producer is a real transfer engine in this process that a test drives by hand, so it
+The producer is a real KV endpoint in this process that a test drives by hand, so it
 can say what an honest prefill node never would; the decode daemon is a real process.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common.kv_transfer.config import TransferConfig
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 from common.model.config import ModelConfig
 from common.model.embedded import ensure_embedded_model
 from common.request_id import make_request_id
@@ -38,14 +38,14 @@ def decode(tmp_path_factory: pytest.TempPathFactory):
 def producer():
     model = ModelConfig.from_dir(ensure_embedded_model(Path("~/.cache/pdserve/models").expanduser()))
     layout = model.kv_layout(16, "float32")
-    engine = KVTransferEngine("127.0.0.1:0", layout, TransferConfig(timeout_s=5.0, lease_s=10.0))
+    engine = KVEndpoint("127.0.0.1:0", layout, TransferConfig(timeout_s=5.0, lease_s=10.0))
     try:
         yield engine
     finally:
         engine.close()
 
 
-def _complete(decode: Proc, producer: KVTransferEngine, first_token: int, logprobs: dict[int, float] | None) -> httpx.Response:
+def _complete(decode: Proc, producer: KVEndpoint, first_token: int, logprobs: dict[int, float] | None) -> httpx.Response:
     """Send one tagged request straight to decode; answer its PULL with this DONE."""
     n = next(_COUNT)
     rid = make_request_id(producer.address, decode.kv_addr, f"peer-input-{n}")
@@ -73,7 +73,7 @@ def _complete(decode: Proc, producer: KVTransferEngine, first_token: int, logpro
 @pytest.mark.parametrize("first_token, logprobs", [(-5, None), (10**9, None), (7, {7: float("nan")}),
                                                    (7, {-1: -0.5}), (7, {7: 3.0})],
                          ids=["token-5", "token1e9", "nan-logprob", "bad-logprob-token", "positive-logprob"])
-def test_bad_done_fails_its_request_alone(decode: Proc, producer: KVTransferEngine, first_token, logprobs):
+def test_bad_done_fails_its_request_alone(decode: Proc, producer: KVEndpoint, first_token, logprobs):
     bad = _complete(decode, producer, first_token, logprobs)
     assert bad.status_code >= 400 or bad.json()["choices"][0]["finish_reason"] == "error", bad.text
     assert "bad DONE" in bad.text, bad.text

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from common.kv_transfer.config import TransferConfig
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 from common.model.config import ModelConfig
 from common.model.embedded import ensure_embedded_model
 from common.request_id import make_request_id
@@ -28,7 +28,7 @@ def cluster(shared_cluster: dict[str, Proc]) -> dict[str, Proc]:
 @pytest.fixture(scope="module")
 def stranger():
     model = ModelConfig.from_dir(ensure_embedded_model(Path("~/.cache/pdserve/models").expanduser()))
-    with KVTransferEngine("127.0.0.1:0", model.kv_layout(16, "float32"), TransferConfig()) as engine:
+    with KVEndpoint("127.0.0.1:0", model.kv_layout(16, "float32"), TransferConfig()) as engine:
         yield engine
 
 

@@ -1,6 +1,6 @@
 """The connector split in one process: real scheduler sides, a recording worker for the wire.
 
-The real scheduler sides decide; a recording worker stands in for the transfer engine. The
+The real scheduler sides decide; a recording worker stands in for the KV endpoint. The
 producer engine runs the prefill and holds the blocks; the test copies that KV into the
 blocks the consumer engine asked to load and reports the first token, as a transfer would.
 The consumer's decode must then equal a colocated greedy run token for token.

@@ -1,8 +1,8 @@
 """The connector split: the scheduler side decides and writes one metadata object per step;
-the worker side is the only one that touches the transfer engine.
+the worker side is the only one that touches the KV endpoint.
 
 The scheduler runs without a model (the test plays the runner: it marks the scheduled tokens
-computed and samples a fixed token); the worker side runs against a recording transfer engine.
+computed and samples a fixed token); the worker side runs against a recording KV endpoint.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def test_failed_load_finishes_with_error():
 
 
 class RecordingTransfer:
-    """The transfer engine's producer and consumer halves, recording every call."""
+    """The KV endpoint's producer and consumer halves, recording every call."""
 
     def __init__(self, refuse: str | None = None):
         self.calls: list[tuple] = []

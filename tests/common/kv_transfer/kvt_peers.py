@@ -1,6 +1,6 @@
 """Peer processes for the KV transfer tests (spawned; driven over a multiprocessing Pipe).
 
-``serve_engine`` runs a KVTransferEngine in a child and executes commands:
+``serve_engine`` runs a KVEndpoint in a child and executes commands:
 prefill (producer side), request/poll/fetch (consumer side), freeable, stats, stop.
 ``make_kv`` builds the same deterministic paged cache in any process.
 """
@@ -15,7 +15,7 @@ import torch
 
 from common.kv_layout import KVLayout
 from common.kv_transfer.config import TransferConfig
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 
 
 def make_kv(layout: KVLayout, num_blocks: int, seed: int) -> list[torch.Tensor]:
@@ -43,7 +43,7 @@ def serve_engine(conn, layout: dict, config: dict, address: str = "127.0.0.1:0",
     kvl = KVLayout.from_dict(layout)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    engine = KVTransferEngine(address, kvl, TransferConfig(**config), device=device, transport=transport)
+    engine = KVEndpoint(address, kvl, TransferConfig(**config), device=device, transport=transport)
     conn.send(engine.address)
     freeable: set[str] = set()
     caches: dict[str, list[torch.Tensor]] = {}

@@ -11,7 +11,7 @@ import common.kv_transfer.sender as sender_mod
 from common.config import NodeConfig, load_config
 from common.node.daemon import transfer_config
 from common.kv_transfer.config import TransferConfig
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
 from kvt_peers import make_kv
 from test_kvt_engine import P_BLOCKS, assert_landed, d_cache, wait_finished
@@ -65,8 +65,8 @@ def test_pair_set_up_waits_for_the_connect_bound_and_operations_for_kv_timeout(t
     spy(sender_mod, "open_pair")
     spy(receiver_mod, "open_pair")
     cfg = TransferConfig(**dict(FAST, timeout_s=2.0, handshake_timeout_s=2.0, connect_timeout_s=7.0))
-    with KVTransferEngine("127.0.0.1:0", LAYOUT, cfg, transport=transport) as p, \
-            KVTransferEngine("127.0.0.1:0", LAYOUT, cfg, transport=transport) as d:
+    with KVEndpoint("127.0.0.1:0", LAYOUT, cfg, transport=transport) as p, \
+            KVEndpoint("127.0.0.1:0", LAYOUT, cfg, transport=transport) as d:
         kv = d_cache()
         d.consumer.request("c", p.address, [4, 9], 8, kv)
         p.producer.finish("c", 5, make_kv(LAYOUT, P_BLOCKS, 6), [1, 7], 8)

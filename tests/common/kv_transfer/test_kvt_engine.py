@@ -8,7 +8,7 @@ import time
 import torch
 
 from common.kv_transfer.config import TransferConfig, TransferStats
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 from helpers.waiting import wait_for
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
 from kvt_peers import make_kv, peer, same_bytes
@@ -17,7 +17,7 @@ P_BLOCKS = 32  # blocks in the producer's paged cache
 D_BLOCKS = 40
 
 
-def wait_finished(engine: KVTransferEngine, ids: set[str], timeout: float = 15.0):
+def wait_finished(engine: KVEndpoint, ids: set[str], timeout: float = 15.0):
     done: dict[str, int] = {}
     failed: dict[str, str] = {}
     deadline = time.monotonic() + timeout
@@ -34,7 +34,7 @@ def d_cache() -> list[torch.Tensor]:
             for _ in range(LAYOUT.num_layers)]
 
 
-def slow_transfer_under_way(p, d: KVTransferEngine, kv: list[torch.Tensor]) -> None:
+def slow_transfer_under_way(p, d: KVEndpoint, kv: list[torch.Tensor]) -> None:
     """``d`` asks ``p`` for r1 (blocks 0..2), ``p`` sends it at 0.4 s a layer; returns once bytes landed
     (the moment a test kills or restarts the producer)."""
     d.consumer.request("r1", p.address, [0, 1, 2], 12, kv)
@@ -51,7 +51,7 @@ def assert_landed(d_kv, d_ids, seed, p_ids, num_tokens):
 
 
 def test_consumer_asks_first_layers_pushed_during_prefill(no_thread_leak):
-    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+    with peer(LAYOUT, FAST) as p, KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
         kv = d_cache()
         d_ids, p_ids = [7, 3, 30, 12, 5], [9, 1, 20, 4, 17]  # non-contiguous on both sides
         d.consumer.request("r1", p.address, d_ids, 18, kv)
@@ -78,7 +78,7 @@ def test_consumer_asks_first_layers_pushed_during_prefill(no_thread_leak):
 def test_staging_budget_bounds_eager_sends_rest_follows_from_blocks(no_thread_leak):
     # P in this process so its budget can be inspected; D in a child.
     tiny = TransferConfig(**dict(FAST, max_bytes_in_flight=LAYOUT.bytes_per_block_per_layer() * 3))
-    with KVTransferEngine("127.0.0.1:0", LAYOUT, tiny) as prod, peer(LAYOUT, FAST) as d:
+    with KVEndpoint("127.0.0.1:0", LAYOUT, tiny) as prod, peer(LAYOUT, FAST) as d:
         kv = make_kv(LAYOUT, P_BLOCKS, 21)
         p_ids = [8, 2, 6]
         d.call("request", "bud", prod.address, [0, 1, 2], 12, 4)
@@ -108,7 +108,7 @@ def test_staging_budget_bounds_eager_sends_rest_follows_from_blocks(no_thread_le
 def test_transfer_stats_callback_reports_each_request(no_thread_leak):
     seen: list[tuple[float, int]] = []
     stats = TransferStats(on_transfer=lambda seconds, nbytes: seen.append((seconds, nbytes)))
-    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), stats) as d:
+    with peer(LAYOUT, FAST) as p, KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), stats) as d:
         p.call("prefill", "s", 1, P_BLOCKS, [0, 1], 8, 1, True, 0.0)
         d.consumer.request("s", p.address, [0, 1], 8, d_cache())
         assert wait_finished(d, {"s"}) == ({"s": 1}, {})
@@ -121,7 +121,7 @@ def test_transfer_stats_callback_reports_each_request(no_thread_leak):
 
 
 def test_producer_finishes_first_then_consumer_asks(no_thread_leak):
-    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+    with peer(LAYOUT, FAST) as p, KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
         p_ids, d_ids = [4, 5, 6, 7], [10, 11, 12, 13]  # contiguous runs take the slice path
         assert p.call("prefill", "r2", 5, P_BLOCKS, p_ids, 13, 99, True, 0.0) == "ok"
         assert p.call("wait_state", "r2", "held", 0) == "held"  # under its lease, nobody asked yet
@@ -134,7 +134,7 @@ def test_producer_finishes_first_then_consumer_asks(no_thread_leak):
 
 
 def test_many_concurrent_requests_over_one_pair(no_thread_leak):
-    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+    with peer(LAYOUT, FAST) as p, KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
         kv = d_cache()
         reqs = {f"m{i}": ([i * 2, i * 2 + 1], [31 - i, i], 5 + i) for i in range(12)}
         for rid, (d_ids, p_ids, seed) in list(reqs.items())[:6]:  # half ask first
@@ -153,7 +153,7 @@ def test_many_concurrent_requests_over_one_pair(no_thread_leak):
 
 def test_one_consumer_two_producers(no_thread_leak):
     with peer(LAYOUT, FAST) as p1, peer(LAYOUT, FAST) as p2, \
-            KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+            KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
         kv = d_cache()
         d.consumer.request("a", p1.address, [0, 1], 8, kv)
         d.consumer.request("b", p2.address, [3, 2], 8, kv)  # run on P, not on D: staged halves
@@ -170,7 +170,7 @@ def test_on_progress_wakes_the_consumer_and_the_producer_when_there_is_news(no_t
     """The daemons' engine threads wait on ``on_progress`` instead of polling on a timer: it
     must fire for a landing, a failure, and (on the producer) an ACK that frees blocks."""
     news = threading.Event()
-    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST),
+    with peer(LAYOUT, FAST) as p, KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST),
                                                    on_progress=news.set) as d:
         assert p.call("prefill", "w", 3, P_BLOCKS, [0, 1], 8, 42, True, 0.0) == "ok"
         d.consumer.request("w", p.address, [5, 6], 8, d_cache())
@@ -183,7 +183,7 @@ def test_on_progress_wakes_the_consumer_and_the_producer_when_there_is_news(no_t
         assert done == {} and "gone" in failed
         p.stop()
     freed = threading.Event()
-    with KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), on_progress=freed.set) as prod, \
+    with KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), on_progress=freed.set) as prod, \
             peer(LAYOUT, FAST) as c:
         kv = make_kv(LAYOUT, P_BLOCKS, 8)
         prod.producer.finish("a", 7, kv, [2, 3], 8)

@@ -9,7 +9,7 @@ import torch
 import zmq
 
 from common.kv_transfer.config import TransferConfig
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 from helpers.waiting import wait_for
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
 from kvt_peers import Peer, make_kv, peer, same_bytes
@@ -19,7 +19,7 @@ from test_kvt_engine import P_BLOCKS, assert_landed, d_cache, slow_transfer_unde
 def test_producer_killed_mid_transfer_fails_fast_then_restarted_producer_works(no_thread_leak):
     p = Peer(LAYOUT, FAST)
     try:
-        with KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+        with KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
             kv = d_cache()
             slow_transfer_under_way(p, d, kv)
             p.kill()
@@ -40,7 +40,7 @@ def test_producer_killed_mid_transfer_fails_fast_then_restarted_producer_works(n
 
 def test_consumer_killed_mid_transfer_frees_producer_blocks(no_thread_leak):
     cfg = TransferConfig(**FAST)
-    with KVTransferEngine("127.0.0.1:0", LAYOUT, cfg) as prod:
+    with KVEndpoint("127.0.0.1:0", LAYOUT, cfg) as prod:
         p_kv = make_kv(LAYOUT, P_BLOCKS, 3)
         with peer(LAYOUT, FAST) as d:
             d.call("request", "r1", prod.address, [0, 1], 8, 4)
@@ -67,7 +67,7 @@ def test_consumer_killed_mid_transfer_frees_producer_blocks(no_thread_leak):
 
 def test_lease_expiry_frees_and_late_consumer_gets_an_error(no_thread_leak):
     with peer(LAYOUT, dict(FAST, lease_s=0.5)) as p, \
-            KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+            KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
         p.call("prefill", "late", 1, P_BLOCKS, [0, 1], 8, 3, True, 0.0)
         assert p.call("freeable", 5, ["late"]) == ["late"]
         assert p.call("stats")["leases_expired"] == 1
@@ -79,7 +79,7 @@ def test_lease_expiry_frees_and_late_consumer_gets_an_error(no_thread_leak):
 
 def test_pull_for_a_request_the_producer_never_runs_expires(no_thread_leak):
     with peer(LAYOUT, dict(FAST, lease_s=0.5)) as p, \
-            KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+            KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
         d.consumer.request("ghost", p.address, [0, 1], 8, d_cache())
         assert p.call("wait_state", "ghost", "pulled", 10) == "pulled"
         # the producer's engine loop polls, which enforces leases: poll until this one expired
@@ -91,7 +91,7 @@ def test_pull_for_a_request_the_producer_never_runs_expires(no_thread_leak):
 
 
 def test_consumer_abort_drops_request_at_producer(no_thread_leak):
-    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+    with peer(LAYOUT, FAST) as p, KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
         d.consumer.request("ab", p.address, [0, 1], 8, d_cache())
         assert p.call("wait_state", "ab", "pulled", 10) == "pulled"
         d.consumer.abort("ab")
@@ -111,7 +111,7 @@ def test_consumer_abort_drops_request_at_producer(no_thread_leak):
 
 def test_layout_mismatch_refused_at_handshake_naming_differences(no_thread_leak):
     other = dataclasses.replace(LAYOUT, num_kv_heads=4, head_dim=8, dtype="float16")
-    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", other, TransferConfig(**FAST)) as d:
+    with peer(LAYOUT, FAST) as p, KVEndpoint("127.0.0.1:0", other, TransferConfig(**FAST)) as d:
         kv = [torch.zeros(other.layer_shape(4), dtype=other.torch_dtype) for _ in range(other.num_layers)]
         d.consumer.request("mm", p.address, [0, 1], 8, kv)
         done, failed = wait_finished(d, {"mm"})
@@ -123,7 +123,7 @@ def test_layout_mismatch_refused_at_handshake_naming_differences(no_thread_leak)
 
 
 def test_garbage_control_frames_dropped_engine_keeps_serving(no_thread_leak):
-    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+    with peer(LAYOUT, FAST) as p, KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
         ctx = zmq.Context()
         raw = ctx.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
@@ -146,7 +146,7 @@ def test_producer_restarted_while_the_pair_idled_next_request_builds_a_new_pair(
     """tcp notices the closed socket before asking; gloo hears "unknown pair" and asks again."""
     p = Peer(LAYOUT, FAST, transport=transport)
     try:
-        with KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), transport=transport) as d:
+        with KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), transport=transport) as d:
             kv = d_cache()
             p.call("prefill", "a", 1, P_BLOCKS, [0, 1], 8, 1, True, 0.0)
             d.consumer.request("a", p.address, [0, 1], 8, kv)
@@ -168,7 +168,7 @@ def test_a_slow_transfer_that_keeps_landing_layers_is_not_cut_off(no_thread_leak
     landed layer, not from the request: a slow link or a slow prefill whose layers keep coming
     (here 4 layers 0.8 s apart, 3.2 s against a 2 s deadline) finishes."""
     short = TransferConfig(**dict(FAST, lease_s=1.0, timeout_s=1.0))
-    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, short) as d:
+    with peer(LAYOUT, FAST) as p, KVEndpoint("127.0.0.1:0", LAYOUT, short) as d:
         kv = d_cache()
         d.consumer.request("slow", p.address, [0, 1, 2], 12, kv)
         assert p.call("wait_state", "slow", "pulled", 10) == "pulled"

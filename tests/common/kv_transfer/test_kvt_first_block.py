@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.kv_transfer.config import TransferConfig
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 from common.kv_transfer.messages import PROTOCOL_VERSION, Pull, decode
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
 from kvt_peers import make_kv, peer, same_bytes
@@ -24,7 +24,7 @@ def test_pull_without_first_block_means_everything():
 
 @pytest.mark.parametrize("pull_first", [True, False], ids=["pull-then-prefill", "prefill-then-pull"])
 def test_only_the_blocks_after_first_block_move(pull_first, no_thread_leak):
-    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+    with peer(LAYOUT, FAST) as p, KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
         kv = d_cache()
         p_ids, d_ids = [9, 1, 20, 4, 17], [7, 3, 30, 12, 5]  # 18 tokens: 5 blocks of 4
         first = 3  # the consumer has the first 3 blocks already
@@ -48,7 +48,7 @@ def test_only_the_blocks_after_first_block_move(pull_first, no_thread_leak):
 
 
 def test_first_block_past_the_prompt_is_refused(no_thread_leak):
-    with KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+    with KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
         kv = d_cache()
         with pytest.raises(ValueError):
             d.consumer.request("r", "127.0.0.1:1", [1], 8, kv, first_block=2)

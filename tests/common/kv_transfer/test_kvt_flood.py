@@ -11,7 +11,7 @@ import time
 import zmq
 
 from common.kv_transfer.config import TransferConfig
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 from common.kv_transfer.messages import Ping, decode, encode
 from helpers.zmq_peer import raw_dealer
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
@@ -32,7 +32,7 @@ def _answered(sock: zmq.Socket, ping: Ping, timeout_s: float = 30.0) -> bool:
 
 
 def test_ping_flood_then_a_transfer_still_completes(no_thread_leak):
-    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+    with peer(LAYOUT, FAST) as p, KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
         with raw_dealer(p.address) as stranger:
             stranger.setsockopt(zmq.SNDHWM, 0)
             frame = encode(Ping(id=1))

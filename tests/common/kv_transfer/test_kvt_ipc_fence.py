@@ -13,7 +13,7 @@ import queue
 
 from common.kv_transfer.config import TransferConfig
 from common.kv_transfer.control import ControlPlane
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 from common.kv_transfer.messages import Abort, Handshake, HandshakeOk, Message, Ok, Ping
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
 from test_kvt_engine import d_cache, wait_finished
@@ -46,7 +46,7 @@ class SilentIpcProducer:
 def test_broken_ipc_link_frees_blocks_only_once_the_producer_confirms(no_thread_leak):
     producer = SilentIpcProducer()
     try:
-        with KVTransferEngine("127.0.0.1:0", LAYOUT, CFG) as d:
+        with KVEndpoint("127.0.0.1:0", LAYOUT, CFG) as d:
             d.consumer.request("f", producer.address, [1, 2], 8, d_cache())
             identity, abort = producer.aborts.get(timeout=10)  # the PULL went unanswered: the link broke
             assert abort.request_id == "f" and abort.id  # a request: the consumer waits for the answer
@@ -65,7 +65,7 @@ def test_unanswered_fence_frees_blocks_at_its_deadline(no_thread_leak):
     the request fails (no hang), as an unanswered abort does."""
     producer = SilentIpcProducer()
     try:
-        with KVTransferEngine("127.0.0.1:0", LAYOUT, CFG) as d:
+        with KVEndpoint("127.0.0.1:0", LAYOUT, CFG) as d:
             d.consumer.request("g", producer.address, [3], 4, d_cache())
             assert producer.aborts.get(timeout=10)[1].request_id == "g"
             done, failed = wait_finished(d, {"g"})

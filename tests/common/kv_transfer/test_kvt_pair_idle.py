@@ -9,7 +9,7 @@ import torch
 
 
 from common.kv_transfer.config import TransferConfig
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
 from kvt_peers import make_kv
 from test_kvt_engine import D_BLOCKS, wait_finished
@@ -28,7 +28,7 @@ def _cache() -> list[torch.Tensor]:
     return [torch.zeros(LAYOUT.layer_shape(D_BLOCKS), dtype=LAYOUT.torch_dtype) for _ in range(LAYOUT.num_layers)]
 
 
-def _transfer(p: KVTransferEngine, d: KVTransferEngine, rid: str) -> None:
+def _transfer(p: KVEndpoint, d: KVEndpoint, rid: str) -> None:
     p.producer.finish(rid, 5, make_kv(LAYOUT, 8, 1), [0, 1], 8)
     d.consumer.request(rid, p.address, [2, 3], 8, _cache())
     assert wait_finished(d, {rid}) == ({rid: 5}, {})
@@ -36,7 +36,7 @@ def _transfer(p: KVTransferEngine, d: KVTransferEngine, rid: str) -> None:
 
 def test_idle_pair_is_closed_and_rebuilt(no_thread_leak):
     cfg = TransferConfig(**{**FAST, "pair_idle_s": 1.0})
-    with KVTransferEngine("127.0.0.1:0", LAYOUT, cfg) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, cfg) as d:
+    with KVEndpoint("127.0.0.1:0", LAYOUT, cfg) as p, KVEndpoint("127.0.0.1:0", LAYOUT, cfg) as d:
         _transfer(p, d, "r1")
         assert len(p.producer.pair_transports()) == 1
         assert wait_for(lambda: not p.producer.pair_transports(), 20), "the idle pair was kept"

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from common.kv_transfer.config import TransferConfig
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
 from test_kvt_engine import wait_finished
 
 
 def test_each_role_builds_only_its_half(no_thread_leak):
-    with KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), role="prefill") as p, \
-            KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), role="decode") as d:
+    with KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), role="prefill") as p, \
+            KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), role="decode") as d:
         assert p.producer.table is not None and d.consumer.table is not None
         with pytest.raises(AttributeError, match="prefill node's KV endpoint has no consumer half"):
             p.consumer  # noqa: B018
@@ -23,15 +23,15 @@ def test_each_role_builds_only_its_half(no_thread_leak):
             d.producer  # noqa: B018
         assert p.pair_counts() == {} and d.pair_counts() == {}
     with pytest.raises(ValueError, match="role must be one of prefill, decode, both"):
-        KVTransferEngine("127.0.0.1:0", LAYOUT, role="colocated")
+        KVEndpoint("127.0.0.1:0", LAYOUT, role="colocated")
 
 
 def test_asking_a_decode_endpoint_for_kv_fails_at_once_naming_it(no_thread_leak):
     """A decode node named where a prefill node should be (a forged or mistyped id): the handshake
     is refused by the endpoint, well before the consumer's handshake deadline."""
     slow = TransferConfig(**dict(FAST, handshake_timeout_s=30.0, timeout_s=30.0))
-    with KVTransferEngine("127.0.0.1:0", LAYOUT, slow, role="decode") as wrong, \
-            KVTransferEngine("127.0.0.1:0", LAYOUT, slow, role="decode") as d:
+    with KVEndpoint("127.0.0.1:0", LAYOUT, slow, role="decode") as wrong, \
+            KVEndpoint("127.0.0.1:0", LAYOUT, slow, role="decode") as d:
         kv = [torch.zeros(LAYOUT.layer_shape(8), dtype=LAYOUT.torch_dtype) for _ in range(LAYOUT.num_layers)]
         d.consumer.request("r", wrong.address, [0, 1], 8, kv)
         done, failed = wait_finished(d, {"r"}, timeout=10.0)
@@ -47,7 +47,7 @@ def test_closing_a_producer_does_not_wait_for_a_pair_nobody_joined(no_thread_lea
     from helpers.zmq_peer import raw_dealer
 
     slow = TransferConfig(**dict(FAST, connect_timeout_s=60.0))
-    p = KVTransferEngine("127.0.0.1:0", LAYOUT, slow, role="prefill")
+    p = KVEndpoint("127.0.0.1:0", LAYOUT, slow, role="prefill")
     try:
         with raw_dealer(p.address) as stranger:
             stranger.send(encode(Handshake(id=1, pair_id="never-joined", layout=LAYOUT.to_dict(), backend="tcp",

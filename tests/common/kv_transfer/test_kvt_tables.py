@@ -85,7 +85,7 @@ def test_producer_drop_while_prefill_runs_frees_the_blocks_at_finish_and_keeps_t
 
 def test_consumer_abort_wins_over_a_landing_and_holds_until_the_link_stopped():
     t = ConsumerTable()
-    t.plan("x")
+    t.load_pending("x")
     t.issue("x")
     rec = start(t, "x", [1, 2], 8)
     assert rec is not None and t.state("x") is C.QUEUED
@@ -105,15 +105,15 @@ def test_consumer_landed_extras_wait_one_poll_and_pending_loads_are_dropped_at_o
     assert t.finish(rec, C.LANDED, first_token=7, cached_tokens=3)
     assert t.poll_finished() == ({"x": 7}, {}) and t.value("x") == "unknown"
     assert t.take_landed({"x"})["x"].cached_tokens == 3 and t.state("x") is None
-    t.plan("y")
-    assert t.unplan("y") and not t.abort("y") and t.state("y") is None
+    t.load_pending("y")
+    assert t.cancel_pending("y") and not t.abort("y") and t.state("y") is None
 
 
 def test_a_planned_record_is_filled_in_place_and_reports_fill_it_too():
     """The record the scheduler planned is the one the load, the link's reports and DONE fill:
     nothing holds a second copy of it."""
     t = ConsumerTable()
-    t.plan("x")
+    t.load_pending("x")
     t.issue("x")
     with t.lock:
         planned = t._records["x"]
@@ -137,7 +137,7 @@ def test_every_state_has_its_moves_and_an_illegal_move_raises(module):
 
 def test_illegal_moves_raise_on_both_sides():
     c = ConsumerTable()
-    c.plan("x")
+    c.load_pending("x")
     with pytest.raises(IllegalMove, match="LOAD_PENDING -> LANDED"), c.lock:
         c._move(c._records["x"], C.LANDED)  # DONE for a load never sent
     p = ProducerTable()

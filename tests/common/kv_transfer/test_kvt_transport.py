@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.kv_transfer.config import TransferConfig
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 from common.kv_transfer.transport import Endpoint, TransportMismatchError, choose_transport, ipc_fallback
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
 from kvt_peers import peer
@@ -101,14 +101,14 @@ def test_unknown_mode_refused():
     with pytest.raises(ValueError, match="--kv-transport must be one of"):
         choose_transport("rdma", CPU_A, "auto", CPU_B)
     with pytest.raises(ValueError, match="--kv-transport must be one of"):
-        KVTransferEngine("127.0.0.1:0", LAYOUT, transport="rdma")
+        KVEndpoint("127.0.0.1:0", LAYOUT, transport="rdma")
 
 
 @pytest.mark.parametrize("p_mode, d_mode, want", [("auto", "auto", "tcp"), ("gloo", "auto", "gloo")])
 def test_pair_uses_the_negotiated_transport_across_processes(p_mode, d_mode, want, no_thread_leak):
     """Scattered blocks on both sides, the producer finishing while the consumer asks."""
     with peer(LAYOUT, FAST, transport=p_mode) as p, \
-            KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), transport=d_mode) as d:
+            KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), transport=d_mode) as d:
         kv = d_cache()
         d_ids, p_ids = [7, 3, 30, 31, 5], [9, 1, 20, 21, 17]
         d.consumer.request("t", p.address, d_ids, 18, kv)
@@ -121,7 +121,7 @@ def test_pair_uses_the_negotiated_transport_across_processes(p_mode, d_mode, wan
 
 def test_explicit_mismatch_fails_the_request_at_the_handshake(no_thread_leak):
     with peer(LAYOUT, FAST, transport="gloo") as p, \
-            KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), transport="tcp") as d:
+            KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), transport="tcp") as d:
         kv = d_cache()
         d.consumer.request("x", p.address, [0, 1], 8, kv)
         done, failed = wait_finished(d, {"x"})

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from common.kv_transfer.config import TransferConfig
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 from common.kv_transfer.verify import BYTES, CHECKSUM, NOT_REQUESTED, STALE
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
 from kvt_peers import Peer, peer
@@ -25,7 +25,7 @@ def _request(p, d, kv, rid: str, seed: int, d_ids: list[int], p_ids: list[int], 
 def test_damaged_or_stale_kv_fails_the_request_and_is_counted(fault, reason, no_thread_leak):
     # --kv-checksum on at the consumer turns the pair's checksums on (auto is off)
     config = TransferConfig(**FAST, checksum="on")
-    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, config) as d:
+    with peer(LAYOUT, FAST) as p, KVEndpoint("127.0.0.1:0", LAYOUT, config) as d:
         p.call("fault", fault)
         kv = d_cache()
         _request(p, d, kv, "r1", 1, [0, 1, 2], [3, 4, 5])
@@ -40,7 +40,7 @@ def test_damaged_or_stale_kv_fails_the_request_and_is_counted(fault, reason, no_
 
 
 def test_done_for_a_request_never_asked_for_is_dropped_and_counted(no_thread_leak):
-    with peer(LAYOUT, FAST) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+    with peer(LAYOUT, FAST) as p, KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
         p.call("fault", "ghost")
         kv = d_cache()
         _request(p, d, kv, "r1", 1, [0, 1, 2], [3, 4, 5])
@@ -58,7 +58,7 @@ def test_transfer_landing_after_its_blocks_were_reused_does_not_touch_them(no_th
     # no deadline is under test here: a 2 s one could break the pair on a loaded machine and lose
     # the replay with it (the test would then see no rejection)
     patient = {**FAST, "timeout_s": 15.0, "lease_s": 30.0}
-    with peer(LAYOUT, patient) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**patient)) as d:
+    with peer(LAYOUT, patient) as p, KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**patient)) as d:
         p.call("fault", "replay")
         kv = d_cache()
         _request(p, d, kv, "r1", 1, [0, 1, 2], [3, 4, 5])
@@ -74,7 +74,7 @@ def test_checksum_off_is_honoured_by_both_sides(no_thread_leak):
     """--kv-checksum off on the consumer beats on at the producer: the pair sends no checksums
     (a flipped byte goes through); identity, layer and byte counts are still checked."""
     cfg = TransferConfig(**FAST, checksum="off")
-    with peer(LAYOUT, {**FAST, "checksum": "on"}) as p, KVTransferEngine("127.0.0.1:0", LAYOUT, cfg) as d:
+    with peer(LAYOUT, {**FAST, "checksum": "on"}) as p, KVEndpoint("127.0.0.1:0", LAYOUT, cfg) as d:
         p.call("fault", "flip")
         kv = d_cache()
         _request(p, d, kv, "r1", 1, [0, 1, 2], [3, 4, 5])
@@ -86,7 +86,7 @@ def test_checksum_off_is_honoured_by_both_sides(no_thread_leak):
 def test_prefill_restarted_mid_transfer_never_lands_partial_kv(no_thread_leak):
     p = Peer(LAYOUT, FAST)
     try:
-        with KVTransferEngine("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
+        with KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST)) as d:
             kv = d_cache()
             slow_transfer_under_way(p, d, kv)
             p.kill()
@@ -123,8 +123,8 @@ def test_pairs_checksum_what_they_move_and_land_it(views, transport, no_thread_l
     else:
         d_kv_used = d_kv
     cfg = TransferConfig(**FAST, checksum="on")
-    with KVTransferEngine("127.0.0.1:0", layout, cfg, transport=transport) as p, \
-            KVTransferEngine("127.0.0.1:0", layout, cfg, transport=transport) as d:
+    with KVEndpoint("127.0.0.1:0", layout, cfg, transport=transport) as p, \
+            KVEndpoint("127.0.0.1:0", layout, cfg, transport=transport) as d:
         p.producer.table.hand_over("r")
         p.producer.finish("r", 5, p_kv, [1, 2, 3], 12)
         d.consumer.request("r", p.address, [4, 5, 6], 12, d_kv_used)

@@ -16,7 +16,7 @@ import pytest
 from kvt_fixtures import LAYOUT, no_thread_leak  # noqa: F401
 
 from common.kv_transfer.config import TransferConfig
-from common.kv_transfer.engine import KVTransferEngine
+from common.kv_transfer.endpoint import KVEndpoint
 from common.kv_transfer.tp_endpoints import RankKVServer, engine_opener
 from common.kv_transfer.tp_ranks import KV_MEMBERS, LeaderKVWorker, RankFollower
 from common.kv_transfer.tp_slices import SlicedWorker
@@ -51,7 +51,7 @@ class Loopback:
 
 def _producer_worker() -> ProducerWorker:
     worker = ProducerWorker()
-    worker.bind(KVTransferEngine("127.0.0.1:0", LAYOUT), [])
+    worker.bind(KVEndpoint("127.0.0.1:0", LAYOUT), [])
     return worker
 
 

@@ -331,7 +331,7 @@ def test_leader_worker_failure_broadcasts_abort():
     leader, inner = FakeLeader(2), FakeInner()
     w = LeaderKVWorker(inner, leader, "decode")
     table = inner.transfer.consumer.table
-    table.plan("r")
+    table.load_pending("r")
     table.issue("r")  # LOADING on rank 0: may still receive
     w.issue(KVConnectorMetadata(loads=(LoadSpec("r", "h:1", (1,), 0, 4),)))
     leader.sent_bytes.clear()

@@ -1,5 +1,5 @@
 """tp_routes (a decode rank's loads from a prefill node of a larger TP size), tp_slices (a prefill
-rank's KV ranks), the registry's member TP sizes and --kv-ranks: with fake transfer engines."""
+rank's KV ranks), the registry's member TP sizes and --kv-ranks: with fake KV endpoints."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_slice_caches_are_views_of_exactly_those_heads():
     assert torch.all(caches[1][:, :, :, 0:2] == 0.0) and torch.all(caches[0] == 0.0)
 
 
-# ---- tp_routes: a fake transfer engine a real ConsumerWorker is bound to --------------------
+# ---- tp_routes: a fake KV endpoint a real ConsumerWorker is bound to --------------------
 class FakeConsumer:
     """KVConsumer's calls on a real ConsumerTable: ``request`` queues the load on a pretend link."""
 

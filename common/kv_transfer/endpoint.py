@@ -24,7 +24,7 @@ from common.kv_transfer.transport import check_mode
 ROLES = ("prefill", "decode", "both")
 
 
-class KVTransferEngine:
+class KVEndpoint:
     """Binds a ROUTER at ``zmq_address`` ("host:port", port 0 = any free port).
 
     ``device`` is where this process's KV cache lives; with ``transport`` (``--kv-transport``:
@@ -103,7 +103,7 @@ class KVTransferEngine:
             half.close()
         self.control.close()
 
-    def __enter__(self) -> KVTransferEngine:
+    def __enter__(self) -> KVEndpoint:
         return self
 
     def __exit__(self, *exc: object) -> None:
