@@ -55,6 +55,11 @@ class RankOutcomes:
         if (load := self.loads.get(request_id)) is not None:
             load.aborted = True
 
+    @property
+    def pending(self) -> bool:
+        """Does any part's report still count (a load or a hand-over not yet settled)?"""
+        return bool(self.loads or self.held)
+
     def landing(self, request_id: str) -> bool:
         """May a rank still write into this request's blocks?"""
         return request_id in self.loads

@@ -368,3 +368,20 @@ def test_leader_forwards_no_release_naming_a_prefill_node_rank0_would_not_pull_f
     w.issue(full_meta())
     [(_, data)] = leader.sent_bytes
     assert [(rid, addr) for rid, addr, *_ in decode_meta(data).releases] == [("R1", "10.0.0.1:5000")]
+
+
+def test_leader_polls_the_workers_only_while_a_transfer_is_pending():
+    """The engine asks for finished transfers twice a loop iteration: with no multi-rank load or
+    hand-over pending, rank 0's own report is the answer and the workers are not polled."""
+    leader, inner = FakeLeader(2), FakeInner()
+    w = LeaderKVWorker(inner, leader, "decode")
+    inner.reports = [FinishedTransfers(failed_recving={"solo": "rank 0 only"})]
+    assert w.get_finished() == FinishedTransfers(failed_recving={"solo": "rank 0 only"})
+    assert w.get_finished() == FinishedTransfers() and leader.sent == []
+    w.issue(KVConnectorMetadata(loads=(LoadSpec("r", "h:1", (1, 2), 0, 8),)))
+    inner.reports = [landed("r", 5)]
+    leader.replies = [[reply({}, landed("r", 0))]]
+    assert w.get_finished() == FinishedTransfers(done_recving={"r": 5})
+    assert [op for op, _, _ in leader.sent] == [KV_POLL]
+    assert w.get_finished() == FinishedTransfers() and len(leader.sent) == 1  # settled: no poll again
+
