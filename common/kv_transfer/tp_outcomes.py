@@ -17,14 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.engine.kv_connector import FinishedTransfers
+from common.kv_transfer.consumer_table import ConsumerState
 
-STOPPED = object()  # a rank's part ended by an abort
+STOPPED = ConsumerState.STOPPED  # a rank's part ended by an abort (its table's own state)
 
 
 @dataclass
 class _Load:
     ranks: frozenset[int]  # the ranks whose part this load waits for
-    ended: dict[int, object] = field(default_factory=dict)  # rank -> None (landed), its error, or STOPPED
+    ended: dict[int, str | ConsumerState | None] = field(default_factory=dict)  # rank -> None (landed), its error, or STOPPED
     aborted: bool = False  # by the scheduler: the outcome is "stopped"
     aborting: bool = False  # a rank failed: the others were told to stop
     error: str = ""  # the first rank's failure

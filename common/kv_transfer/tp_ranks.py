@@ -182,12 +182,8 @@ class LeaderKVWorker(KVConnectorWorker):
         and a refused load is left out of KV_ISSUE."""
         if not meta.loads:
             return set()
-        refused = set(getattr(self.inner, "refused", ()))
-        transfer = getattr(self.inner, "transfer", None)
-        if transfer is not None:
-            table = transfer.consumer.table
-            refused |= {s.request_id for s in meta.loads if table.state(s.request_id) is ConsumerState.FAILED}
-        return refused
+        table = self.inner.transfer.consumer.table  # type: ignore[attr-defined]
+        return {s.request_id for s in meta.loads if table.state(s.request_id) is ConsumerState.FAILED}
 
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, meta: KVConnectorMetadata) -> None:
         self.inner.save_kv_layer(layer_idx, kv_layer, meta)

@@ -258,6 +258,9 @@ class FakeInner(KVConnectorWorker):
 
     def issue(self, meta):
         self.issued.append(meta)
+        for load in meta.loads:  # as the real worker does with a load its consumer refused: FAILED in the table
+            if load.request_id in self.refused:
+                self.transfer.consumer.table.start(load.request_id, [], 0, [], 0, None, error="bad request")
 
     def get_finished(self):
         return self.reports.pop(0) if self.reports else FinishedTransfers()
