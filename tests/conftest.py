@@ -55,6 +55,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
 
 
+# Files that share a cluster wider than a module go to one xdist worker together: a package- or
+# session-scoped fixture is started once per worker, so split over two workers it starts twice (the
+# multi-host bed is 7 processes in 6 network namespaces; the session cluster 4 processes). A file
+# missing here still passes, on a cluster of its worker's own.
+SHARED_CLUSTER_FILES = {
+    "the multi-host bed": ("tests/multihost/",),
+    "session_cluster": ("tests/test_fidelity_e2e.py", "tests/test_tool_calls_e2e.py",
+                        "tests/test_structured_output_e2e.py", "tests/proxy/test_adaptive_disagg.py",
+                        "tests/proxy/test_proxy_e2e.py", "tests/security/test_stranger_producer.py",
+                        "tests/security/test_bad_input_matrix.py"),
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadfile`` with the files of ``SHARED_CLUSTER_FILES`` as one unit each."""
+    if config.getvalue("dist") != "loadfile":
+        return None  # xdist's own
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedClusterScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return next((unit for unit, prefixes in SHARED_CLUSTER_FILES.items() if path.startswith(prefixes)), path)
+
+    return SharedClusterScheduling(config, log)
+
+
 # A test past pyproject's `timeout` fails alone, named, and the run goes on. pytest-timeout's signal
 # method raises pytest.fail wherever SIGALRM finds the main thread: inside setup, call or teardown
 # pytest reports it as the test's failure, but between them (making a report, sending it to the xdist
