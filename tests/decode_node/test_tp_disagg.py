@@ -12,6 +12,7 @@ import dataclasses
 import os
 import signal
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from common.kv_transfer.transport import Endpoint, open_pair
 from common.model.config import ModelConfig
 from common.model.embedded import ensure_embedded_model
 from common.request_id import make_request_id
-from helpers.cluster import metric, pd_cluster, start, stop_all, wait_idle
+from helpers.cluster import Proc, metric, pd_cluster, start, stop_all, wait_idle
 from helpers.procs import children, gone
 from helpers.waiting import wait_for, wait_until
 from helpers.zmq_peer import raw_dealer
@@ -39,12 +40,22 @@ PROMPTS = ["The quick brown fox", "def main():\n    import os\n    print(os.getc
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
+def colocated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """The colocated node every cluster here is compared with (one for the module: the answers
+    depend on the model and block size, not on who asks). Not waited for here: it loads while the
+    cluster that asks for it does."""
+    proc = start("both", tmp_path_factory.mktemp("tp-colocated"), "--block-size", "16", wait=False)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, colocated: Proc):
     tmp = tmp_path_factory.mktemp("tp-disagg")
     # no prefix cache on D: every request must pull its KV (a cached prompt is computed there)
-    with pd_cluster(tmp, node_args=(*TP, *ARGS, "--no-enable-prefix-caching"),
-                    colocated_args=("--block-size", "16")) as procs:
-        yield tmp, procs
+    with pd_cluster(tmp, node_args=(*TP, *ARGS, "--no-enable-prefix-caching"), colocated_args=None) as procs:
+        colocated.wait_ready()
+        yield tmp, {**procs, "both": colocated}
 
 
 def _rank_bytes(url: str) -> dict[str, float]:
@@ -188,19 +199,18 @@ def test_a_decode_rank_killed_mid_transfer_frees_the_prefill_blocks(cluster) -> 
 
 
 @pytest.fixture(scope="module")
-def p2_d1(tmp_path_factory: pytest.TempPathFactory):
+def p2_d1(tmp_path_factory: pytest.TempPathFactory, colocated: Proc):
     """Proxy, a prefill node of TP 2 and a decode node of TP 1 (its one rank pulls from both
-    prefill ranks, each rank's head into its slice), and a colocated node to compare with."""
+    prefill ranks, each rank's head into its slice), and the colocated node to compare with."""
     tmp = tmp_path_factory.mktemp("tp-2-to-1")
     procs = {"proxy": start("proxy", tmp, wait=False)}
     try:
         registry = ("--proxy", f"127.0.0.1:{procs['proxy'].kv_port}", "--heartbeat-interval-s", "0.5")
         procs["prefill"] = start("prefill", tmp, *TP, *ARGS, *registry, wait=False)
         procs["decode"] = start("decode", tmp, *ARGS, *registry, "--no-enable-prefix-caching", wait=False)
-        procs["both"] = start("both", tmp, "--block-size", "16", wait=False)
-        for proc in list(procs.values())[1:] + [procs["proxy"]]:  # a node that dies starting fails here
+        for proc in [*list(procs.values())[1:], procs["proxy"], colocated]:  # a node that dies starting fails here
             proc.wait_ready()
-        yield procs
+        yield {**procs, "both": colocated}
     finally:
         stop_all(procs.values())
 
@@ -226,9 +236,9 @@ def test_tp2_to_tp1_through_the_proxy_gives_the_colocated_answers(p2_d1) -> None
 
 
 @pytest.fixture(scope="module")
-def kv_ranks_2(tmp_path_factory: pytest.TempPathFactory):
+def kv_ranks_2(tmp_path_factory: pytest.TempPathFactory, colocated: Proc):
     """Proxy, a one-rank prefill node that presents 2 KV ranks (--kv-ranks 2: its 2 KV heads, one
-    each), a decode node of TP 2 and one of TP 1 (it reads both KV ranks), and a colocated node."""
+    each), a decode node of TP 2 and one of TP 1 (it reads both KV ranks), and the colocated node."""
     tmp = tmp_path_factory.mktemp("kv-ranks")
     procs = {"proxy": start("proxy", tmp, wait=False)}
     try:
@@ -237,12 +247,11 @@ def kv_ranks_2(tmp_path_factory: pytest.TempPathFactory):
         for name, (role, *extra) in nodes.items():
             no_cache = ("--no-enable-prefix-caching",) if role == "decode" else ()
             procs[name] = start(role, tmp, *extra, *ARGS, *registry, *no_cache, name=name, wait=False)
-        procs["both"] = start("both", tmp, "--block-size", "16", wait=False)
-        for proc in list(procs.values())[1:] + [procs["proxy"]]:  # a node that dies starting fails here
+        for proc in [*list(procs.values())[1:], procs["proxy"], colocated]:  # a node that dies starting fails here
             proc.wait_ready()
         wait_until(lambda: httpx.get(procs["proxy"].url + "/ready", timeout=5).json()["nodes"] == {"P": 1, "D": 2},
                    "both decode nodes registered")
-        yield procs
+        yield {**procs, "both": colocated}
     finally:
         stop_all(procs.values())
 
