@@ -43,8 +43,18 @@ class Nodes(dict[str, Proc]):
     key_args: tuple[str, ...] = ()
 
 
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """The reference node, one for both clusters (keyless and keyed answer alike). Not waited for
+    here: it loads while the first cluster does."""
+    proc = start("both", tmp_path_factory.mktemp("fallbacks-colocated"), wait=False)
+    yield proc
+    proc.stop()
+
+
 @pytest.fixture(scope="module", params=["keyless", "keyed"])
-def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+            colocated: Proc) -> Iterator[Nodes]:
     tmp = tmp_path_factory.mktemp("fallbacks")
     procs = Nodes()
     if request.param == "keyed":
@@ -58,13 +68,13 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         procs["prefill"] = start("prefill", tmp, *node, wait=False)
         procs["decode1"] = start("decode", tmp, *node, name="decode1", wait=False)
         procs["decode2"] = start("decode", tmp, *node, name="decode2", wait=False)
-        procs["both"] = start("both", tmp, wait=False)
-        for proc in procs.values():
+        for proc in [*procs.values(), colocated]:
             proc.wait_ready()
         wait_until(lambda: _ready(proxy).get("nodes") == {"P": 1, "D": 2}, "both decode nodes registered")
+        procs["both"] = colocated
         yield procs
     finally:
-        stop_all(procs.values())
+        stop_all(proc for name, proc in procs.items() if name != "both")
 
 
 def _ready(proxy: Proc) -> dict:
