@@ -8,6 +8,7 @@ over the whole answer, and the surviving nodes must end with no KV block in use.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from helpers.cluster import Proc, metric, start, stop_all, wait_idle
+from helpers.waiting import wait_until
 
 MAX_TOKENS = 400
 IDLE_S = 3.0
@@ -49,22 +51,25 @@ class Cluster:
 
     def wait_registered(self, p: int = 2, d: int = 2, timeout: float = 30.0) -> None:
         """Until the proxy lists ``p`` prefill and ``d`` decode nodes."""
-        deadline = time.monotonic() + timeout
-        while True:
-            counts = httpx.get(self.proxy.url + "/ready", timeout=5).json().get("nodes", {})
-            if counts.get("P") == p and counts.get("D") == d:
-                return
-            assert time.monotonic() < deadline, f"registry never settled: {counts}"
-            time.sleep(0.1)
+        wait_until(lambda: httpx.get(self.proxy.url + "/ready", timeout=5).json().get("nodes") == {"P": p, "D": d},
+                   f"the proxy lists {p} prefill and {d} decode nodes", timeout, step=0.1)
 
     def replace(self, victim: Proc) -> None:
-        """Kill ``victim`` for good and start a fresh node of its role."""
+        """Kill ``victim`` for good and start a fresh node of its role, which loads while the proxy
+        evicts the victim."""
         victim.kill()
         self.nodes.remove(victim)
-        role = victim.name.rstrip("0123456789")
-        self.wait_registered(1 if role == "prefill" else 2, 1 if role == "decode" else 2)  # evicted
-        self.add(role)
+        fresh = self.add(victim.name.rstrip("0123456789"), wait=False)
+        wait_until(lambda: not self.listed(victim), f"the proxy evicts {victim.name}")
+        fresh.wait_ready()
         self.wait_registered()
+
+    def listed(self, node: Proc) -> bool:
+        """Whether the proxy's log leaves ``node`` registered (a frozen node may have been evicted and
+        have registered again once thawed)."""
+        address = re.compile(rf"node (registered|evicted|said goodbye)\b.*: [PD] 127\.0\.0\.1:{node.port}(\s|$)")
+        events = [m.group(1) for m in map(address.search, self.proxy.log.read_text(errors="replace").splitlines()) if m]
+        return bool(events) and events[-1] == "registered"
 
     def heal(self) -> None:
         """After a test that failed before its own ``replace``: every node that died is replaced, so
@@ -162,13 +167,10 @@ def _text(chunk: dict) -> str:
 
 def _serving(nodes: list[Proc], timeout: float = 30.0) -> Proc:
     """The node with a request running."""
-    deadline = time.monotonic() + timeout
-    while True:
-        for node in nodes:
-            if metric(node.url, "pdserve:num_requests_running") >= 1:
-                return node
-        assert time.monotonic() < deadline, "no node is running the request"
-        time.sleep(0.02)
+    running: list[Proc] = []
+    wait_until(lambda: running.extend(n for n in nodes if metric(n.url, "pdserve:num_requests_running") >= 1)
+               or running, "a node runs the request", timeout, step=0.02)
+    return running[0]
 
 
 def _migrations(cluster: Cluster, cause: str) -> float:
@@ -185,6 +187,21 @@ def _reference(cluster: Cluster, path: str, **extra) -> tuple[str, dict]:
     return reader.answer()
 
 
+@pytest.fixture(scope="module")
+def undisturbed(cluster: Cluster):
+    """``undisturbed(path, **extra)``: an undisturbed run's (text, usage), asked once for the module
+    (greedy or seeded, so every live node gives the same)."""
+    answers: dict[tuple, tuple[str, dict]] = {}
+
+    def answer(path: str, **extra) -> tuple[str, dict]:
+        key = (path, *sorted(extra.items()))
+        if key not in answers:
+            answers[key] = _reference(cluster, path, **extra)
+        return answers[key]
+
+    return answer
+
+
 def _all_idle(cluster: Cluster) -> None:
     for node in cluster.nodes:
         if node.popen.poll() is None:
@@ -192,8 +209,8 @@ def _all_idle(cluster: Cluster) -> None:
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
-def test_decode_killed_mid_stream(cluster: Cluster, path: str) -> None:
-    want_text, want_usage = _reference(cluster, path)
+def test_decode_killed_mid_stream(cluster: Cluster, undisturbed, path: str) -> None:
+    want_text, want_usage = undisturbed(path)
     before = _migrations(cluster, "decode_lost")
     reader = StreamReader(cluster.proxy.url, path, _body(path, True))
     reader.start()
@@ -208,9 +225,9 @@ def test_decode_killed_mid_stream(cluster: Cluster, path: str) -> None:
     cluster.replace(victim)
 
 
-def test_seeded_stream_resumes_with_the_same_tokens(cluster: Cluster) -> None:
+def test_seeded_stream_resumes_with_the_same_tokens(cluster: Cluster, undisturbed) -> None:
     seeded = {"temperature": 0.9, "seed": 1234}
-    want_text, want_usage = _reference(cluster, COMPLETIONS, **seeded)
+    want_text, want_usage = undisturbed(COMPLETIONS, **seeded)
     reader = StreamReader(cluster.proxy.url, COMPLETIONS, _body(COMPLETIONS, True, **seeded))
     reader.start()
     assert reader.first_content.wait(60)
@@ -221,8 +238,8 @@ def test_seeded_stream_resumes_with_the_same_tokens(cluster: Cluster) -> None:
     cluster.replace(victim)
 
 
-def test_decode_frozen_past_the_stall_bound(cluster: Cluster) -> None:
-    want_text, want_usage = _reference(cluster, CHAT)
+def test_decode_frozen_past_the_stall_bound(cluster: Cluster, undisturbed) -> None:
+    want_text, want_usage = undisturbed(CHAT)
     before = _migrations(cluster, "decode_stalled")
     reader = StreamReader(cluster.proxy.url, CHAT, _body(CHAT, True))
     reader.start()
@@ -245,10 +262,8 @@ def test_non_stream_answer_survives_its_decode_node(cluster: Cluster) -> None:
         cluster.proxy.url + COMPLETIONS, json=_body(COMPLETIONS, False), timeout=120)))
     worker.start()
     victim = _serving(cluster.live("decode"))
-    deadline = time.monotonic() + 30
-    while metric(victim.url, "pdserve:generation_tokens_total") < 2:  # past its first tokens
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(lambda: metric(victim.url, "pdserve:generation_tokens_total") >= 2, "the victim past its first tokens",
+               30, step=0.02)
     victim.kill()
     worker.join(timeout=180)
     r = result["r"]
@@ -272,11 +287,9 @@ def test_prefill_killed_mid_transfer(cluster: Cluster) -> None:
             reader.start()
         # the moment meant: one answer streams (from the live prefill node) while the other waits on
         # a decode node for the frozen node's KV
-        deadline = time.monotonic() + 60
-        while not (any(r.first_content.is_set() for r in readers) and
-                   sum(metric(d.url, "pdserve:num_requests_waiting") for d in cluster.live("decode")) >= 1):
-            assert time.monotonic() < deadline, "no request waited on a decode node for the frozen node's KV"
-            time.sleep(0.02)
+        wait_until(lambda: any(r.first_content.is_set() for r in readers) and
+                   sum(metric(d.url, "pdserve:num_requests_waiting") for d in cluster.live("decode")) >= 1,
+                   "a request waiting on a decode node for the frozen node's KV", 60, step=0.02)
         victim.kill()
         answers = [r.answer() for r in readers]
     finally:
