@@ -24,13 +24,15 @@ import httpx
 import pytest
 
 from common.registry_client import Heartbeater
-from helpers.cluster import Proc, pd_cluster, start, wait_idle
+from helpers.cluster import Proc, pd_cluster, start, stop_all, wait_idle
 from helpers.waiting import wait_until
 
 WRITE_TIMEOUT_S = 1.0
 PREFILL_TIMEOUT_S = 2.0
 STALL_LIMIT_S = 2.0
-KV_TIMEOUT_S = 8.0  # the decode node's own deadline ends a wait on a silent prefill node later than these
+# the decode node's own deadline ends a wait on a silent prefill node later than these (the 504 must be
+# the proxy's), and frees its blocks then: the concurrent drills wait this long for them
+KV_TIMEOUT_S = 5.0
 # ~2 KB of SSE per token with 20 top logprobs: thousands of tokens overflow any socket buffer
 STALLING_BODY = {"model": "pdserve-tiny", "max_tokens": 3500, "temperature": 0, "ignore_eos": True,
                  "stream": True, "logprobs": True, "top_logprobs": 20,
@@ -211,8 +213,7 @@ def stalled_prefill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             proc.wait_ready()
         yield {"decode": decode, "proxies": proxies, "silent": silent_http, "stuck": stucks}
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
         silent_http.close()
         silent_kv.close()
         for stuck in stucks.values():
@@ -220,11 +221,12 @@ def stalled_prefill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
 
 
 def _logged_fingerprint(decode: Proc, timeout: float = 120.0) -> str:
-    deadline = time.monotonic() + timeout
-    while (found := re.search(r"fingerprint (\w+),", decode.log.read_text(errors="replace"))) is None:
-        assert decode.popen.poll() is None and time.monotonic() < deadline, decode.log_tail()
-        time.sleep(0.2)
-    return found.group(1)
+    def found() -> re.Match | None:
+        assert decode.popen.poll() is None, decode.log_tail()
+        return re.search(r"fingerprint (\w+),", decode.log.read_text(errors="replace"))
+
+    wait_until(found, "the decode node logs its KV fingerprint", timeout, step=0.2)
+    return found().group(1)
 
 
 def _fails_with_504(proxy: Proc, decode: Proc, node: SilentServer, stream: bool) -> dict:
