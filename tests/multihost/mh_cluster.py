@@ -24,10 +24,14 @@ HEARTBEAT_TIMEOUT_S = 3.0  # the proxy evicts a node after about three missed he
 KV_TIMEOUT_S = 3.0
 KV_LEASE_S = 8.0
 CONNECT_TIMEOUT_S = 2.0
+# a node a leg could not reach gets no request another node can take this long (default 10 s): longer
+# than a test's burst of requests takes, so the burst never tries the cut node again
+UNREACHABLE_COOLDOWN_S = 5.0
 DAEMON_ARGS = ("--heartbeat-interval-s", str(HEARTBEAT_S), "--kv-timeout-s", str(KV_TIMEOUT_S),
                "--kv-lease-s", str(KV_LEASE_S))
 # every request takes the P -> D path these tests cut (auto may prefill a short prompt on D)
 PROXY_ARGS = ("--connect-timeout-s", str(CONNECT_TIMEOUT_S), "--first-token-timeout-s", "60",
+              "--unreachable-cooldown-s", str(UNREACHABLE_COOLDOWN_S),
               "--disagg-policy", "always")
 
 

@@ -17,14 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from mh_cluster import (HEARTBEAT_S, KV_LEASE_S, KV_TIMEOUT_S, PROMPTS, assert_nothing_leaked, colocated_text,
-                        complete, process_counts, warm_pairs,
+from mh_cluster import (HEARTBEAT_S, KV_LEASE_S, KV_TIMEOUT_S, PROMPTS, UNREACHABLE_COOLDOWN_S, assert_nothing_leaked,
+                        colocated_text, complete, process_counts, warm_pairs,
                         node_requests, registered, serve_pair, tagged, text_of, wait_for)
 
 from common.request_id import make_request_id
 from helpers.cluster import metric, wait_idle
 
-UNREACHABLE_COOLDOWN_S = 10.0  # the proxy's default --unreachable-cooldown-s
 SLACK_S = 3.0  # scheduling on a busy 2-core machine: polling, process wake-ups
 
 
