@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request
+from helpers.waiting import wait_for
 from starlette.responses import Response, StreamingResponse
 
 SSE_CHUNKS = [
@@ -123,14 +124,15 @@ class ServerThread:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> ServerThread:
+    def start(self) -> ServerThread:
         self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
+        wait_for(lambda: self.server.started or not self.thread.is_alive(), 10)
+        if not self.server.started:
+            raise RuntimeError("uvicorn did not start")
         return self
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
 
     @property
     def port(self) -> int:
@@ -145,5 +147,12 @@ class ServerThread:
         return f"http://{self.address}"
 
     def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        stop_servers([self])
+
+
+def stop_servers(servers: list[ServerThread]) -> None:
+    """Stop ``servers`` together: each takes a few of uvicorn's 0.1 s ticks to shut down."""
+    for server in servers:
+        server.server.should_exit = True
+    for server in servers:
+        server.thread.join(timeout=10)
