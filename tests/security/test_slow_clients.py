@@ -14,23 +14,19 @@ import httpx
 import pytest
 
 from helpers.cluster import Proc, start
+from helpers.waiting import wait_until
 
-BOUNDS = ("--http-header-timeout-s", "1", "--http-body-timeout-s", "2")
+BOUNDS = ("--http-header-timeout-s", "1", "--http-body-timeout-s", "1")
 DEADLINE_S = 30.0  # generous: the bounds are 1 to 3 s
 REQUEST_LINE = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
 
 
-def _wait_healthy(proc: Proc, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.popen.poll() is None, proc.log_tail()
-        try:
-            if httpx.get(proc.url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{proc.name} not healthy:\n{proc.log_tail()}")
+def _healthy(proc: Proc) -> bool:
+    assert proc.popen.poll() is None, proc.log_tail()
+    try:
+        return httpx.get(proc.url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +37,10 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc
         procs["proxy"] = start("proxy", tmp, *BOUNDS, wait=False)
         procs["capped"] = start("proxy", tmp, "--http-max-connections", "4", name="capped", wait=False)
         # a longer header bound on the node: its held connections must outlive the cap test's refusals
-        procs["node"] = start("both", tmp, "--http-header-timeout-s", "3", "--http-body-timeout-s", "2",
+        procs["node"] = start("both", tmp, "--http-header-timeout-s", "3", "--http-body-timeout-s", "1",
                               "--http-max-connections", "6", wait=False)
         for proc in procs.values():
-            _wait_healthy(proc)
+            wait_until(lambda proc=proc: _healthy(proc), f"{proc.name} healthy", 120, step=0.1)
         yield procs
     finally:
         for proc in procs.values():
@@ -136,12 +132,5 @@ def test_connections_past_the_cap_are_refused_not_held(servers, target):
     finally:
         for sock in held:
             sock.close()
-    deadline = time.monotonic() + DEADLINE_S
-    while True:  # the slots free as the server sees the closes
-        try:
-            if _served(proc):
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "not serving again after the held connections closed"
-        time.sleep(0.05)
+    # the slots free as the server sees the closes
+    wait_until(lambda: _healthy(proc), "serving again after the held connections closed", DEADLINE_S, step=0.05)
