@@ -6,14 +6,14 @@ that the survivor answers within its deadline, frees every block, and keeps serv
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from disagg_client import disaggregated, post, prefill_body
 
 from common.request_id import make_request_id
-from helpers.cluster import free_port, metric, start, wait_idle
+from helpers.cluster import all_ready, free_port, metric, start, wait_idle
+from helpers.waiting import wait_until
 
 TIMEOUT_S = 2.0
 LEASE_S = 3.0
@@ -24,24 +24,18 @@ BODY = {"prompt": list(range(10, 90)), "max_tokens": 8, "temperature": 0, "ignor
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("failures")
-    procs = []
-    try:
-        procs.append(start("prefill", tmp, *ARGS))
-        # no prefix cache: a prompt served before would be computed there (the override of a
-        # remote tag for a cached prompt), and these tests need every request to ask its prefill node
-        procs.append(start("decode", tmp, *ARGS, "--no-enable-prefix-caching"))
-        yield tmp, procs[0], procs[1]
-    finally:
-        for p in procs:
-            p.stop()
+    procs = {"prefill": start("prefill", tmp, *ARGS, wait=False),
+             # no prefix cache: a prompt served before would be computed there (the override of a
+             # remote tag for a cached prompt), and these tests need every request to ask its prefill node
+             "decode": start("decode", tmp, *ARGS, "--no-enable-prefix-caching", wait=False)}
+    with all_ready(procs):
+        yield tmp, procs["prefill"], procs["decode"]
 
 
 def _wait_until_allocated(node, timeout: float = 20.0) -> None:
     """Until ``node`` holds KV blocks (a decode node: allocated and asked its prefill node)."""
-    deadline = time.monotonic() + timeout
-    while metric(node.url, "pdserve:kv_cache_usage_perc") == 0:
-        assert time.monotonic() < deadline, f"{node.name} never allocated blocks"
-        time.sleep(0.02)
+    wait_until(lambda: metric(node.url, "pdserve:kv_cache_usage_perc") > 0, f"{node.name} allocates blocks",
+               timeout, step=0.02)
 
 
 def _still_serves(prefill, decode) -> None:
