@@ -144,10 +144,13 @@ def test_prefill_rank1_gives_pair_slots_to_registered_decode_ranks_first(cluster
 def test_a_prefill_rank_killed_mid_transfer_fails_the_request_once_and_frees_decode_blocks(cluster) -> None:
     tmp, procs = cluster
     # a decode node that knows no registry (it pulls from any prefill node, as behind vLLM's proxy)
-    decode = start("decode", tmp, *TP, *ARGS, "--no-enable-prefix-caching", name="decode-survivor")
-    victim = start("prefill", tmp, *TP, *ARGS, name="prefill-victim")
-    (rank1,) = children(victim.popen.pid)
+    decode = start("decode", tmp, *TP, *ARGS, "--no-enable-prefix-caching", name="decode-survivor", wait=False)
+    victim = start("prefill", tmp, *TP, *ARGS, name="prefill-victim", wait=False)
+    rank1 = None
     try:
+        for node in (decode, victim):  # loaded together
+            node.wait_ready()
+        (rank1,) = children(victim.popen.pid)
         os.kill(rank1, signal.SIGSTOP)  # rank 1 answers nothing: decode's rank 1 waits on it
         rid = make_request_id(victim.kv_addr, decode.kv_addr)
         body = {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
@@ -168,7 +171,7 @@ def test_a_prefill_rank_killed_mid_transfer_fails_the_request_once_and_frees_dec
         assert n == 8 and text == _complete(procs["both"].url, PROMPTS[1], max_tokens=8)["text"]
         assert len([line for line in decode.log.read_text().splitlines() if "KV transfer failed" in line]) == 1
     finally:
-        if not gone(rank1):
+        if rank1 is not None and not gone(rank1):
             os.kill(rank1, signal.SIGKILL)  # a stopped process would never read its pipe's end
         victim.kill()
         decode.stop()
