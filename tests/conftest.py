@@ -33,23 +33,24 @@ from helpers.ssl_context import share_default_ssl_context  # noqa: E402
 share_default_ssl_context()  # httpx.get / httpx.post: ~15 ms of CPU a call without it
 
 
-# The files that take longest (seconds of one worker, measured on the 2-core VM), run first:
-# `make test` hands whole files to two xdist workers in collection order
+# The files that take longest (seconds of one worker in a `make test` on the 2-core VM), run first:
+# `make test` hands whole files (or the groups below) to two xdist workers in collection order
 # (--no-loadscope-reorder), so one of these started last would leave the other worker idle
 # for its whole length. Only the order depends on this list; a stale entry costs nothing.
 LONGEST_FIRST = (
-    "tests/proxy/test_migration_drills.py",  # 67 s
-    "tests/multihost/test_multihost_partitions.py",  # 59 s
-    "tests/test_stall_bounds.py",  # 55 s
-    "tests/deploy/test_fresh_install.py",  # 53 s
-    "tests/decode_node/test_tp_disagg.py",  # 45 s
-    "tests/bench/test_ttft_parity.py",  # 31 s
-    "tests/real_model/test_real_model_e2e.py",  # 116 s on a loaded machine (the real model, fetched once)
-    "tests/decode_node/test_disagg_prefix.py",  # 23 s
-    "tests/security/test_bad_input_matrix.py",  # 20 s
-    "tests/multihost/test_multihost_parity.py",  # 17 s
-    "tests/common/engine/test_tensor_parallel_ranks.py",  # 17 s
-    "tests/test_launcher_e2e.py",  # 16 s
+    "tests/real_model/test_real_model_e2e.py",  # 74 s (the real model, fetched once)
+    "tests/multihost/test_multihost_partitions.py",  # 45 s; with the rest of the bed's group 63 s
+    "tests/decode_node/test_tp_disagg.py",  # 55 s
+    "tests/test_stall_bounds.py",  # 48 s
+    "tests/proxy/test_migration_drills.py",  # 41 s
+    "tests/test_fidelity_e2e.py",  # 11 s; with the rest of session_cluster's group 40 s
+    "tests/proxy/test_fallbacks_e2e.py",  # 30 s
+    "tests/decode_node/test_kv_transfer_params.py",  # 28 s
+    "tests/common/kv_transfer/test_kvt_failures.py",  # 20 s
+    "tests/test_launcher_e2e.py",  # 19 s
+    "tests/test_batch_invariant_e2e.py",  # 19 s
+    "tests/bench/test_ttft_parity.py",  # 19 s
+    "tests/deploy/test_fresh_install.py",  # 18 s
 )
 
 
