@@ -14,13 +14,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from common.defaults import DEFAULT_MODEL_NAME
 from helpers.ports import free_ports
+from helpers.waiting import wait_until
 from pdserve import launcher, launcher_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -222,11 +222,11 @@ def test_a_signal_during_start_up_stops_every_child(tmp_path, sig):
          fake_model(tmp_path)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while len(launcher.read_pids(run_dir)) < 3:
+        def started() -> bool:
             assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the three stand-ins were not started"
-            time.sleep(0.05)
+            return len(launcher.read_pids(run_dir)) >= 3
+
+        wait_until(started, "the three stand-ins started", 60, step=0.05)
         children = launcher.read_pids(run_dir)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)

@@ -14,7 +14,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import pytest
 from helpers import cluster
 from helpers.ports import free_port_run, free_ports
 from helpers.procs import children, gone
+from helpers.waiting import wait_until
 from pdserve import launcher
 from pdserve.launcher_cli import main as launcher_main
 
@@ -153,10 +153,8 @@ def test_up_with_two_ranks_answers_as_one_rank_and_down_leaves_no_process(tmp_pa
         stopped = run_launcher("down", "--run-dir", str(run_dir))
         assert stopped.returncode == 0, stopped.stderr
         assert stopped.stdout.count("pdserve: stopped ") == 3, stopped.stdout  # none needed a SIGKILL
-        deadline = time.monotonic() + 10  # `down` waits for every group; this is a safety margin
-        while not all(gone(pid) for pid in pids):
-            assert time.monotonic() < deadline, [p for p in pids if not gone(p)]
-            time.sleep(0.05)
+        # `down` waits for every group; this is a safety margin
+        wait_until(lambda: all(gone(pid) for pid in pids), f"every one of {pids} gone", 10, step=0.05)
         assert not (run_dir / "pids.json").exists()
     finally:
         launcher.down(run_dir, grace=5.0, quiet=True)

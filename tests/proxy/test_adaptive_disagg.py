@@ -10,7 +10,6 @@ cached is computed in other chunks than on a node computing it fresh).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -18,6 +17,7 @@ import pytest
 from pydoc_data.topics import topics
 
 from helpers.cluster import Proc, all_ready, start, static_nodes
+from helpers.waiting import wait_until
 
 SHORT = "What does the with statement do?"
 LONG = " ".join(topics.values())[:9000]  # ~2,500 tokens: past the decode node's 50 ms stall bound
@@ -80,11 +80,14 @@ def _kv_bytes(proc: Proc) -> float:
 def test_auto_prefills_a_short_prompt_locally_and_a_long_one_remotely(cluster) -> None:
     proxy, decode = cluster["proxy"], cluster["decode"]
     _complete(proxy, MEDIUM)  # nothing measured yet: remote, and the prefill node times its prefill
-    deadline = time.monotonic() + 60
-    while sum(_decisions(proxy, "local").values()) == 0:  # until a heartbeat carries the measured rate
-        assert time.monotonic() < deadline, _decisions(proxy, "remote")
+
+    def measured() -> bool:  # a heartbeat carried the measured rate: a short prompt is prefilled locally
+        if sum(_decisions(proxy, "local").values()) > 0:
+            return True
         _complete(proxy, SHORT)
-        time.sleep(0.2)
+        return False
+
+    wait_until(measured, "a short prompt prefilled locally", 60, step=0.2)
 
     local, moved = _decisions(proxy, "local"), _kv_bytes(decode)
     _complete(proxy, SHORT)

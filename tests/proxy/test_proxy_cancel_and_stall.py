@@ -11,12 +11,12 @@ import os
 import signal
 import socket
 import threading
-import time
 
 import httpx
 import pytest
 
 from helpers.cluster import metric, pd_cluster, wait_idle
+from helpers.waiting import wait_until
 
 LONG = 3000  # max_tokens that would take far longer than any deadline here
 IDLE_S = 2.0
@@ -49,10 +49,8 @@ def _send_raw(port: int, path: str, body: dict) -> socket.socket:
 
 
 def _wait_running(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while metric(url, "pdserve:num_requests_running") < 1:
-        assert time.monotonic() < deadline, f"{url} never started the request"
-        time.sleep(0.05)
+    wait_until(lambda: metric(url, "pdserve:num_requests_running") >= 1, f"{url} starts the request", timeout,
+               step=0.05)
 
 
 def _generated(url: str) -> float:

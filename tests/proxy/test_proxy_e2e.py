@@ -6,13 +6,13 @@ a colocated node's, for chat and completions, streaming and not.
 
 from __future__ import annotations
 
-import time
 
 import httpx
 import openai
 import pytest
 
 from helpers.cluster import Proc, metric, start, wait_idle
+from helpers.waiting import wait_until
 
 
 @pytest.fixture
@@ -82,10 +82,7 @@ def test_proxy_log_lines_name_the_node_and_the_request(cluster) -> None:
     def finished_lines() -> list[str]:  # the request's line once it is answered (debug lines come before)
         return [ln for ln in proxy.log.read_text(errors="replace").splitlines() if marker in ln and "status=" in ln]
 
-    deadline = time.monotonic() + 30
-    while not finished_lines():
-        assert time.monotonic() < deadline, proxy.log_tail()
-        time.sleep(0.1)
+    wait_until(finished_lines, "the proxy logs the answered request", 30, step=0.1)
     first_line = proxy.log.read_text(errors="replace").splitlines()[0]  # uvicorn's own start-up lines too
     assert f" [proxy:127.0.0.1:{proxy.port}] " in first_line, first_line
     (line,) = finished_lines()
@@ -97,14 +94,13 @@ def test_a_dead_decode_node_is_evicted(cluster, tmp_path) -> None:
     extra = start("decode", tmp_path, "--proxy", registry, "--heartbeat-interval-s", "0.5", name="decode-extra")
     try:
         extra.kill()
-        deadline = time.monotonic() + 15
-        while True:  # the sweep drops it after the heartbeat timeout; requests keep working meanwhile
+        def one_decode_node() -> bool:
             text = httpx.get(cluster["proxy"].url + "/metrics").text
-            line = [ln for ln in text.splitlines() if ln.startswith("pdserve:registered_nodes") and 'type="D"' in ln]
-            if line and line[0].endswith(" 1.0"):
-                break
-            assert time.monotonic() < deadline, line
-            time.sleep(0.5)
+            return any(ln.startswith("pdserve:registered_nodes") and 'type="D"' in ln and ln.endswith(" 1.0")
+                       for ln in text.splitlines())
+
+        # the sweep drops it after the heartbeat timeout; requests keep working meanwhile
+        wait_until(one_decode_node, "the dead node evicted", 15, step=0.5)
     finally:
         extra.kill()
     got = _client(cluster["proxy"]).completions.create(model="pdserve-tiny", prompt="after", **GREEDY)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -12,7 +11,7 @@ from common.engine.async_engine import AsyncLLMEngine
 from common.engine.config import EngineConfig
 from common.engine.sampling_params import SamplingParams
 from helpers.fake_kv_worker import RecordingWorker, consumer
-from helpers.waiting import wait_until
+from helpers.waiting import wait_for, wait_until
 
 
 FROM_P = {"prefill_addr": "127.0.0.1:2"}  # a decode leg's tag
@@ -60,13 +59,11 @@ def collect(engine, rid, prompt, params, stop_after=None, kv_transfer_params=Non
 
 
 def wait_all_free(engine, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def free() -> bool:
         s = engine.stats()
-        if s.num_free_blocks == s.num_total_blocks and s.num_running == 0 and s.num_waiting == 0:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"blocks not freed: {engine.stats()}")
+        return s.num_free_blocks == s.num_total_blocks and s.num_running == 0 and s.num_waiting == 0
+
+    assert wait_for(free, timeout), f"blocks not freed: {engine.stats()}"
 
 
 def test_stream_text_matches_sync_and_stop_strings_cut(engine):

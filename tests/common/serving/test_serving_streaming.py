@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +17,7 @@ from common.config import NodeConfig
 from common.metrics import NodeMetrics
 from common.serving.app import build_app
 from helpers.ports import free_port
+from helpers.waiting import wait_until
 
 
 def _events(text: str) -> list[Any]:
@@ -89,10 +89,7 @@ def live_server(engine: FakeEngine) -> Iterator[tuple[str, NodeMetrics]]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
+        wait_until(lambda: server.started, "uvicorn started", 10)
         yield f"http://127.0.0.1:{port}", metrics
     finally:
         server.should_exit = True
@@ -112,10 +109,7 @@ def test_client_disconnect_aborts_the_request(
             assert reply.status_code == 200
             lines = reply.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
-    deadline = time.monotonic() + 5
-    while "gone-1" not in engine.aborted:
-        assert time.monotonic() < deadline, "request was not aborted after the client left"
-        time.sleep(0.02)
+    wait_until(lambda: "gone-1" in engine.aborted, "the request aborted after the client left", 5)
     assert engine.stats().num_running == 0
     assert len(engine.calls) == 1
     text = httpx.get(url + "/metrics").text
