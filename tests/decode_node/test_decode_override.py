@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from disagg_client import disaggregated, post
 
-from helpers.cluster import metric, start, wait_idle
+from helpers.cluster import all_ready, metric, start, wait_idle
 
 BLOCK = 16
 BYTES_PER_BLOCK = 4 * 2 * 2 * 64 * 4 * BLOCK  # embedded model: layers x (K, V) x KV heads x head_dim x fp32
@@ -26,14 +26,10 @@ OVERRIDES = "pdserve:decode_prefill_overrides_total"
 def nodes(tmp_path_factory: pytest.TempPathFactory):
     tmp: Path = tmp_path_factory.mktemp("decode-override")
     args = ("--max-num-batched-tokens", "64", "--block-size", str(BLOCK))
-    started = {}
-    try:
-        for role, extra in (("both", ("--no-enable-prefix-caching",)), ("prefill", ()), ("decode", ())):
-            started[role] = start(role, tmp, *args, *extra, name=role)
+    started = {role: start(role, tmp, *args, *extra, name=role, wait=False)
+               for role, extra in (("both", ("--no-enable-prefix-caching",)), ("prefill", ()), ("decode", ()))}
+    with all_ready(started):  # loaded together, stopped together
         yield started
-    finally:
-        for proc in started.values():
-            proc.stop()
 
 
 def _counters(nodes: dict) -> dict[str, float]:

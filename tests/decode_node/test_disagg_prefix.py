@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from disagg_client import disaggregated, post
 
-from helpers.cluster import metric, start, wait_idle
+from helpers.cluster import all_ready, metric, start, wait_idle
 
 BLOCK = 16
 # the embedded model: 4 layers x (K and V) x 2 KV heads x head_dim 64 x fp32, per token
@@ -34,14 +34,10 @@ def nodes(tmp_path_factory: pytest.TempPathFactory):
         "small_decode": ("decode", "--num-kv-blocks", "24"),
         "plain_decode": ("decode", "--no-enable-prefix-caching"),
     }
-    started = {}
-    try:
-        for name, (role, *args) in specs.items():
-            started[name] = start(role, tmp, *ENGINE_ARGS, *args, name=name)
+    started = {name: start(role, tmp, *ENGINE_ARGS, *args, name=name, wait=False)
+               for name, (role, *args) in specs.items()}
+    with all_ready(started):  # loaded together, stopped together
         yield started
-    finally:
-        for proc in started.values():
-            proc.stop()
 
 
 def _prompt(n: int, seed: int) -> list[int]:

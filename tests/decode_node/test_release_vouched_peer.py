@@ -8,7 +8,7 @@ import pytest
 from disagg_client import post, prefill_body
 
 from common.request_id import make_request_id
-from helpers.cluster import metric, start, wait_idle
+from helpers.cluster import metric, start, stop_all, wait_idle
 
 LEASE_S = 30.0  # long: the release must come from the ABORT, not from the lease running out
 BODY = {"prompt": list(range(10, 90)), "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -23,8 +23,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory):
         procs.append(start("decode", tmp, "--kv-peers", procs[0].kv_addr))
         yield procs[0], procs[1]
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def test_first_contact_refusal_releases_prefill_kv_before_the_lease(pair) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from helpers.cluster import start
+from helpers.cluster import start, stop_all
 from helpers.waiting import wait_until
 
 BODY = {"model": "pdserve-tiny", "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
@@ -31,8 +31,7 @@ def two_decodes(tmp_path):
                    "both decode nodes registered", 60, step=0.1)
         yield procs
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def _post(url: str, stream: bool) -> httpx.Response:

@@ -15,7 +15,7 @@ import pytest
 from common.cluster_auth import SIGNATURE_HEADER, ClusterKey, control_sealer, registry_sealer
 from common.kv_transfer.messages import Ping, decode, encode
 from common.request_id import make_request_id
-from helpers.cluster import start
+from helpers.cluster import start, stop_all
 from helpers.waiting import wait_for
 from helpers.zmq_peer import raw_dealer
 
@@ -39,8 +39,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
             p.wait_ready()
         yield ClusterKey.load(key_file), *procs
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 class Listener:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from helpers.cluster import Proc, start
+from helpers.cluster import Proc, start, stop_all
 from helpers.waiting import wait_until
 
 BOUNDS = ("--http-header-timeout-s", "1", "--http-body-timeout-s", "1")
@@ -43,8 +43,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc
             wait_until(lambda proc=proc: _healthy(proc), f"{proc.name} healthy", 120, step=0.1)
         yield procs
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())
 
 
 class Trickler:
