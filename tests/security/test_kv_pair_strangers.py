@@ -92,10 +92,11 @@ def _complete(proxy, prompt: list[int] = PROMPT) -> httpx.Response:
 
 def test_strangers_holding_every_pair_slot_cannot_fail_honest_requests(tmp_path, layout):
     proxy = start("proxy", tmp_path, "--disagg-policy", "always", wait=False)
-    registry = f"127.0.0.1:{proxy.kv_port}"
+    # beats every 0.5 s: a node learns the registry's members from the answer to its own beat
+    registry = ("--proxy", f"127.0.0.1:{proxy.kv_port}", "--heartbeat-interval-s", "0.5")
     procs = {"proxy": proxy,
-             "prefill": start("prefill", tmp_path, "--proxy", registry, "--kv-max-pairs", "2", wait=False),
-             "decode": start("decode", tmp_path, "--proxy", registry, wait=False)}
+             "prefill": start("prefill", tmp_path, *registry, "--kv-max-pairs", "2", wait=False),
+             "decode": start("decode", tmp_path, *registry, wait=False)}
     with all_ready(procs):
         prefill, decode_node = procs["prefill"], procs["decode"]
         assert wait_for(lambda: _members_told(prefill, decode_node), 30), prefill.log_tail()
@@ -113,7 +114,7 @@ def test_strangers_holding_every_pair_slot_cannot_fail_honest_requests(tmp_path,
             # 2. a new decode node, whose address strangers name before it asks for a pair
             procs["decode"].stop()
             assert wait_for(lambda: _pairs(prefill) <= 1, 30)  # its pair went with it; a stranger's is left
-            second = procs["decode2"] = start("decode", tmp_path, "--proxy", registry, name="decode2")
+            second = procs["decode2"] = start("decode", tmp_path, *registry, name="decode2")
             assert wait_for(lambda: _members_told(prefill, second), 30), prefill.log_tail()
             taken = [stranger.handshake(second.kv_addr) for _ in range(3)]  # a member's name: no probation
             assert taken[:2] == [True, True] and not taken[2]
