@@ -1,17 +1,16 @@
-"""Make shared test helpers importable as ``helpers.*`` (tests dirs have no ``__init__.py``), and the
-real-process cluster every module with default flags shares."""
+"""Make shared test helpers importable as ``helpers.*`` (tests dirs have no ``__init__.py``), the
+real-process cluster every module with default flags shares, and the suite's own plugins: a timed-out
+test fails alone (helpers.timeout_phases), files sharing a cluster go to one xdist worker
+(helpers.xdist_units), and httpx clients share one SSL context (helpers.ssl_context)."""
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import pytest_timeout
 import torch
 
 _TESTS_DIR = str(Path(__file__).resolve().parent)
@@ -27,14 +26,15 @@ if not torch.cuda.is_available():
 # `--model embedded` would; the few tests of the real default model (tests/real_model/) say so.
 os.environ.setdefault("PDSERVE_MODEL", "embedded")
 
-from helpers.cluster import Proc, pd_cluster, start, static_nodes, wait_idle  # noqa: E402  (needs the path above)
+from helpers import timeout_phases, xdist_units  # noqa: E402  (needs the path above)
+from helpers.cluster import Proc, pd_cluster, start, static_nodes, wait_idle  # noqa: E402
 from helpers.ssl_context import share_default_ssl_context  # noqa: E402
 
 share_default_ssl_context()  # httpx.get / httpx.post: ~15 ms of CPU a call without it
 
 
 # The files that take longest (seconds of one worker in a `make test` on the 2-core VM), run first:
-# `make test` hands whole files (or the groups below) to two xdist workers in collection order
+# `make test` hands whole files (or helpers.xdist_units' groups) to two xdist workers in collection order
 # (--no-loadscope-reorder), so one of these started last would leave the other worker idle
 # for its whole length. Only the order depends on this list; a stale entry costs nothing.
 LONGEST_FIRST = (
@@ -59,87 +59,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
 
 
-# Files that share a cluster wider than a module go to one xdist worker together: a package- or
-# session-scoped fixture is started once per worker, so split over two workers it starts twice (the
-# multi-host bed is 7 processes in 6 network namespaces; the session cluster 4 processes). A file
-# missing here still passes, on a cluster of its worker's own.
-SHARED_CLUSTER_FILES = {
-    "the multi-host bed": ("tests/multihost/",),
-    "session_cluster": ("tests/test_fidelity_e2e.py", "tests/test_tool_calls_e2e.py",
-                        "tests/test_structured_output_e2e.py", "tests/proxy/test_adaptive_disagg.py",
-                        "tests/proxy/test_proxy_e2e.py", "tests/security/test_stranger_producer.py",
-                        "tests/security/test_bad_input_matrix.py"),
-}
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
-    """``--dist loadfile`` with the files of ``SHARED_CLUSTER_FILES`` as one unit each."""
-    if config.getvalue("dist") != "loadfile":
-        return None  # xdist's own
-    from xdist.scheduler import LoadFileScheduling
-
-    class SharedClusterScheduling(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = super()._split_scope(nodeid)
-            return next((unit for unit, prefixes in SHARED_CLUSTER_FILES.items() if path.startswith(prefixes)), path)
-
-    return SharedClusterScheduling(config, log)
-
-
-# A test past pyproject's `timeout` fails alone, named, and the run goes on. pytest-timeout's signal
-# method raises pytest.fail wherever SIGALRM finds the main thread: inside setup, call or teardown
-# pytest reports it as the test's failure, but between them (making a report, sending it to the xdist
-# controller) it escapes as an INTERNALERROR: the worker stops, the rest of its tests never run and
-# the session exits 3 without the failures' names. So the alarm fails the test only inside a phase
-# and otherwise comes back 0.1 s later. (The thread method is no way out: it os._exit()s the worker,
-# leaving the test's processes running, and under --dist loadfile xdist gives the timed-out test's
-# file to each replacement worker in turn; a 5 s probe hung the run past 300 s.)
-_IN_PHASE = pytest.StashKey[bool]()
-
-
-def _in_phase(item: pytest.Item) -> Iterator[None]:
-    item.stash[_IN_PHASE] = True
-    try:
-        return (yield)
-    finally:
-        item.stash[_IN_PHASE] = False
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
-    return (yield from _in_phase(item))
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    return (yield from _in_phase(item))
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
-    return (yield from _in_phase(item))
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_timeout_set_timer(item: pytest.Item, settings: pytest_timeout.Settings) -> bool | None:
-    if settings.method != "signal" or threading.current_thread() is not threading.main_thread():
-        return None  # pytest-timeout's own timer
-
-    def on_alarm(signum: int, frame: object) -> None:
-        if item.stash.get(_IN_PHASE, False):
-            pytest_timeout.timeout_sigalrm(item, settings)  # prints every thread's stack, fails the test
-        else:
-            signal.setitimer(signal.ITIMER_REAL, 0.1)
-
-    def cancel() -> None:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-
-    item.cancel_timeout = cancel  # type: ignore[attr-defined]  (pytest-timeout's cancel hook calls it)
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, settings.timeout)
-    return True
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(timeout_phases, "pdserve-timeout-phases")  # a timed-out test fails alone
+    config.pluginmanager.register(xdist_units, "pdserve-xdist-units")  # shared clusters: one worker each
 
 
 @pytest.fixture(scope="session")
