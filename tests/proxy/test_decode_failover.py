@@ -6,7 +6,6 @@ client), and the dead node is skipped for ``--unreachable-cooldown-s``."""
 
 from __future__ import annotations
 
-
 import httpx
 import pytest
 

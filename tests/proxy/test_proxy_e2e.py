@@ -6,7 +6,6 @@ a colocated node's, for chat and completions, streaming and not.
 
 from __future__ import annotations
 
-
 import httpx
 import openai
 import pytest
