@@ -36,8 +36,10 @@ def cluster(tmp_path_factory, real_model, newcomer_env):
     model_args = ("--model", str(real_model.directory), "--served-model-name", DEFAULT_MODEL_NAME)
     procs: dict[str, Proc] = {}
     try:
-        procs["proxy"] = start("proxy", tmp, "--disagg-policy", "always", "--heartbeat-timeout-s", "2",
-                               "--migration-limit", "2", "--stream-idle-timeout-s", "5", wait=False)
+        # the migration drill kills a decode node (its stream breaks at once); the timeouts leave room for
+        # a loaded machine: the survivor's heartbeats may lag, and its re-prefill of prompt + output may be slow
+        procs["proxy"] = start("proxy", tmp, "--disagg-policy", "always", "--heartbeat-timeout-s", "5",
+                               "--migration-limit", "2", "--stream-idle-timeout-s", "20", wait=False)
         registry = ("--proxy", f"127.0.0.1:{procs['proxy'].kv_port}", "--heartbeat-interval-s", "0.5")
         for name, role in (("prefill", "prefill"), ("decode1", "decode"), ("decode2", "decode")):
             procs[name] = start(role, tmp, *registry, *model_args, name=name, wait=False)
