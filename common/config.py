@@ -26,6 +26,7 @@ from common.engine.config import EngineConfig
 # torch-free, as common.defaults: the launcher reads the flags (and checks --model once) without loading the model
 from common.model.sources import check_model_spec
 from common.options import ENV_PREFIX, USED_BY, env_name, flag_name, load_config
+from common.proxy_addresses import ProxyEntry, parse_proxy_list
 
 __all__ = [
     "EMBEDDED_MODEL_NAME", "ENV_PREFIX", "PROXY_HTTP_PORT", "PROXY_REGISTRY_PORT", "ROLE_HTTP_PORTS",
@@ -104,8 +105,15 @@ class NodeConfig(HttpServerOptions, EngineConfig):
         None, ge=1, le=65535, description="KV transfer (ZMQ) port (role default: 14579 prefill, 14580 decode)",
         json_schema_extra=DAEMONS,
     )
-    proxy: str | None = Field(None, description="Proxy registry HOST:PORT to register with; unset = none",
-                              json_schema_extra=DAEMONS)
+    proxy: str | None = Field(
+        None, description="Proxy registries to register and heartbeat with: HOST:PORT, or several separated by "
+        "commas (every proxy is active); a DNS name stands for every address it resolves to (a Kubernetes "
+        "headless Service); unset = none", json_schema_extra=DAEMONS,
+    )
+    proxy_resolve_interval_s: float = Field(
+        2.0, gt=0, le=3600, description="How often --proxy's DNS names are resolved again: a proxy that appears "
+        "is heartbeated from the next resolution, one that is gone no more", json_schema_extra=DAEMONS,
+    )
     heartbeat_interval_s: float = Field(
         2.0, gt=0, le=MAX_HEARTBEAT_INTERVAL_S, description="Seconds between heartbeats", json_schema_extra=DAEMONS
     )
@@ -193,12 +201,7 @@ class NodeConfig(HttpServerOptions, EngineConfig):
     @field_validator("proxy")
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ValueError("must be HOST:PORT with a port in 1..65535")
-        return value
+        return None if value is None else ",".join(str(entry) for entry in parse_proxy_list(value))
 
     _kv_host_chosen: bool = PrivateAttr(False)  # True when kv_host was picked for a wildcard bind
 
@@ -247,6 +250,11 @@ class NodeConfig(HttpServerOptions, EngineConfig):
     def kv_host_chosen(self) -> bool:
         """True when ``kv_host`` was not given and the host's routable address was chosen."""
         return self._kv_host_chosen
+
+    @property
+    def proxy_entries(self) -> tuple[ProxyEntry, ...]:
+        """``--proxy``'s entries (none when unset)."""
+        return parse_proxy_list(self.proxy) if self.proxy else ()
 
     @property
     def kv_peer_list(self) -> frozenset[str]:

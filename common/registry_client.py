@@ -232,6 +232,7 @@ class Heartbeater:
         # or a registry that does not answer (vLLM's)
         self.members: frozenset[str] | None = None
         self.member_tp_sizes: dict[str, int] = {}  # of those members, the ones with more than one rank
+        self.answered_at: float | None = None  # time.monotonic() of the registry's last answer
 
     def start(self) -> None:
         if self._thread is not None:
@@ -263,7 +264,10 @@ class Heartbeater:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.SNDHWM, 1)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        # a proxy that comes back is reconnected to within half a heartbeat (at most 1 s): it hears
+        # from this node within one heartbeat of listening again
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(100, min(1000, int(self.interval_s * 500))))
+        sock.setsockopt(zmq.IPV6, int(self.proxy_address.startswith("[")))
         sock.connect(zmq_endpoint(self.proxy_address))
         linger = 0
         try:
@@ -293,9 +297,11 @@ class Heartbeater:
                     members = decode_members(payload)
                     self.member_tp_sizes = decode_member_tp_sizes(payload, members)
                     if members != self.members:
-                        logger.info("the registry names %d peer KV address(es): %s", len(members),
+                        logger.info("the registry at %s names %d peer KV address(es): %s", self.proxy_address,
+                                    len(members),
                                     ", ".join(sorted(members)[:16]) + (" ..." if len(members) > 16 else ""))
                     self.members = members
+                    self.answered_at = time.monotonic()
             except RegistrationError as exc:
                 logger.warning("registry answer ignored: %s", exc)
 

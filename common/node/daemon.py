@@ -1,10 +1,10 @@
 """What the prefill and decode daemons share: a serving node plus a KV transfer endpoint,
-registration with the proxy, and transfer metrics.
+registration with every proxy (common/proxy_heartbeats.py), and transfer metrics.
 
 Start-up, top to bottom (``started_daemon``, then the role's ``serve``): logging -> the HTTP and
 KV ports and the device checked -> the engine (model, KV cache) -> the KV endpoint (bound at
 ``host:kv_port``, reached by peers at ``kv_host:kv_port``) handed to the connector ->
-heartbeats to the proxy -> the role's HTTP app (its hooks and middleware, then the signed-id
+heartbeats to every proxy -> the role's HTTP app (its hooks and middleware, then the signed-id
 check outermost) -> HTTP. Shut-down runs the other way: HTTP drains, the engine stops calling
 the connector, then heartbeats stop and the KV endpoint closes its threads and sockets.
 """
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from common.kv_transfer.tp_slices import SlicedWorker
     from common.kv_transfer.config import TransferConfig
     from common.kv_transfer.endpoint import KVEndpoint
-    from common.registry_client import Heartbeater
+    from common.proxy_heartbeats import ProxyHeartbeats
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class Daemon:
         self.node_id = f"{NODE_TYPES[config.role]}-{socket.gethostname()}-{config.port}-{uuid.uuid4().hex[:6]}"
         self.key = ClusterKey.optional(config.cluster_key_file)
         self.transfer: KVEndpoint | None = None
-        self.heartbeater: Heartbeater | None = None
+        self.heartbeater: ProxyHeartbeats | None = None  # one heartbeater per proxy address
         self._exported: dict[str, float] = {}  # transfer counters already turned into metrics
         self._kv_pairs: Gauge | None = None  # pdserve:kv_pairs{role, transport}
         self.rank_stats: list[dict] = []  # tensor parallelism: each rank's transfer counters (rank 0's empty)
@@ -106,7 +106,7 @@ class Daemon:
         from common.kv_transfer.config import TransferStats
         from common.kv_transfer.endpoint import KVEndpoint
         from common.kv_transfer.verify import REASONS
-        from common.registry_client import Heartbeater
+        from common.proxy_heartbeats import ProxyHeartbeats
 
         cfg, engine, metrics = self.config, self.engine, self.metrics
         if cfg.kv_host_chosen:
@@ -135,10 +135,10 @@ class Daemon:
         logger.info("KV endpoint %s (layout %s, fingerprint %s, --kv-transport %s)", cfg.kv_addr,
                     engine.kv_layout, engine.kv_layout.fingerprint(), cfg.kv_transport)
         if cfg.proxy:
-            self.heartbeater = Heartbeater(cfg.proxy, self._registration,
-                                           cfg.heartbeat_interval_s, key=self.key)
+            logger.info("registering with --proxy %s as %s", cfg.proxy, self.node_id)
+            self.heartbeater = ProxyHeartbeats(cfg.proxy_entries, self._registration, cfg.heartbeat_interval_s,
+                                               cfg.proxy_resolve_interval_s, key=self.key)
             self.heartbeater.start()
-            logger.info("registering with the proxy at %s as %s", cfg.proxy, self.node_id)
         if cfg.role == "decode":
             self.transfer.consumer.known_peer = self.known_prefill
         else:
@@ -240,7 +240,8 @@ class Daemon:
 
     def known_prefill(self, kv_addr: str) -> bool:
         """May this node pull KV from ``kv_addr``? With a cluster key the id naming it was signed by
-        the proxy; else it must be in --kv-peers or in the registry's last member list; with neither
+        the proxy; else it must be in --kv-peers or in the registries' member lists (their union,
+        ``ProxyHeartbeats.members``); with neither
         (keyless behind vLLM's proxy or none), any address, as vLLM does (trusted networks only)."""
         if self.key is not None or self.vouched_prefill(kv_addr):
             return True

@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("common", "prefill_node", "decode_node", "proxy", "pdserve")
 ROLES = ("prefill_node", "decode_node", "proxy")
-CLUSTER = ("zmq", "common.kv_transfer", "common.registry_client", "common.cluster_auth", "common.config")
+CLUSTER = ("zmq", "common.kv_transfer", "common.registry_client", "common.proxy_heartbeats", "common.cluster_auth",
+           "common.config")
 ABOVE_THE_ENGINE = ("common.serving", "common.node", *ROLES, "pdserve")
 
 # (the importing layer, what it may not import, why): a module is in a layer when its name is the
