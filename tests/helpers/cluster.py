@@ -32,6 +32,7 @@ class Proc:
     log: Path
     kv_port: int | None = None
     args: list[str] = field(default_factory=list)
+    cmd: list[str] = field(default_factory=list)  # the whole command line (``restart`` runs it again)
 
     @property
     def url(self) -> str:
@@ -122,7 +123,24 @@ def start(role: str, tmp: Path, *args: str, name: str | None = None, wait: bool 
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     with open(log, "wb") as out:
         popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-    proc = Proc(name, popen, port, log, kv_port, list(args))
+    proc = Proc(name, popen, port, log, kv_port, list(args), cmd)
+    if wait:
+        try:
+            proc.wait_ready()
+        except BaseException:
+            proc.kill()
+            raise
+    return proc
+
+
+def restart(proc: Proc, wait: bool = True) -> Proc:
+    """``proc`` (dead) started again with its command line: the same ports, its log appended to. A
+    port another process took meanwhile fails the start, as it would in production."""
+    assert proc.popen.poll() is not None, f"{proc.name} is still running"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    with open(proc.log, "ab") as out:
+        proc.popen = subprocess.Popen(proc.cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                      start_new_session=True)
     if wait:
         try:
             proc.wait_ready()
