@@ -37,6 +37,7 @@ MIN_KEY_BYTES = 16
 _SEAL = struct.Struct(">BQ8s32s")  # version, unix ms, nonce, mac
 _SEAL_VERSION = 1
 _REGISTRY, _CONTROL, _REQUEST_ID = b"pdserve-registry", b"pdserve-kv-control", b"pdserve-request-id"
+_KV_EVENTS = b"pdserve-kv-events"
 
 
 class ClusterKeyError(ValueError):
@@ -202,6 +203,11 @@ def registry_sealer(key: ClusterKey | None) -> Sealer:
 def control_sealer(key: ClusterKey | None) -> Sealer:
     """P<->D KV control messages (a seal for one purpose is never valid for the other)."""
     return Sealer(key, _CONTROL)
+
+
+def kv_events_sealer(key: ClusterKey | None) -> Sealer:
+    """A daemon's KV events and their replay (common/kv_events.py)."""
+    return Sealer(key, _KV_EVENTS)
 
 
 def is_loopback(host: str) -> bool:

@@ -86,6 +86,20 @@ _ADDRESS = Annotated[str, Field(strict=True, max_length=262), pydantic.AfterVali
 
 
 @dataclass(frozen=True)
+class KVEventsInfo:
+    """Where a node publishes its KV events (common/kv_events.py) and how far it got: the PUB and
+    replay addresses, the publisher's random ``epoch`` (a new one: a restarted node, a new cache),
+    the last batch's sequence number (-1: none yet) and the engine's hash chain ``root`` (hex), from
+    which the proxy names a prompt's blocks as the node does."""
+
+    endpoint: _ADDRESS
+    replay: _ADDRESS
+    epoch: Annotated[str, Field(strict=True, pattern=r"^[0-9a-f]{8,32}$")]
+    seq: Annotated[int, Field(strict=True, ge=-1, le=2**62)]
+    root: Annotated[str, Field(strict=True, pattern=r"^[0-9a-f]{32}$")]
+
+
+@dataclass(frozen=True)
 class RegistrationMessage:
     """One heartbeat. ``zmq_address`` is the node's KV (transfer control) endpoint."""
 
@@ -115,6 +129,7 @@ class RegistrationMessage:
     kv_bytes_per_token: _RATE | None = None  # a prompt token's KV, all layers (the KV layout's)
     kv_transfer_bytes_per_s: _RATE | None = None  # decode: measured P->D rate, first byte to DONE (EWMA)
     goodbye: Annotated[bool, Field(strict=True)] | None = None  # True: stopping; stop routing here now
+    kv_events: KVEventsInfo | None = None  # its prefix cache's events, for exact prefix routing
 
     @property
     def load(self) -> int:

@@ -25,7 +25,7 @@ def peer_address(frame: zmq.Frame) -> str | None:
 
 
 def from_own_address(msg: RegistrationMessage, peer: str | None) -> bool:
-    """Do both addresses the message names (HTTP and KV) lie on the host its connection comes from?
+    """Do the addresses the message names (HTTP, KV and KV events) lie on the host its connection comes from?
 
     Keyless this is all that ties a registration, or a goodbye, to its sender: a stranger can no
     longer register a node at someone else's address or say goodbye for a live node on another
@@ -38,7 +38,8 @@ def from_own_address(msg: RegistrationMessage, peer: str | None) -> bool:
         source = _normal(ipaddress.ip_address(peer))
     except ValueError:
         return False
-    for address in (msg.http_address, msg.zmq_address):
+    events = (msg.kv_events.endpoint, msg.kv_events.replay) if msg.kv_events is not None else ()
+    for address in (msg.http_address, msg.zmq_address, *events):  # the proxy connects to the events' too
         host = address.rpartition(":")[0].strip("[]")
         try:
             named = _normal(ipaddress.ip_address("127.0.0.1" if host == "localhost" else host))

@@ -18,6 +18,12 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
 from common.engine.block_hash import BlockHash
+from common.engine.cache_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventSink,
+)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -66,6 +72,9 @@ class BlockManager:
     With ``enable_prefix_caching`` a full, computed block can be registered under its
     hash (:meth:`cache_block`); :meth:`take_cached` returns the longest run of cached
     blocks for a chain of hashes, held for the caller.
+
+    ``events``, when set, hears every change of the cached set (``cache_events``), on the
+    caller's thread: a block stored, a cached block evicted, the cache cleared.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
@@ -77,6 +86,7 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._cached: dict[BlockHash, int] = {}
         self._hash_of: dict[int, BlockHash] = {}
+        self.events: EventSink | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -104,7 +114,10 @@ class BlockManager:
 
     def _evict(self) -> int:
         block, _ = self._evictable.popitem(last=False)  # least recently freed cached block
-        del self._cached[self._hash_of.pop(block)]
+        block_hash = self._hash_of.pop(block)
+        del self._cached[block_hash]
+        if self.events is not None:
+            self.events(BlockRemoved((block_hash,)))
         return block
 
     def fork(self, block_ids: list[int]) -> None:
@@ -159,8 +172,10 @@ class BlockManager:
             self._ref_counts[b] += 1
         return blocks
 
-    def cache_block(self, block: int, block_hash: BlockHash) -> None:
-        """Name the held, full, computed ``block`` by ``block_hash`` so others can reuse it.
+    def cache_block(self, block: int, block_hash: BlockHash, parent: BlockHash | None = None,
+                    token_ids: tuple[int, ...] = ()) -> None:
+        """Name the held, full, computed ``block`` by ``block_hash`` so others can reuse it
+        (``parent`` and ``token_ids``: what the stored event says of it).
 
         A hash already cached (the same prefix computed twice at once) keeps its first block."""
         if not self.enable_prefix_caching or block in self._hash_of or block_hash in self._cached:
@@ -169,3 +184,23 @@ class BlockManager:
             raise ValueError(f"block {block} is not allocated")
         self._cached[block_hash] = block
         self._hash_of[block] = block_hash
+        if self.events is not None:
+            self.events(BlockStored((block_hash,), parent, tuple(token_ids), self.block_size))
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every cached block's hash. Safe from another thread: the copy is one C call over a dict
+        of bytes keys, which no other thread interleaves with under the GIL."""
+        return list(self._cached)
+
+    def clear_cached(self) -> int:
+        """Forget every cached block that no one holds (vLLM's prefix-cache reset); blocks in use
+        keep their KV but are no longer named. Returns how many names were dropped."""
+        dropped = len(self._cached)
+        for block in self._evictable:
+            self._free.add(block)
+        self._evictable.clear()
+        self._cached.clear()
+        self._hash_of.clear()
+        if self.events is not None:
+            self.events(AllBlocksCleared())
+        return dropped

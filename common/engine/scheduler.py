@@ -420,7 +420,8 @@ class Scheduler:
             return
         extend_hashes(seq.block_hashes, self._root(seq), seq.token_ids, bm.block_size, num_full)
         for i in range(seq.num_cached_blocks, num_full):
-            bm.cache_block(seq.block_table[i], seq.block_hashes[i])
+            tokens = tuple(seq.token_ids(i * bm.block_size, (i + 1) * bm.block_size)) if bm.events else ()
+            bm.cache_block(seq.block_table[i], seq.block_hashes[i], seq.block_hashes[i - 1] if i else None, tokens)
         seq.num_cached_blocks = num_full
 
     def _release(self, seq: Sequence) -> None:

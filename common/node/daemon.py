@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from common.engine.async_engine import AsyncLLMEngine
     from common.engine.kv_connector import KVConnector
     from common.kv_layout import KVLayout
+    from common.node.kv_event_publisher import KVEventPublisher
     from common.kv_transfer.tp_routes import RankRoutes
     from common.kv_transfer.tp_slices import SlicedWorker
     from common.kv_transfer.config import TransferConfig
@@ -99,6 +100,7 @@ class Daemon:
         self.rank_stats: list[dict] = []  # tensor parallelism: each rank's transfer counters (rank 0's empty)
         self.routes: RankRoutes | None = None  # decode: loads from a prefill node of another TP size
         self.sliced: SlicedWorker | None = None  # prefill with --kv-ranks: this rank's KV ranks
+        self.kv_events: KVEventPublisher | None = None  # its prefix cache's changes, for the proxies' routing
 
     # ---- start ----------------------------------------------------------------------
     def start(self, connector: TransferConnector) -> None:
@@ -134,6 +136,8 @@ class Daemon:
         metrics.add_scrape_hook(lambda: self._export_transfer_stats(metrics))
         logger.info("KV endpoint %s (layout %s, fingerprint %s, --kv-transport %s)", cfg.kv_addr,
                     engine.kv_layout, engine.kv_layout.fingerprint(), cfg.kv_transport)
+        if cfg.proxy and engine.engine.block_manager.enable_prefix_caching:
+            self.kv_events = self._start_kv_events()
         if cfg.proxy:
             logger.info("registering with --proxy %s as %s", cfg.proxy, self.node_id)
             self.heartbeater = ProxyHeartbeats(cfg.proxy_entries, self._registration, cfg.heartbeat_interval_s,
@@ -145,6 +149,19 @@ class Daemon:
             self.transfer.producer.is_member = self.member_decode
         if hasattr(connector, "scheduler") and hasattr(connector.scheduler, "peer_tp_size"):
             connector.scheduler.peer_tp_size = self.prefill_tp_size  # type: ignore[attr-defined]
+
+    def _start_kv_events(self) -> KVEventPublisher:
+        """The publisher of the block manager's events (common/node/kv_event_publisher.py), bound
+        beside the KV endpoint; the heartbeat advertises it."""
+        from common.node.kv_event_publisher import KVEventPublisher, export_metrics
+
+        llm = self.engine.engine
+        publisher = KVEventPublisher(self.config.host, self.config.kv_host, llm.block_manager.block_size,
+                                     llm.block_manager.cached_hashes, key=self.key)
+        llm.block_manager.events = publisher.put
+        publisher.start()
+        export_metrics(publisher, self.metrics.registry, self.metrics.role)
+        return publisher
 
     @property
     def slices(self) -> int:
@@ -303,6 +320,7 @@ class Daemon:
             "engine_stalled_s": round(engine.stalled_for(), 3),
             **adaptive_figures(s),
             **transfer_figures(engine.kv_layout, self.transfer.stats.recv_bytes_per_s if self.transfer else None),
+            **({"kv_events": self.kv_events.info(engine.engine.scheduler.cache_root)} if self.kv_events else {}),
         }
 
     def _export_transfer_stats(self, metrics: NodeMetrics) -> None:
@@ -332,6 +350,8 @@ class Daemon:
     def close(self) -> None:
         if self.heartbeater is not None:
             self.heartbeater.stop()
+        if self.kv_events is not None:
+            self.kv_events.stop()
         if self.routes is not None:
             self.routes.close()
         if self.sliced is not None:

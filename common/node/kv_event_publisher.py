@@ -1,0 +1,212 @@
+"""A daemon's KV events publisher: the prefix cache's changes, numbered, on a ZMQ PUB socket.
+
+An event's way out:
+1. the engine thread's block manager calls :meth:`KVEventPublisher.put` (its ``events`` sink)
+   for each block stored or evicted; ``put`` only appends to a bounded queue. A full queue
+   drops the event and counts it (``dropped``), and the next batch skips one sequence number,
+   so every subscriber sees a gap and asks for a replay;
+2. the publisher thread (``pdserve-kv-events``, the only owner of both sockets) takes what is
+   queued, every ``batch_s`` at most, as one batch: the next sequence number, vLLM's
+   ``[ts, events]`` (``common/kv_events.py``), sent ``[topic, seq, payload(, seal)]``;
+3. it keeps recent batches (at most ``buffer_bytes``) for the replay ROUTER: a subscriber that
+   missed some asks from a sequence number and gets the batches from there, or, when they are
+   no longer all kept, one snapshot batch (cleared + every cached hash, read from the block
+   manager) numbered as the last batch sent. Then ``END_SEQ``.
+
+The first batch (sequence 0) says ``AllBlocksCleared``: the cache of a daemon that starts is
+empty. Each publisher has a random ``epoch``; the heartbeat carries it with the last sequence
+number sent (:meth:`info`), so the proxy tells a restarted daemon from a gap, and a silent
+publisher from one whose batches it lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import zmq
+from prometheus_client import CollectorRegistry, Gauge
+
+from common.cluster_auth import ClusterKey, kv_events_sealer
+from common.engine.cache_events import AllBlocksCleared, CacheEvent
+from common.kv_events import (
+    END_SEQ,
+    MAX_PAYLOAD_BYTES,
+    encode_batch,
+    encode_event,
+    open_frames,
+    seal_frames,
+    seq_bytes,
+    snapshot_batch,
+)
+
+logger = logging.getLogger(__name__)
+SNAPSHOT_MAX_HASHES = 400_000  # the newest; 16-byte hashes keep the batch under MAX_PAYLOAD_BYTES
+
+
+class KVEventPublisher:
+    """Binds a PUB and a replay ROUTER on ``host`` (free ports), advertised at ``advertise_host``."""
+
+    def __init__(self, host: str, advertise_host: str, block_size: int, cached_hashes: Callable[[], list[bytes]],
+                 key: ClusterKey | None = None, max_queue: int = 10_000, buffer_bytes: int = 8 << 20,
+                 batch_s: float = 0.01, topic: bytes = b"") -> None:
+        self.host, self.advertise_host, self.block_size = host, advertise_host, block_size
+        self.epoch = secrets.token_hex(8)
+        self.topic = topic
+        self.batch_s = batch_s
+        self.buffer_bytes = buffer_bytes
+        self._cached_hashes = cached_hashes
+        self._sealer = kv_events_sealer(key)
+        self._queue: queue.Queue[CacheEvent] = queue.Queue(max_queue)
+        self._buffer: deque[tuple[int, bytes]] = deque()
+        self._buffered = 0
+        self._dropped_seen = 0  # ``dropped`` as of the last batch: more since, and the next skips a number
+        self.seq = -1  # the last batch sent
+        self.dropped = 0
+        self.replays = 0
+        self.snapshots = 0
+        self.port = self.replay_port = 0
+        self._ctx = zmq.Context()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pub = self._router = None
+        self.put(AllBlocksCleared())
+
+    # ---- engine thread ------------------------------------------------------------------
+    def put(self, event: CacheEvent) -> None:
+        """Queue ``event``; never blocks (a full queue drops it, and the next batch leaves a gap)."""
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            self.dropped += 1  # written by this thread only; the publisher thread reads it
+
+    # ---- any thread ---------------------------------------------------------------------
+    @property
+    def endpoint(self) -> str:
+        return f"{self.advertise_host}:{self.port}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"{self.advertise_host}:{self.replay_port}"
+
+    def info(self, root: bytes) -> dict:
+        """The heartbeat's ``kv_events`` map (``root``: the engine's hash chain root)."""
+        return {"endpoint": self.endpoint, "replay": self.replay_endpoint, "epoch": self.epoch,
+                "seq": self.seq, "root": root.hex()}
+
+    def start(self) -> None:
+        """Bind both sockets (here, so a taken port fails the start) and start the thread."""
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._router = self._ctx.socket(zmq.ROUTER)
+        for sock in (self._pub, self._router):
+            sock.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, 100_000)
+        self._router.setsockopt(zmq.MAXMSGSIZE, 4096)  # a replay request is 8 bytes and a seal
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.port = self._pub.bind_to_random_port(f"tcp://{self.host}")
+        self.replay_port = self._router.bind_to_random_port(f"tcp://{self.host}")
+        self._thread = threading.Thread(target=self._run, name="pdserve-kv-events", daemon=True)
+        self._thread.start()
+        logger.info("KV events on %s (replay %s), epoch %s", self.endpoint, self.replay_endpoint, self.epoch)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        self._ctx.term()
+
+    # ---- publisher thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        assert self._pub is not None and self._router is not None
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(int(self.batch_s * 1000)):
+                    self._answer_replay()
+                self._publish_queued()
+        except Exception:
+            logger.exception("KV events publisher stopped")
+        finally:
+            self._pub.close(linger=0)
+            self._router.close(linger=0)
+
+    def _publish_queued(self, limit: int = 10_000) -> None:
+        events = []
+        while len(events) < limit:
+            try:
+                events.append(encode_event(self._queue.get_nowait()))
+            except queue.Empty:
+                break
+        dropped = self.dropped
+        if not events and dropped == self._dropped_seen:
+            return
+        if dropped != self._dropped_seen:  # the gap a subscriber notices (the skipped number is never kept)
+            self._dropped_seen = dropped
+            self.seq += 1
+        self.seq += 1
+        payload = encode_batch(events)
+        seq = seq_bytes(self.seq)
+        try:
+            self._pub.send_multipart(seal_frames(self._sealer, [self.topic, seq, payload], seq + payload),  # type: ignore[union-attr]
+                                     zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a subscriber past its high-water mark: it notices the gap
+        self._buffer.append((self.seq, payload))
+        self._buffered += len(payload)
+        while self._buffered > self.buffer_bytes and len(self._buffer) > 1:
+            self._buffered -= len(self._buffer.popleft()[1])
+
+    def _answer_replay(self) -> None:
+        router = self._router
+        assert router is not None
+        for _ in range(100):
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity, body = frames[0], frames[1:]
+            if open_frames(self._sealer, body, 2, slice(1, 2)) is not None or body[0] != b"" or len(body[1]) != 8:
+                continue  # not a replay request of this cluster's: no answer
+            self.replays += 1
+            start = int.from_bytes(body[1], "big", signed=True)
+            for seq, payload in self._replayed(start):
+                self._reply(identity, seq_bytes(seq), payload)
+            self._reply(identity, END_SEQ, b"")
+
+    def _replayed(self, start: int) -> list[tuple[int, bytes]]:
+        """The batches from ``start`` on, or a snapshot when they are not all kept."""
+        self._publish_queued()  # so a snapshot taken now is numbered after everything it includes
+        if start > self.seq:
+            return []
+        kept = [(seq, payload) for seq, payload in self._buffer if seq >= start]
+        if kept and kept[0][0] == start:
+            return kept
+        self.snapshots += 1
+        hashes = self._cached_hashes()[-SNAPSHOT_MAX_HASHES:]
+        payload = snapshot_batch(hashes, self.block_size)
+        assert len(payload) <= MAX_PAYLOAD_BYTES
+        return [(self.seq, payload)]
+
+    def _reply(self, identity: bytes, seq: bytes, payload: bytes) -> None:
+        try:
+            self._router.send_multipart(  # type: ignore[union-attr]
+                [identity, *seal_frames(self._sealer, [b"", seq, payload], seq + payload)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the subscriber went: it asks again
+
+
+def export_metrics(publisher: KVEventPublisher, registry: CollectorRegistry, role: str) -> None:
+    """``pdserve:kv_events_seq`` (the last batch's number) and ``pdserve:kv_events_dropped`` (events a
+    full queue dropped), read at scrape."""
+    seq = Gauge("pdserve:kv_events_seq", "Sequence number of the last KV event batch published.", ["role"],
+                registry=registry)
+    seq.labels(role).set_function(lambda: publisher.seq)
+    dropped = Gauge("pdserve:kv_events_dropped", "KV events dropped because the publisher's queue was full.",
+                    ["role"], registry=registry)
+    dropped.labels(role).set_function(lambda: publisher.dropped)
