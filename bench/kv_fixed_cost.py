@@ -97,14 +97,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transfers", type=int, default=80)
     parser.add_argument("--blocks", type=int, default=1, help="64 KB blocks of one layer per transfer")
+    parser.add_argument("--cold", action="store_true",
+                        help="a raw TCP transfer of the same bytes before each one, as bench/kv_transfer.py "
+                             "interleaves them (caches cold, as after a forward pass)")
     args = parser.parse_args()
     kvb.child_main = child
     instrument()
     b = kvb.Bench()
     nbytes = args.blocks * kvb.BLOCK_BYTES
     try:
-        totals = [b.engine_seconds("tcp", 1, nbytes, False) for _ in range(args.transfers)][10:]
-        raw = [b.tcp_seconds(nbytes, 1) for _ in range(args.transfers)][10:]
+        totals, raw = [], []
+        for _ in range(args.transfers):
+            if args.cold:
+                raw.append(b.tcp_seconds(nbytes, 1))
+            totals.append(b.engine_seconds("tcp", 1, nbytes, False))
+        raw = (raw or [b.tcp_seconds(nbytes, 1) for _ in range(args.transfers)])[10:]
+        totals = totals[10:]
     finally:
         b.close()
     stamps = sorted(STAMPS + [tuple(s) for s in json.loads(Path(CHILD_STAMPS).read_text())], key=lambda s: s[1])

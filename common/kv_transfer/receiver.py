@@ -117,7 +117,7 @@ class PairReceiver:
             self._land_frame(frame)
             return
         try:
-            msg = decode(self.pair.recv_payload(frame, self.owner.config.timeout_s))
+            msg = decode(frame.payload)
         except MessageError as e:
             raise TransferError(f"bad in-band message from {self.address}: {e}") from e
         if isinstance(msg, Done) and msg.pair_id == self.pair_id:

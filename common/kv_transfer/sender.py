@@ -234,7 +234,7 @@ class PairSender:
         if frame.kind != MESSAGE:
             raise PairBrokenError("the consumer sent KV bytes on its pair")
         try:
-            msg = decode(self.pair.recv_payload(frame, self.config.timeout_s))
+            msg = decode(frame.payload)
         except MessageError as e:
             raise PairBrokenError(f"bad in-band message from the consumer: {e}") from e
         if not isinstance(msg, Pull | Ack) or (isinstance(msg, Pull) and msg.pair_id != self.pair_id):

@@ -59,6 +59,7 @@ class Frame:
     num_blocks: int
     nbytes: int
     kind: int = KV
+    payload: bytes = b""  # a received MESSAGE's bytes, read with its header (one receive less)
 
     def encode(self) -> bytes:
         rid = self.request_id.encode()
@@ -220,7 +221,8 @@ class TcpPair:
         return Frame("", (), 0, len(payload), MESSAGE).encode() + payload
 
     def recv_frame(self, timeout_s: float | None = None) -> Frame:
-        """The next message's header (its payload follows: :meth:`recv_into` or :meth:`discard`)."""
+        """The next message's header; a ``MESSAGE``'s payload comes with it, a ``KV`` one's follows
+        (:meth:`recv_kv` or :meth:`discard`)."""
         fixed = bytearray(_FRAME.size)
         self.recv_into([memoryview(fixed)], timeout_s)
         magic, version, kind, rid_len, num_layers, num_blocks, nbytes = _FRAME.unpack(fixed)
@@ -228,20 +230,17 @@ class TcpPair:
                 or (kind == MESSAGE and nbytes > MAX_MESSAGE_BYTES):
             self.close()  # out of step with the peer: nothing after this can be trusted
             raise PairBrokenError(f"tcp pair out of step: bad frame header {bytes(fixed[:5])!r}")
-        rest = bytearray(rid_len + 2 * num_layers)
+        head = rid_len + 2 * num_layers
+        # a message's payload comes in the same receive as the rest of its header
+        rest = bytearray(head + nbytes if kind == MESSAGE else head)
         self.recv_into([memoryview(rest)], timeout_s)
         layers = struct.unpack_from(f"!{num_layers}H", rest, rid_len)
-        return Frame(rest[:rid_len].decode(errors="replace"), layers, num_blocks, nbytes, kind)
+        payload = bytes(rest[head:]) if kind == MESSAGE else b""
+        return Frame(rest[:rid_len].decode(errors="replace"), layers, num_blocks, nbytes, kind, payload)
 
     def send_message(self, payload: bytes) -> None:
         """Send an encoded control message to the peer (a ``MESSAGE`` frame)."""
         self.send([memoryview(self.message_frame(payload))])
-
-    def recv_payload(self, frame: Frame, timeout_s: float | None = None) -> bytes:
-        """A ``MESSAGE`` frame's payload."""
-        buf = bytearray(frame.nbytes)
-        self.recv_into([memoryview(buf)], timeout_s)
-        return bytes(buf)
 
     def discard(self, nbytes: int, timeout_s: float | None = None) -> None:
         """Read and drop ``nbytes`` (a message nobody waits for any more), keeping the stream in step."""
@@ -306,10 +305,11 @@ class TcpPair:
         latency, loss) finishes a large layer however long it takes."""
         if self.broken:
             raise PairBrokenError("pair is broken; rebuild it")
-        bufs = [b for b in (t if isinstance(t, memoryview) else tensor_buffer(t) for t in tensors) if len(b)]
+        bufs = [b for b in (t if type(t) is memoryview else tensor_buffer(t) for t in tensors) if len(b)]
         i = 0
         try:
-            self._set_kernel_timeout(timeout_s or self.timeout_s)
+            if (timeout_s or self.timeout_s) != self._kernel_timeout:
+                self._set_kernel_timeout(timeout_s or self.timeout_s)
             while i < len(bufs):
                 try:
                     n = call(bufs[i:i + IOV_MAX])
