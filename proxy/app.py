@@ -23,6 +23,9 @@ from common.cluster_auth import ClusterKey, warn_if_open
 from proxy.api_key import ApiKeyOnly
 from proxy.config import ProxyConfig
 from proxy.errors import NoNodeAvailable, ProxyError
+from proxy.exact_prefix import ExactPrefix
+from proxy.kv_index import KVIndex
+from proxy.kv_subscriber import KVEventSubscriber
 from proxy.legs import Legs
 from proxy.model_cards import ModelCards
 from proxy.pairing import PairingWatch
@@ -52,18 +55,29 @@ def registry_from_config(config: ProxyConfig) -> ServiceRegistry:
 def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> FastAPI:
     """The proxy app; the registry starts and stops with it."""
     registry = registry or registry_from_config(config)
-    router = Router(registry, config.policy, config.node_stall_timeout_s, config.unreachable_cooldown_s)
     metrics = ProxyMetrics()
+    # the nodes' KV events, indexed, when a policy reads prefixes (proxy/exact_prefix.py)
+    subscriber = None
+    exact = None
+    if config.policy == "prefix_aware" or config.disagg_policy == "auto":
+        index = KVIndex(config.kv_index_max_blocks, max_nodes=config.max_nodes)
+        subscriber = KVEventSubscriber(registry, index, ClusterKey.optional(config.cluster_key_file),
+                                       stale_s=config.heartbeat_timeout_s)
+        exact = ExactPrefix(index)
+    router = Router(registry, config.policy, config.node_stall_timeout_s, config.unreachable_cooldown_s, exact=exact)
+    router.on_route = metrics.count_route
     pairing = PairingWatch()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         registry.start()
+        if subscriber is not None:
+            subscriber.start()
         watching = asyncio.ensure_future(_watch_pairing(pairing, registry))
         async with PooledTransport(max_idle_per_origin=config.max_idle_connections,
                                    connect_timeout_s=config.connect_timeout_s) as transport:
             legs = Legs(transport, config, metrics, unreachable=router.unreachable)
-            app.state.dispatcher = Dispatcher(legs, router, config, metrics)
+            app.state.dispatcher = Dispatcher(legs, router, config, metrics, exact)
             app.state.model_cards = ModelCards(registry)
             try:
                 yield
@@ -71,6 +85,8 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
                 watching.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await watching
+                if subscriber is not None:
+                    subscriber.stop()
                 registry.stop()
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)
@@ -83,7 +99,7 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
         app.add_middleware(ApiKeyOnly, api_key=config.api_key,
                            on_refused=lambda: metrics.count_error("unauthorized"))
     app.include_router(_openai_routes(config, router))
-    _add_ops_routes(app, router, registry, metrics, pairing)
+    _add_ops_routes(app, router, registry, metrics, pairing, subscriber)
     bound_writes(app, config.stream_write_timeout_s)
     return app
 
@@ -137,7 +153,7 @@ async def _watch_pairing(pairing: PairingWatch, registry: ServiceRegistry, inter
 
 
 def _add_ops_routes(app: FastAPI, router: Router, registry: ServiceRegistry, metrics: ProxyMetrics,
-                    pairing: PairingWatch) -> None:
+                    pairing: PairingWatch, subscriber: KVEventSubscriber | None) -> None:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
@@ -161,5 +177,9 @@ def _add_ops_routes(app: FastAPI, router: Router, registry: ServiceRegistry, met
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        if subscriber is not None:
+            applied = subscriber.applied()
+            metrics.observe_kv_events(len(subscriber.index), applied,
+                                      {k: subscriber.index.is_fresh(k) for k in applied}, subscriber.rejected())
         text = metrics.render(registry.counts(), registry.rejected())
         return Response(text, media_type="text/plain; version=0.0.4")

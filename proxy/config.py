@@ -33,6 +33,16 @@ class ProxyConfig(HttpServerOptions):
         "batch a local prefill stalls, the P->D transfer rate and the hand-off's measured cost, local only within "
         "the decode node's --max-local-prefill-stall-ms."
     )
+    tokenizer: str | None = Field(
+        None, description="A model directory with the nodes' tokenizer (tokenizer.json, tokenizer_config.json): "
+        "the proxy then names a prompt's blocks as the nodes do and, from the nodes' KV events, prefix_aware and "
+        "--disagg-policy auto count each node's cached prefix exactly (without it: token-id prompts only; text "
+        "prompts keep the text estimate)."
+    )
+    kv_index_max_blocks: int = Field(
+        1_000_000, ge=1, le=100_000_000, description="Most block hashes the KV event index keeps (~200 bytes "
+        "each; the least recently used go first)."
+    )
     dispatch: Literal["concurrent", "prefill_first"] = Field(
         "concurrent",
         description="Send both legs at once, or wait for the prefill leg first (vLLM's order).",

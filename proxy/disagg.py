@@ -26,9 +26,10 @@ spent computing), as the median of the last ``COST_SAMPLES`` measured within ``C
 (``PathCost``). A path only gets measured when it is taken, so one slow first token (a cold
 start, a pause) priced into a running average would keep ``auto`` off that path for good; a
 median ignores it once other samples come, and an expired estimate falls back to its prior,
-so the path is taken and measured again. The uncached parts come
-from the text of the prompts this proxy sent each node (64-character chunks, the tokens
-estimated at ``CHARS_PER_TOKEN``); the decode node knows its cache exactly and overrides a remote
+so the path is taken and measured again. The uncached parts come from the nodes' KV events when
+the proxy indexes them and knows the prompt's token ids (``proxy/exact_prefix.py``: exact counts,
+a node whose events cannot say counting as caching nothing); else from the text of the prompts
+this proxy sent each node (64-character chunks, the tokens estimated at ``CHARS_PER_TOKEN``); the decode node knows its cache exactly and overrides a remote
 tag for a prompt it has cached (decode_node.connector), and the engine bounds the stall, so an
 estimate that is off costs time, never a wrong answer.
 
@@ -55,6 +56,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from common.registry_client import RegistrationMessage
+from proxy.exact_prefix import ExactPrefix
 from proxy.prefix_policy import PrefixAware, chunk_hashes
 
 logger = logging.getLogger(__name__)
@@ -114,15 +116,21 @@ class DisaggPolicy:
         self._prefixes = PrefixAware()  # its memory only: which prompt chunks went to which node
         self._remote_cost = PathCost(DEFAULT_REMOTE_OVERHEAD_S, clock)  # keyed by (P, D) http addresses
         self._local_cost = PathCost(0.0, clock)  # keyed by D's http address
+        self.exact: ExactPrefix | None = None  # exact cached counts, when the nodes' KV events are indexed
 
     def decide(self, prefill: RegistrationMessage, decode: RegistrationMessage, prompt: str) -> Decision:
         """``prompt``: the request's text (as prefix_aware reads it)."""
         if self.mode != "auto":
             return Decision("remote" if self.mode == "always" else "local", "policy")
-        chunks = chunk_hashes(prompt, self._prefixes.chunk_chars)
-        tokens = len(prompt) / CHARS_PER_TOKEN
-        cached_p = self._cached_tokens(("P", prefill.http_address), chunks)
-        cached_d = self._cached_tokens(("D", decode.http_address), chunks)
+        exact = self.exact.cached_tokens([prefill, decode], prompt) if self.exact is not None else None
+        if exact is not None:  # the nodes' KV events (a node they cannot speak for caches nothing)
+            tokens = float(len(prompt.token_ids))  # type: ignore[attr-defined]
+            cached_p, cached_d = exact[("P", prefill.http_address)], exact[("D", decode.http_address)]
+        else:
+            chunks = chunk_hashes(prompt, self._prefixes.chunk_chars)
+            tokens = len(prompt) / CHARS_PER_TOKEN
+            cached_p = self._cached_tokens(("P", prefill.http_address), chunks)
+            cached_d = self._cached_tokens(("D", decode.http_address), chunks)
         rate_p = prefill.prefill_tokens_per_s or decode.prefill_tokens_per_s
         rate_d = decode.prefill_tokens_per_s or rate_p
         if rate_p is None or rate_d is None:

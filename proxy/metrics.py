@@ -53,7 +53,45 @@ class ProxyMetrics:
             "pdserve:proxy_registry_rejected", "Registry messages dropped, by reason.", ["role", "reason"],
             registry=r,
         )
+        self.routes = Counter(
+            "pdserve:proxy_route_decisions", "Nodes picked, by the node's role (prefill|decode) and why: prefix_events "
+            "(the longest cached prefix by the nodes' KV events), prefix_text (by the text estimate), load, or the "
+            "policy's name (round_robin, least_loaded).", ["role", "node_role", "reason"], registry=r,
+        )
+        self.kv_index_blocks = Gauge(
+            "pdserve:proxy_kv_index_blocks", "Block hashes in the index of the nodes' KV events.", ["role"], registry=r
+        )
+        self.kv_events_seq = Gauge(
+            "pdserve:proxy_kv_events_applied_seq", "Per node, the last KV event batch applied to the index.",
+            ["role", "node_type", "node"], registry=r,
+        )
+        self.kv_events_fresh = Gauge(
+            "pdserve:proxy_kv_events_fresh", "Per node, 1 while its KV events are known complete (else its cache "
+            "counts as unknown).", ["role", "node_type", "node"], registry=r,
+        )
+        self.kv_events_rejected = Counter(
+            "pdserve:proxy_kv_events_rejected", "KV event messages dropped, by reason.", ["role", "reason"], registry=r
+        )
         self._rejected_seen: dict[str, int] = {}
+        self._kv_rejected_seen: dict[str, int] = {}
+
+    def count_route(self, node_role: str, reason: str) -> None:
+        self.routes.labels("proxy", node_role, reason).inc()
+
+    def observe_kv_events(self, blocks: int, applied: Mapping[tuple[str, str], int],
+                          fresh: Mapping[tuple[str, str], bool], rejected: Mapping[str, int]) -> None:
+        """The KV event index's figures, refreshed at scrape (nodes gone since are dropped)."""
+        self.kv_index_blocks.labels("proxy").set(blocks)
+        self.kv_events_seq.clear()
+        self.kv_events_fresh.clear()
+        for (node_type, node), seq in applied.items():
+            self.kv_events_seq.labels("proxy", node_type, node).set(seq)
+            self.kv_events_fresh.labels("proxy", node_type, node).set(int(fresh.get((node_type, node), False)))
+        for reason, total in rejected.items():
+            delta = total - self._kv_rejected_seen.get(reason, 0)
+            if delta > 0:
+                self.kv_events_rejected.labels("proxy", reason).inc(delta)
+            self._kv_rejected_seen[reason] = total
 
     def observe_request(self, status: int, latency_s: float) -> None:
         self.requests.labels("proxy", str(status)).inc()

@@ -1,12 +1,15 @@
 """Prefix-aware routing (``--policy prefix_aware``): send a prompt where its prefix is likely cached.
 
-The proxy tokenizes nothing. A prompt's text is cut into ``chunk_chars``-character chunks
-named by a hash chain (like the engine's blocks, so equal names mean equal prefixes).
+Without the nodes' KV events the proxy estimates from text. A prompt's text is cut into
+``chunk_chars``-character chunks named by a hash chain (like the engine's blocks, so equal names mean equal prefixes).
 Each node remembers the chunk names of the prompts recently routed to it (bounded, least
 recently used forgotten first): an approximation of what its prefix cache holds, as
 SGLang's cache-aware router keeps. A request goes to the node sharing the longest run of
 leading chunks, ties to the least loaded; when the loads spread too far apart, or no node
 shares anything, it goes to the least loaded node (load as ``least_loaded`` counts it).
+When the nodes publish KV events and the proxy knows the prompt's token ids, the exact count of
+each node's cached leading blocks replaces the estimate (``proxy/exact_prefix.py``); a node whose
+events cannot say counts as caching nothing.
 A request's ``cache_salt`` roots its chain, as it roots the engine's: prompts of different
 salts share no chunk, so routing follows only what the nodes could actually reuse.
 """
@@ -15,17 +18,23 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter, OrderedDict
+from typing import TYPE_CHECKING
 
 from proxy.registry import Node
 
+if TYPE_CHECKING:
+    from proxy.exact_prefix import ExactPrefix
+
 
 class PromptText(str):
-    """A prompt's text carrying the request's ``cache_salt``, which keys its chunk names (a
-    ``str``, so routing and the disaggregation policy pass it on unchanged)."""
+    """A prompt's text carrying the request's ``cache_salt``, which keys its chunk names, and its
+    token ids when the proxy knows them (``proxy/exact_prefix.py``) -- a ``str``, so routing and
+    the disaggregation policy pass it on unchanged."""
 
-    def __new__(cls, text: str, cache_salt: str) -> PromptText:
+    def __new__(cls, text: str, cache_salt: str | None, token_ids: list[int] | None = None) -> PromptText:
         obj = super().__new__(cls, text)
         obj.cache_salt = cache_salt
+        obj.token_ids = token_ids
         return obj
 
 
@@ -81,8 +90,14 @@ class PrefixAware:
         # load-spread threshold: both must hold (SGLang's rule), so small counts never trip it
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
         self._seen: dict[tuple[str, str], OrderedDict[bytes, None]] = {}
+        self.exact: ExactPrefix | None = None  # set when the nodes' KV events are indexed
 
     def choose(self, nodes: list[Node], inflight: Counter, prompt: str = "") -> Node:
+        return self.choose_with_reason(nodes, inflight, prompt)[0]
+
+    def choose_with_reason(self, nodes: list[Node], inflight: Counter, prompt: str = "") -> tuple[Node, str]:
+        """The node and why: ``prefix_events`` (the longest cached prefix by the nodes' KV events),
+        ``prefix_text`` (by the text estimate), ``load`` (nothing matched, or the loads too far apart)."""
         def load(n: Node) -> int:
             return n.info.load + inflight[n.key]
 
@@ -93,13 +108,20 @@ class PrefixAware:
         chunks = chunk_hashes(prompt, self.chunk_chars)
         loads = [load(n) for n in nodes]
         lo, hi = min(loads), max(loads)
+        reason = "load"
         if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
             best = min(nodes, key=least_key)
         else:
-            matched = {n.key: self.matched(n.key, chunks) for n in nodes}
+            exact = self.exact.cached_tokens([n.info for n in nodes], prompt) if self.exact is not None else None
+            if exact is not None:  # a node whose events cannot say counts 0 (cache-unknown)
+                matched, kind = exact, "prefix_events"
+            else:
+                matched, kind = {n.key: self.matched(n.key, chunks) for n in nodes}, "prefix_text"
             best = min(nodes, key=lambda n: (-matched[n.key], *least_key(n)))
+            if matched[best.key] > 0:
+                reason = kind
         self.remember(best.key, chunks)
-        return best
+        return best, reason
 
     def forget_all_but(self, live: set[tuple[str, str]]) -> None:
         """Drop what was remembered for nodes that are no longer registered."""

@@ -47,11 +47,11 @@ from proxy.config import ProxyConfig
 from proxy.disagg import Decision, DisaggPolicy
 from proxy.errors import (BadRequest, ClientDisconnected, NoNodeAvailable, ProxyError, RequestTimeout,
                           StreamIdle, UpstreamUnreachable, is_retryable)
+from proxy.exact_prefix import ExactPrefix, PromptTokens
 from proxy.legs import Legs, prefill_body, read_chunks
 from proxy.liveness import LostCheck, node_lost, watched
 from proxy.metrics import ProxyMetrics, StreamWatch
 from proxy.migration import Migration, StreamLedger
-from proxy.prefix_policy import prompt_text
 from proxy.routing import Pair, Router
 
 logger = logging.getLogger(__name__)
@@ -62,9 +62,13 @@ _CLIENT_CLOSED = 499  # nginx's status for "client closed request": logged, neve
 class Dispatcher:
     """Runs requests; one per app, sharing the legs' pooled transport."""
 
-    def __init__(self, legs: Legs, router: Router, config: ProxyConfig, metrics: ProxyMetrics):
+    def __init__(self, legs: Legs, router: Router, config: ProxyConfig, metrics: ProxyMetrics,
+                 exact: ExactPrefix | None = None):
         self.legs, self.router, self.config, self.metrics = legs, router, config, metrics
         self.disagg = DisaggPolicy(config.disagg_policy)
+        self.disagg.exact = exact
+        # the prompt as routing reads it: its text, and its token ids when the KV events are indexed
+        self.prompts = PromptTokens(config.tokenizer if exact is not None else None)
         self.tenant_salt = (TenantSalt(ClusterKey.optional(config.cluster_key_file))
                             if config.cache_salt_from_api_key else None)
 
@@ -115,7 +119,7 @@ class Dispatcher:
         p_bytes = await off_loop(len(body_bytes), prefill_body, body, path)
         stream = body.get("stream") is True
         wants_text = self.config.policy == "prefix_aware" or self.config.disagg_policy == "auto"
-        prompt = prompt_text(body) if wants_text else ""
+        prompt = await off_loop(len(body_bytes), self.prompts.prompt, body) if wants_text else ""
         rerun_of: ProxyError | None = None  # the decode failure being run again elsewhere
         while True:
             try:
@@ -356,7 +360,7 @@ class Dispatcher:
         """A new attempt for a migrated stream: a pair without the nodes that failed it, a new tag."""
         model = body.get("model") if is_text(body.get("model")) else None
         wants_text = self.config.policy == "prefix_aware" or self.config.disagg_policy == "auto"
-        prompt = prompt_text(migration.body) if wants_text else ""
+        prompt = self.prompts.prompt(migration.body) if wants_text else ""
         skip_d = frozenset(migration.failed_decodes)
         try:
             pair = self.router.pick(model, frozenset(migration.failed_prefills), prompt, skip_d)

@@ -20,6 +20,7 @@ from common.kv_topology import KVTopology, plan
 from common.registry_client import RegistrationMessage
 from common.serving.errors import model_not_served
 from proxy.errors import ModelNotFound, NoNodeAvailable, ProxyError
+from proxy.exact_prefix import ExactPrefix
 from proxy.prefix_policy import PrefixAware
 from proxy.registry import Group, GroupKey, Node, ServiceRegistry
 
@@ -103,14 +104,19 @@ class Router:
 
     def __init__(self, registry: ServiceRegistry, policy: str = "round_robin",
                  stall_limit_s: float = float("inf"), cooldown_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, exact: ExactPrefix | None = None):
         self.registry = registry
+        self.policy_name = policy
+        self.on_route: Callable[[str, str], None] | None = None  # (role, reason) of each pick: a metric
         self.stall_limit_s = stall_limit_s  # a node stuck in one engine step this long gets no new work
         self.cooldown_s = cooldown_s  # a node a leg could not reach gets no new work this long
         self._clock = clock
         self._cooling: dict[tuple[str, str], float] = {}  # (type, http_address) -> end of its cool-down
         self._prefill_policy = make_policy(policy)
         self._decode_policy = make_policy(policy)
+        for p in (self._prefill_policy, self._decode_policy):
+            if isinstance(p, PrefixAware):
+                p.exact = exact
         self._inflight: Counter = Counter()
         self._cache: tuple[tuple[Group, ...], dict[str | None, _Candidates]] = ((), {})
 
@@ -151,19 +157,28 @@ class Router:
     def _choose(self, policy: Policy, nodes: list[Node], prompt: str, role: str) -> Node:
         """The policy's pick among ``nodes``, skipping any whose engine is stuck past the stall
         limit, and any a leg just failed to reach while another can take the request (checked on
-        the pick first, so the common case costs no pass over the list)."""
-        node = policy.choose(nodes, self._inflight, prompt)
+        the pick first, so the common case costs no pass over the list). ``on_route`` hears the
+        role and the reason of each pick."""
+        node, reason = self._ask(policy, nodes, prompt)
         stalled = self.registry.stalled_for(node) >= self.stall_limit_s
-        if not stalled and not self._cooling_down(node):
-            return node
-        live = [n for n in nodes if self.registry.stalled_for(n) < self.stall_limit_s]
-        if not live:
-            raise NoNodeAvailable(f"every compatible {role} node is stalled (its engine has made no "
-                                  f"progress for {self.stall_limit_s:g} s, --node-stall-timeout-s)")
-        reachable = [n for n in live if not self._cooling_down(n)]
-        if reachable:
-            return policy.choose(reachable, self._inflight, prompt)
-        return node if not stalled else policy.choose(live, self._inflight, prompt)  # all cooling: try anyway
+        if stalled or self._cooling_down(node):
+            live = [n for n in nodes if self.registry.stalled_for(n) < self.stall_limit_s]
+            if not live:
+                raise NoNodeAvailable(f"every compatible {role} node is stalled (its engine has made no "
+                                      f"progress for {self.stall_limit_s:g} s, --node-stall-timeout-s)")
+            reachable = [n for n in live if not self._cooling_down(n)]
+            if reachable:
+                node, reason = self._ask(policy, reachable, prompt)
+            elif stalled:  # all cooling: try anyway
+                node, reason = self._ask(policy, live, prompt)
+        if self.on_route is not None:
+            self.on_route(role, reason)
+        return node
+
+    def _ask(self, policy: Policy, nodes: list[Node], prompt: str) -> tuple[Node, str]:
+        if isinstance(policy, PrefixAware):
+            return policy.choose_with_reason(nodes, self._inflight, prompt)
+        return policy.choose(nodes, self._inflight, prompt), self.policy_name
 
     def unreachable(self, role: str, http_address: str) -> None:
         """A ``role`` ("prefill" / "decode") leg could not reach this node (refused, reset, connect

@@ -1,0 +1,264 @@
+"""The proxy's index of the daemons' KV events: bounded and least recently used first; fed by a
+subscriber that syncs a late joiner by replay, repairs a gap with a snapshot, re-indexes a
+restarted daemon from empty, forgets a silent one's cache, and outlives garbage; and the exact
+prefix routing it feeds."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import zmq
+from helpers.waiting import wait_until
+
+from common.cluster_auth import ClusterKey, kv_events_sealer
+from common.engine.block_hash import extend_hashes, salted_root
+from common.engine.block_manager import BlockManager
+from common.kv_events import encode_batch, seq_bytes
+from common.node.kv_event_publisher import KVEventPublisher
+from common.registry_client import RegistrationMessage
+from proxy.exact_prefix import ExactPrefix, PromptTokens
+from proxy.kv_index import KVIndex
+from proxy.kv_subscriber import KVEventSubscriber
+from proxy.prefix_policy import PromptText
+from proxy.registry import ServiceRegistry
+from proxy.routing import Router
+
+ROOT = b"r" * 16
+D1, D2 = ("D", "127.0.0.1:8201"), ("D", "127.0.0.1:8202")
+
+
+def hashes(n: int, tag: int = 0) -> list[bytes]:
+    return [bytes([tag, i]) * 8 for i in range(n)]
+
+
+def test_bound_evicts_least_recently_used() -> None:
+    index = KVIndex(max_blocks=3)
+    a, b, c, d = hashes(4)
+    index.stored(D1, [a, b, c])
+    index.set_fresh(D1, True)
+    assert index.leading([D1], [a]) == {D1: 1}  # a is now the most recently used
+    index.stored(D2, [d])  # one over the bound: b, the least recently used, goes
+    assert len(index) == 3 and index.evicted == 1
+    assert index.leading([D1], [a, b]) == {D1: 1} and index.leading([D1], [c]) == {D1: 1}
+
+
+def test_counts_only_fresh_nodes_and_their_leading_run() -> None:
+    index = KVIndex()
+    h = hashes(4)
+    index.stored(D1, h[:3])
+    index.stored(D2, [h[0], h[2]])
+    assert index.leading([D1, D2], h) == {D1: 0, D2: 0}  # nobody fresh: cache-unknown
+    index.set_fresh(D1, True)
+    index.set_fresh(D2, True)
+    assert index.leading([D1, D2], h) == {D1: 3, D2: 1}  # D2 lacks h[1]: its h[2] does not count
+    index.removed(D1, [h[1]])
+    assert index.leading([D1, D2], h) == {D1: 1, D2: 1}
+    index.cleared(D1)
+    assert index.leading([D1, D2], h) == {D1: 0, D2: 1}
+    index.forget(D2)
+    assert len(index) == 0 and not index.is_fresh(D2)
+
+
+# ---- the subscriber against real publishers -------------------------------------------------
+
+class Daemon:
+    """A block manager and its publisher, and the heartbeat a daemon would send."""
+
+    def __init__(self, registry: ServiceRegistry, key: tuple[str, str], blocks: int = 16, **kw) -> None:
+        self.registry, self.key = registry, key
+        self.bm = BlockManager(blocks, 4, True)
+        self.pub = KVEventPublisher("127.0.0.1", "127.0.0.1", 4, self.bm.cached_hashes, **kw)
+        self.bm.events = self.pub.put
+        self.pub.start()
+        self.beat()
+
+    def beat(self) -> None:
+        self.registry.register(RegistrationMessage(
+            type=self.key[0], http_address=self.key[1], zmq_address="127.0.0.1:1", block_size=4,
+            kv_events=self.pub.info(ROOT)))  # type: ignore[arg-type]
+
+    def cache(self, chain: list[bytes]) -> list[int]:
+        blocks = self.bm.allocate(len(chain))
+        for i, (b, h) in enumerate(zip(blocks, chain)):
+            self.bm.cache_block(b, h, chain[i - 1] if i else None, (i,) * 4)
+        return blocks
+
+    def indexed(self, index: KVIndex) -> bool:
+        """The index holds exactly this daemon's cached blocks (and the daemon published all)."""
+        cached = self.bm.cached_hashes()
+        return (self.pub._queue.empty() and index.is_fresh(self.key)
+                and all(index.leading([self.key], [h])[self.key] == 1 for h in cached)
+                and sum(index.leading([self.key], [h])[self.key] for h in hashes(16, 1) + hashes(16, 2)) == len(cached))
+
+
+@pytest.fixture
+def registry():
+    return ServiceRegistry(port=0)  # not listening: the tests register as the listener would
+
+
+@pytest.fixture
+def started():
+    made = []
+
+    def start(*args, **kw):
+        made.append(obj := args[0](*args[1:], **kw))
+        if hasattr(obj, "start"):
+            obj.start()
+        return obj
+
+    yield start
+    for obj in reversed(made):
+        (obj.pub.stop if isinstance(obj, Daemon) else obj.stop)()
+
+
+def test_late_joiner_syncs_then_follows_live(registry, started) -> None:
+    index = KVIndex()
+    d1 = started(Daemon, registry, D1)
+    d1.cache(hashes(3, 1))  # before the proxy subscribed: only a replay can tell it
+    sub = started(KVEventSubscriber, registry, index)
+    wait_until(lambda: d1.indexed(index), "D1's cache indexed by replay")
+    blocks = d1.cache(hashes(2, 2))
+    wait_until(lambda: d1.indexed(index), "live stores indexed")
+    d1.bm.free(blocks)
+    d1.bm.allocate(d1.bm.num_free_blocks)  # evicts every unheld cached block
+    wait_until(lambda: d1.indexed(index) and index.leading([D1], hashes(2, 2))[D1] == 0, "evictions indexed")
+    assert sub.replays_asked == 0 and sub.rejected() == {}
+
+
+def test_gap_from_dropped_events_is_repaired_by_snapshot(registry, started) -> None:
+    index = KVIndex()
+    d1 = started(Daemon, registry, D1, max_queue=1, buffer_bytes=1)
+    sub = started(KVEventSubscriber, registry, index)
+    wait_until(lambda: index.is_fresh(D1), "synced")
+    d1.cache(hashes(6, 1))  # a queue of one: most are dropped, the next number is skipped
+    assert d1.pub.dropped > 0
+    d1.beat()  # the heartbeat says how far it published: the proxy sees it is behind
+    wait_until(lambda: (d1.beat(), d1.indexed(index))[1], "the snapshot repaired the index")
+    assert sub.replays_asked >= 1 and d1.pub.snapshots >= 1
+
+
+def test_restarted_daemon_is_reindexed_from_empty(registry, started) -> None:
+    index = KVIndex()
+    old = started(Daemon, registry, D1)
+    old.cache(hashes(3, 1))
+    started(KVEventSubscriber, registry, index)
+    wait_until(lambda: old.indexed(index), "indexed")
+    new = started(Daemon, registry, D1)  # same node, new process: new epoch, empty cache
+    new.cache(hashes(1, 2))
+    wait_until(lambda: new.indexed(index) and index.leading([D1], hashes(3, 1))[D1] == 0,
+               "the old cache forgotten, the new one indexed")
+
+
+def test_silent_node_goes_cache_unknown_and_a_departed_one_is_forgotten(registry, started) -> None:
+    index = KVIndex()
+    d1 = started(Daemon, registry, D1)
+    d1.cache(hashes(2, 1))
+    started(KVEventSubscriber, registry, index, stale_s=0.5)
+    wait_until(lambda: d1.indexed(index), "indexed")
+    wait_until(lambda: not index.is_fresh(D1), "no heartbeat confirms its events: cache-unknown")
+    d1.beat()
+    wait_until(lambda: index.is_fresh(D1), "a heartbeat confirming the last number: fresh again")
+    registry.register(RegistrationMessage(type="D", http_address=D1[1], zmq_address="127.0.0.1:1", goodbye=True))
+    wait_until(lambda: len(index) == 0, "its blocks forgotten once it left")
+
+
+@pytest.mark.parametrize("key", [None, ClusterKey(b"k" * 32)])
+def test_garbage_and_unsealed_batches_are_dropped_and_counted(registry, started, key) -> None:
+    index = KVIndex()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    router = ctx.socket(zmq.ROUTER)
+    replay_port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        registry.register(RegistrationMessage(type="D", http_address=D1[1], zmq_address="127.0.0.1:1", block_size=4,
+                                              kv_events={"endpoint": f"127.0.0.1:{port}", "replay": f"127.0.0.1:{replay_port}",  # type: ignore[arg-type]
+                                                         "epoch": "ab" * 8, "seq": -1, "root": ROOT.hex()}))
+        sub = started(KVEventSubscriber, registry, index, key=key)
+        assert router.poll(5000)
+        asked = router.recv_multipart()
+        assert asked[1:3] == [b"", seq_bytes(0)] and len(asked) == 3 + (key is not None)
+        router.send_multipart([asked[0], b"", seq_bytes(-1), b""])  # an unsealed END
+        garbage = [[b"", b"\x00" * 3, b"x"], [b"", seq_bytes(0), b"\xc1"], [b""],
+                   [b"", seq_bytes(0), encode_batch([["BlockStored", [b"h" * 16], None, [], 4, None, None]])]]
+
+        def dropped() -> int:
+            for frames in garbage:
+                pub.send_multipart(frames)
+            return sum(sub.rejected().values())
+
+        wait_until(lambda: dropped() >= 4, "garbage counted (after the SUB connected)")
+        reasons = Counter(sub.rejected())
+        if key is None:  # keyless is vLLM's wire: the END and the well-formed batch are taken
+            assert reasons["invalid"] > 0, reasons  # a short sequence frame, not msgpack
+            wait_until(lambda: (dropped(), index.leading([D1], [b"h" * 16])[D1] == 1)[1], "the good batch indexed")
+        else:  # nothing unsealed (or sealed with another key) is taken: still syncing, nothing indexed
+            batch = garbage[-1]
+            other = kv_events_sealer(ClusterKey(b"o" * 32)).frames(batch[1] + batch[2])[1]
+            wait_until(lambda: (pub.send_multipart([*batch, other]), sub.rejected().get("bad_signature"))[1],
+                       "a seal of another key refused")
+            assert reasons["frame_count"] > 0 and len(index) == 0 and not index.is_fresh(D1)
+        assert sub._thread is not None and sub._thread.is_alive()
+    finally:
+        ctx.destroy(linger=0)
+
+
+# ---- exact prefix routing -------------------------------------------------------------------
+
+def node(key: tuple[str, str], root: bytes = ROOT) -> RegistrationMessage:
+    return RegistrationMessage(type=key[0], http_address=key[1], zmq_address=f"{key[1][:-4]}{int(key[1][-4:]) + 1000}",
+                               model="m", kv_fingerprint="f", block_size=4, num_running=0, num_waiting=0,
+                               kv_events={"endpoint": "127.0.0.1:1", "replay": "127.0.0.1:2",  # type: ignore[arg-type]
+                                          "epoch": "ab" * 8, "seq": 0, "root": root.hex()})
+
+
+def chain(tokens: list[int], salt: str | None = None, root: bytes = ROOT) -> list[bytes]:
+    out: list[bytes] = []
+    extend_hashes(out, salted_root(root, salt), lambda s, e: tokens[s:e], 4, len(tokens) // 4)
+    return out
+
+
+def test_routes_to_the_node_holding_the_prompts_blocks() -> None:
+    registry, index = ServiceRegistry(port=0), KVIndex()
+    p = ("P", "127.0.0.1:8101")
+    for key in (p, D1, D2):
+        registry.register(node(key))
+        index.set_fresh(key, True)
+    router = Router(registry, "prefix_aware", exact=ExactPrefix(index))
+    routes: Counter = Counter()
+    router.on_route = lambda role, reason: routes.update([(role, reason)])
+    tokens = list(range(100, 120))  # 5 blocks of 4
+    index.stored(D2, chain(tokens)[:3])
+    pair = router.pick("m", prompt=PromptText("text", None, tokens))
+    assert pair.decode.http_address == D2[1] and routes == {("prefill", "load"): 1, ("decode", "prefix_events"): 1}
+    routes.clear()
+    index.set_fresh(D2, False)  # its events stopped: its cache is unknown, never counted
+    index.stored(D1, chain(tokens)[:1])
+    assert router.pick("m", prompt=PromptText("text", None, tokens)).decode.http_address == D1[1]
+    assert routes[("decode", "prefix_events")] == 1
+    routes.clear()
+    assert router.pick("m", prompt=PromptText("text", "tenant-b", tokens))  # another salt: another chain
+    assert routes[("decode", "load")] == 1
+
+
+def test_prompt_tokens_without_a_tokenizer_are_the_ids_given() -> None:
+    tokens = PromptTokens(None)
+    assert tokens.token_ids({"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert tokens.token_ids({"prompt": [[4, 5], [6]]}) == [4, 5]
+    assert tokens.token_ids({"prompt": "text"}) is None and tokens.token_ids({"prompt": [1, "x"]}) is None
+    prompt = tokens.prompt({"prompt": [7, 8], "cache_salt": "s"})
+    assert prompt.token_ids == [7, 8] and prompt.cache_salt == "s"
+
+
+def test_exact_counts_need_a_fresh_node() -> None:
+    index = KVIndex()
+    exact = ExactPrefix(index)
+    tokens = list(range(8))
+    index.stored(D1, chain(tokens))
+    nodes = [node(D1), node(D2, root=b"x" * 16)]
+    assert exact.cached_tokens(nodes, PromptText("t", None, tokens)) is None  # nobody fresh: the estimate decides
+    index.set_fresh(D1, True)
+    index.set_fresh(D2, True)
+    assert exact.cached_tokens(nodes, PromptText("t", None, tokens)) == {D1: 8, D2: 0}
+    assert exact.cached_tokens(nodes, "no token ids") is None
