@@ -21,12 +21,14 @@ import pytest
 import yaml
 
 from common.config import ROLE_HTTP_PORTS, ROLE_KV_PORTS, NodeConfig, load_config
+from common.proxy_addresses import parse_proxy_list
 from pdserve import launcher
 from proxy.config import ProxyConfig
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 UNITS = {cmd: DEPLOY / "systemd" / f"pdserve-{cmd}.service" for cmd in ("proxy", "prefill", "decode")}
+PROXY2_UNIT = DEPLOY / "systemd" / "pdserve-proxy2.service"  # the second proxy: `pdserve proxy` too
 
 # The CLI's default ports (ARCHITECTURE.md "Command line"); everything in deploy/ uses them.
 PORTS = {"serve": 8000, "prefill": 8100, "decode": 8200, "proxy": 10001, "registry": 30001,
@@ -79,26 +81,30 @@ def test_default_ports_match_the_config_models_and_launcher():
 
 # ---------------------------------------------------------------------------- compose
 
-def test_compose_runs_exactly_the_three_services_plus_optional_prometheus(compose):
+def test_compose_runs_exactly_two_proxies_and_the_daemons_plus_optional_prometheus(compose):
     services = compose["services"]
     always = {name for name, svc in services.items() if not svc.get("profiles")}
-    assert always == {"proxy", "prefill", "decode"}
+    assert always == {"proxy", "proxy2", "prefill", "decode"}
     assert services["prometheus"]["profiles"] == ["monitoring"]
 
 
 def test_compose_commands_point_at_each_other_by_service_name(compose):
     services = compose["services"]
-    proxy = services["proxy"]["command"]
-    assert proxy[:2] == ["pdserve", "proxy"]
-    assert flag(proxy, "--host") == flag(proxy, "--registry-host") == "0.0.0.0"
-    assert int(flag(proxy, "--port")) == PORTS["proxy"]
-    assert int(flag(proxy, "--registry-port")) == PORTS["registry"]
+    for name in ("proxy", "proxy2"):  # each in its own container, on the default ports
+        proxy = services[name]["command"]
+        assert proxy[:2] == ["pdserve", "proxy"]
+        assert flag(proxy, "--host") == flag(proxy, "--registry-host") == "0.0.0.0"
+        assert int(flag(proxy, "--port")) == PORTS["proxy"]
+        assert int(flag(proxy, "--registry-port")) == PORTS["registry"]
     for role in ("prefill", "decode"):
         command = services[role]["command"]
         assert command[:2] == ["pdserve", role]
         assert flag(command, "--host") == "0.0.0.0"
         assert flag(command, "--kv-host") == role
-        assert flag(command, "--proxy") == f"proxy:{PORTS['registry']}"
+        # both proxies, each heartbeated (the flag parses as two entries)
+        assert flag(command, "--proxy") == f"proxy:{PORTS['registry']},proxy2:{PORTS['registry']}"
+        assert [str(e) for e in parse_proxy_list(flag(command, "--proxy"))] == [
+            f"proxy:{PORTS['registry']}", f"proxy2:{PORTS['registry']}"]
         assert int(flag(command, "--port")) == PORTS[role]
         assert int(flag(command, "--kv-port")) == PORTS[f"{role}_kv"]
 
@@ -106,7 +112,7 @@ def test_compose_commands_point_at_each_other_by_service_name(compose):
 def test_every_deploy_file_runs_its_cluster_keyed(compose):
     """They bind 0.0.0.0, which a keyless daemon or proxy refuses (issue 33): each process gets
     the key (Kubernetes: test_k8s_manifests.py), and none opts out with --insecure-keyless-network."""
-    for name in ("proxy", "prefill", "decode"):
+    for name in ("proxy", "proxy2", "prefill", "decode"):
         assert compose["services"][name]["environment"]["PDSERVE_CLUSTER_KEY_FILE"] == "/run/secrets/cluster_key"
         assert "cluster_key" in compose["services"][name]["secrets"]
     lines = (DEPLOY / "systemd" / "pdserve.env").read_text().splitlines()
@@ -122,18 +128,20 @@ def test_compose_publishes_default_ports_and_shares_the_model_cache(compose):
         published = [str(p).rsplit(":", 1)[-1] for p in services[name]["ports"]]
         assert published == [str(PORTS[name])]
         assert "model-cache:/var/cache/pdserve" in services[name]["volumes"]
+    assert services["proxy2"]["ports"] == [f"{PORTS['proxy'] + 1}:{PORTS['proxy']}"]  # the second on 10002
     assert "model-cache" in compose["volumes"]
 
 
 def test_compose_healthchecks_probe_ready_and_ordering_cannot_deadlock(compose):
     services = compose["services"]
-    for name in ("proxy", "prefill", "decode"):
+    for name in ("proxy", "proxy2", "prefill", "decode"):
         probe = " ".join(services[name]["healthcheck"]["test"])
-        assert f"127.0.0.1:{PORTS[name]}/ready" in probe
+        assert f"127.0.0.1:{PORTS[name.rstrip('2')]}/ready" in probe
         assert "curl" not in probe and "wget" not in probe  # not in the image
-    # The proxy is ready only once both daemons registered: they must not wait for it.
+    # A proxy is ready only once both daemons registered: they must not wait for it.
     for role in ("prefill", "decode"):
-        assert services[role]["depends_on"]["proxy"]["condition"] == "service_started"
+        for proxy in ("proxy", "proxy2"):
+            assert services[role]["depends_on"][proxy]["condition"] == "service_started"
     assert services["decode"]["depends_on"]["prefill"]["condition"] == "service_healthy"
 
 
@@ -152,8 +160,8 @@ def test_compose_alone_requests_no_gpu_so_it_starts_without_one(compose):
 
 def test_gpu_override_reserves_nvidia_gpus_for_the_daemons_only(gpu_compose):
     services = gpu_compose["services"]
-    assert set(services) <= {"proxy", "prefill", "decode"}
-    assert not gpu_devices(services.get("proxy", {}))
+    assert set(services) <= {"proxy", "proxy2", "prefill", "decode"}
+    assert not gpu_devices(services.get("proxy", {})) and not gpu_devices(services.get("proxy2", {}))
     for role in ("prefill", "decode"):
         devices = gpu_devices(services[role])
         assert devices and all(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
@@ -187,7 +195,7 @@ def test_prometheus_scrapes_the_three_metrics_endpoints():
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     targets = {t for job in config["scrape_configs"] for sc in job["static_configs"]
                for t in sc["targets"]}
-    assert targets == {f"{name}:{PORTS[name]}" for name in ("proxy", "prefill", "decode")}
+    assert targets == {f"{name}:{PORTS[name]}" for name in ("proxy", "prefill", "decode")} | {"proxy2:10001"}
     assert all(job.get("metrics_path", "/metrics") == "/metrics"
                for job in config["scrape_configs"])
 
@@ -241,10 +249,20 @@ def test_unit_starts_its_subcommand_with_the_shared_env_file(cmd):
     assert int(env[other[0]]) == PORTS[other[1]]
 
 
-def test_env_file_points_daemons_at_the_default_registry():
+def test_the_second_proxy_unit_runs_a_proxy_on_the_next_ports():
+    service = read_unit(PROXY2_UNIT)["Service"]
+    assert service["ExecStart"] == "/opt/pdserve/.venv/bin/pdserve proxy"
+    assert (service["User"], service["Restart"]) == ("pdserve", "on-failure")
+    text = PROXY2_UNIT.read_text()
+    assert "EnvironmentFile=/etc/pdserve/pdserve.env" in text and "EnvironmentFile=-/etc/pdserve/proxy2.env" in text
+    env = dict(kv.split("=", 1) for kv in service["Environment"].split())
+    assert (int(env["PDSERVE_PORT"]), int(env["PDSERVE_REGISTRY_PORT"])) == (PORTS["proxy"] + 1, PORTS["registry"] + 1)
+
+
+def test_env_file_points_daemons_at_both_registries():
     lines = (DEPLOY / "systemd" / "pdserve.env").read_text().splitlines()
     env = dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
-    assert env["PDSERVE_PROXY"] == f"127.0.0.1:{PORTS['registry']}"
+    assert env["PDSERVE_PROXY"] == f"127.0.0.1:{PORTS['registry']},127.0.0.1:{PORTS['registry'] + 1}"
     assert all(key.startswith("PDSERVE_") for key in env)
     assert "PDSERVE_PORT" not in env  # shared by three units with three ports
 
@@ -263,7 +281,7 @@ def test_unit_subcommands_are_documented_commands():
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
 def test_units_pass_systemd_analyze_verify():
-    result = subprocess.run(["systemd-analyze", "verify", *map(str, UNITS.values())],
+    result = subprocess.run(["systemd-analyze", "verify", *map(str, UNITS.values()), str(PROXY2_UNIT)],
                             capture_output=True, text=True, timeout=60)
     # /opt/pdserve is not installed on a dev machine; every other complaint is a real one.
     problems = [line for line in (result.stdout + result.stderr).splitlines()

@@ -4,7 +4,8 @@ Every manifest (and what the kustomization generates) validates against the API 
 of a recent Kubernetes (kubernetes-validate ships them: no network). Then the wiring is
 checked against the code: each flag is an option of `pdserve <command> --help`, ports are
 the config's defaults and the containers' named ports, probes hit routes the apps serve,
-daemons find the registry through a Service that lists the proxy before it is ready.
+daemons find every proxy's registry through a headless Service that lists the proxies before
+they are ready.
 """
 
 from __future__ import annotations
@@ -142,7 +143,10 @@ def test_daemons_advertise_their_pod_ip_and_find_the_registry(objects):
         assert env["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         host, port = given["--proxy"].rsplit(":", 1)
         svc = find(objects, "Service", host)
-        # the proxy turns ready only once daemons registered: its registry must be listed before that
+        # headless: the name resolves to every proxy pod, and the daemon heartbeats each (a virtual
+        # IP would hand its one connection to one proxy, and the others would never hear of it)
+        assert svc["spec"]["clusterIP"] == "None"
+        # a proxy turns ready only once daemons registered: its registry must be listed before that
         assert svc["spec"]["publishNotReadyAddresses"] is True
         assert svc["spec"]["selector"].items() <= proxy_labels.items()
         (svc_port,) = [p for p in svc["spec"]["ports"] if p["port"] == int(port)]
@@ -211,11 +215,14 @@ def test_daemons_get_a_gpu_the_model_and_time_to_drain(objects, kustomization, r
 
 def test_replicas_images_and_disruption_budgets_are_set_in_one_place(objects, kustomization):
     deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
-    assert {r["name"] for r in kustomization["replicas"]} == {"pdserve-prefill", "pdserve-decode"}
+    assert {r["name"] for r in kustomization["replicas"]} == {"pdserve-proxy", "pdserve-prefill", "pdserve-decode"}
     assert {r["name"] for r in kustomization["replicas"]} <= set(deployments)
+    # two proxies, both active; a voluntary disruption takes down one at most
+    assert {r["name"]: r["count"] for r in kustomization["replicas"]}["pdserve-proxy"] == 2
+    assert deployments["pdserve-proxy"]["spec"]["replicas"] == 2
     (image,) = kustomization["images"]
     assert all(container(objects, role)["image"] == image["name"] for role in ROLES)
-    for role in ("prefill", "decode"):
+    for role in ROLES:
         pdb = find(objects, "PodDisruptionBudget", f"pdserve-{role}")
         labels = deployments[f"pdserve-{role}"]["spec"]["template"]["metadata"]["labels"]
         assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
