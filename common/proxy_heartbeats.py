@@ -112,7 +112,7 @@ class ProxyHeartbeats:
         """Stop resolving, then every heartbeater (each says goodbye to its proxy)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=10)  # a lookup still blocked past this adds nothing (_refresh)
             self._thread = None
         with self._lock:
             beats, self._beats = list(self._beats.values()), {}
@@ -129,11 +129,13 @@ class ProxyHeartbeats:
             self._stop.wait(min(self.resolve_interval_s, self.interval_s) if unresolved else self.resolve_interval_s)
 
     def _refresh(self, names: bool) -> None:
+        # looked up outside the lock: a DNS query may block for seconds, and stop() takes the lock
+        found = {e: _lookup(e, self._getaddrinfo) for e in self.entries if names or not e.is_name}
         with self._lock:
-            for entry in self.entries:
-                if entry.is_name and not names:
-                    continue
-                self._resolve(entry)
+            if self._stop.is_set():
+                return  # stopping: stop() stops the heartbeaters there are, and no new one may start
+            for entry, addresses in found.items():
+                self._record(entry, addresses)
             wanted = list(dict.fromkeys(a for e in self.entries for a in self._resolved.get(e, ())))
             if len(wanted) > MAX_PROXY_ADDRESSES:
                 logger.warning("--proxy stands for %d addresses; heartbeating the first %d", len(wanted),
@@ -151,21 +153,26 @@ class ProxyHeartbeats:
             logger.info("the proxy at %s is no longer named by --proxy: goodbye", beat.proxy_address)
         _stop_all(gone)
 
-    def _resolve(self, entry: ProxyEntry) -> None:
-        try:
-            addresses = resolve(entry, self._getaddrinfo)
-        except OSError as exc:
+    def _record(self, entry: ProxyEntry, addresses: tuple[str, ...] | OSError) -> None:
+        """Keep a lookup's addresses; a failed one keeps the entry's last (logged once per failure)."""
+        if isinstance(addresses, OSError):
             if entry not in self._failing:
                 self._failing.add(entry)
                 kept = ", ".join(self._resolved.get(entry, ())) or "none yet"
                 logger.warning("--proxy %s does not resolve (%s); heartbeating its last addresses: %s", entry,
-                               exc, kept)
+                               addresses, kept)
             return
-        if entry in self._failing:
-            self._failing.discard(entry)
+        self._failing.discard(entry)
         if entry.is_name and addresses != self._resolved.get(entry):
             logger.info("--proxy %s resolves to %s", entry, ", ".join(addresses))
         self._resolved[entry] = addresses
+
+
+def _lookup(entry: ProxyEntry, getaddrinfo: GetAddrInfo) -> tuple[str, ...] | OSError:
+    try:
+        return resolve(entry, getaddrinfo)
+    except OSError as exc:
+        return exc
 
 
 def _stop_all(beats: list[Heartbeater]) -> None:
