@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -40,7 +41,7 @@ class ProxyConfig(HttpServerOptions):
         "prompts keep the text estimate)."
     )
     kv_index_max_blocks: int = Field(
-        1_000_000, ge=1, le=100_000_000, description="Most block hashes the KV event index keeps (~200 bytes "
+        1_000_000, ge=1, le=100_000_000, description="Most block hashes the KV event index keeps (~160 bytes "
         "each; the least recently used go first)."
     )
     dispatch: Literal["concurrent", "prefill_first"] = Field(
@@ -116,6 +117,13 @@ class ProxyConfig(HttpServerOptions):
     @classmethod
     def _key_file(cls, value: str | None) -> str | None:
         return check_key_file(value)
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_dir(cls, value: str | None) -> str | None:
+        if value and not (Path(value).expanduser() / "tokenizer.json").is_file():
+            raise ValueError(f"{value} holds no tokenizer.json: give the model directory the nodes load")
+        return str(Path(value).expanduser()) if value else value
 
     @field_validator("static_prefill", "static_decode")
     @classmethod

@@ -6,10 +6,11 @@ bounded: at most ``max_blocks`` hashes, the least recently used (stored or match
 first. Forgetting only ever under-counts -- a node is then thought not to hold a block it holds,
 so a request goes by load, never to a node for a block it lacks.
 
-Memory: an entry is a 16-byte hash (49 bytes as a Python ``bytes``), its mask (an ``int``, 28-40
-bytes up to 64 nodes) and its ``OrderedDict`` slot (~100 bytes): ~200 bytes. The default
-1,000,000 blocks is therefore ~200 MB at most; ``--kv-index-max-blocks`` sets it (checked by
-tests/proxy/test_kv_index.py::test_bound_evicts_least_recently_used).
+Memory: an entry is a 16-byte hash (49 bytes as a Python ``bytes``) plus its mask and its
+``OrderedDict`` slot (105 bytes measured with tracemalloc, two nodes): ~160 bytes, a little more
+per 30 nodes a hash is shared by. The default 1,000,000 blocks is therefore ~160 MB at most;
+``--kv-index-max-blocks`` sets it (the bound: tests/proxy/test_kv_index.py::
+test_bound_evicts_least_recently_used).
 
 A node is *fresh* while its events are known complete: its subscriber (``proxy/kv_subscriber.py``)
 applied every batch up to what the node last published, recently. Only a fresh node's blocks

@@ -320,7 +320,7 @@ class Daemon:
             "engine_stalled_s": round(engine.stalled_for(), 3),
             **adaptive_figures(s),
             **transfer_figures(engine.kv_layout, self.transfer.stats.recv_bytes_per_s if self.transfer else None),
-            **({"kv_events": self.kv_events.info(engine.engine.scheduler.cache_root)} if self.kv_events else {}),
+            **(self.kv_events.heartbeat(engine.engine.scheduler.cache_root) if self.kv_events else {}),
         }
 
     def _export_transfer_stats(self, metrics: NodeMetrics) -> None:

@@ -93,10 +93,13 @@ class KVEventPublisher:
     def replay_endpoint(self) -> str:
         return f"{self.advertise_host}:{self.replay_port}"
 
-    def info(self, root: bytes) -> dict:
-        """The heartbeat's ``kv_events`` map (``root``: the engine's hash chain root)."""
-        return {"endpoint": self.endpoint, "replay": self.replay_endpoint, "epoch": self.epoch,
-                "seq": self.seq, "root": root.hex()}
+    def heartbeat(self, root: bytes) -> dict:
+        """The heartbeat's keys: ``kv_events`` (``root``: the engine's hash chain root), or none once
+        the publisher thread is gone, so the proxies count this node's cache as unknown."""
+        if self._thread is None or not self._thread.is_alive():
+            return {}
+        return {"kv_events": {"endpoint": self.endpoint, "replay": self.replay_endpoint, "epoch": self.epoch,
+                              "seq": self.seq, "root": root.hex()}}
 
     def start(self) -> None:
         """Bind both sockets (here, so a taken port fails the start) and start the thread."""

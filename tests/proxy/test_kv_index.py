@@ -1,7 +1,6 @@
 """The proxy's index of the daemons' KV events: bounded and least recently used first; fed by a
 subscriber that syncs a late joiner by replay, repairs a gap with a snapshot, re-indexes a
-restarted daemon from empty, forgets a silent one's cache, and outlives garbage; and the exact
-prefix routing it feeds."""
+restarted daemon from empty, forgets a silent one's cache, and outlives garbage."""
 
 from __future__ import annotations
 
@@ -12,17 +11,13 @@ import zmq
 from helpers.waiting import wait_until
 
 from common.cluster_auth import ClusterKey, kv_events_sealer
-from common.engine.block_hash import extend_hashes, salted_root
 from common.engine.block_manager import BlockManager
 from common.kv_events import encode_batch, seq_bytes
 from common.node.kv_event_publisher import KVEventPublisher
 from common.registry_client import RegistrationMessage
-from proxy.exact_prefix import ExactPrefix, PromptTokens
 from proxy.kv_index import KVIndex
 from proxy.kv_subscriber import KVEventSubscriber
-from proxy.prefix_policy import PromptText
 from proxy.registry import ServiceRegistry
-from proxy.routing import Router
 
 ROOT = b"r" * 16
 D1, D2 = ("D", "127.0.0.1:8201"), ("D", "127.0.0.1:8202")
@@ -76,7 +71,7 @@ class Daemon:
     def beat(self) -> None:
         self.registry.register(RegistrationMessage(
             type=self.key[0], http_address=self.key[1], zmq_address="127.0.0.1:1", block_size=4,
-            kv_events=self.pub.info(ROOT)))  # type: ignore[arg-type]
+            **self.pub.heartbeat(ROOT)))
 
     def cache(self, chain: list[bytes]) -> list[int]:
         blocks = self.bm.allocate(len(chain))
@@ -202,63 +197,3 @@ def test_garbage_and_unsealed_batches_are_dropped_and_counted(registry, started,
         assert sub._thread is not None and sub._thread.is_alive()
     finally:
         ctx.destroy(linger=0)
-
-
-# ---- exact prefix routing -------------------------------------------------------------------
-
-def node(key: tuple[str, str], root: bytes = ROOT) -> RegistrationMessage:
-    return RegistrationMessage(type=key[0], http_address=key[1], zmq_address=f"{key[1][:-4]}{int(key[1][-4:]) + 1000}",
-                               model="m", kv_fingerprint="f", block_size=4, num_running=0, num_waiting=0,
-                               kv_events={"endpoint": "127.0.0.1:1", "replay": "127.0.0.1:2",  # type: ignore[arg-type]
-                                          "epoch": "ab" * 8, "seq": 0, "root": root.hex()})
-
-
-def chain(tokens: list[int], salt: str | None = None, root: bytes = ROOT) -> list[bytes]:
-    out: list[bytes] = []
-    extend_hashes(out, salted_root(root, salt), lambda s, e: tokens[s:e], 4, len(tokens) // 4)
-    return out
-
-
-def test_routes_to_the_node_holding_the_prompts_blocks() -> None:
-    registry, index = ServiceRegistry(port=0), KVIndex()
-    p = ("P", "127.0.0.1:8101")
-    for key in (p, D1, D2):
-        registry.register(node(key))
-        index.set_fresh(key, True)
-    router = Router(registry, "prefix_aware", exact=ExactPrefix(index))
-    routes: Counter = Counter()
-    router.on_route = lambda role, reason: routes.update([(role, reason)])
-    tokens = list(range(100, 120))  # 5 blocks of 4
-    index.stored(D2, chain(tokens)[:3])
-    pair = router.pick("m", prompt=PromptText("text", None, tokens))
-    assert pair.decode.http_address == D2[1] and routes == {("prefill", "load"): 1, ("decode", "prefix_events"): 1}
-    routes.clear()
-    index.set_fresh(D2, False)  # its events stopped: its cache is unknown, never counted
-    index.stored(D1, chain(tokens)[:1])
-    assert router.pick("m", prompt=PromptText("text", None, tokens)).decode.http_address == D1[1]
-    assert routes[("decode", "prefix_events")] == 1
-    routes.clear()
-    assert router.pick("m", prompt=PromptText("text", "tenant-b", tokens))  # another salt: another chain
-    assert routes[("decode", "load")] == 1
-
-
-def test_prompt_tokens_without_a_tokenizer_are_the_ids_given() -> None:
-    tokens = PromptTokens(None)
-    assert tokens.token_ids({"prompt": [1, 2, 3]}) == [1, 2, 3]
-    assert tokens.token_ids({"prompt": [[4, 5], [6]]}) == [4, 5]
-    assert tokens.token_ids({"prompt": "text"}) is None and tokens.token_ids({"prompt": [1, "x"]}) is None
-    prompt = tokens.prompt({"prompt": [7, 8], "cache_salt": "s"})
-    assert prompt.token_ids == [7, 8] and prompt.cache_salt == "s"
-
-
-def test_exact_counts_need_a_fresh_node() -> None:
-    index = KVIndex()
-    exact = ExactPrefix(index)
-    tokens = list(range(8))
-    index.stored(D1, chain(tokens))
-    nodes = [node(D1), node(D2, root=b"x" * 16)]
-    assert exact.cached_tokens(nodes, PromptText("t", None, tokens)) is None  # nobody fresh: the estimate decides
-    index.set_fresh(D1, True)
-    index.set_fresh(D2, True)
-    assert exact.cached_tokens(nodes, PromptText("t", None, tokens)) == {D1: 8, D2: 0}
-    assert exact.cached_tokens(nodes, "no token ids") is None
