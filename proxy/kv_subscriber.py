@@ -107,6 +107,8 @@ class KVEventSubscriber:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+            if self._thread.is_alive():
+                return  # its sockets are still open: term() would wait for them forever
             self._thread = None
         self._ctx.term()
 

@@ -25,6 +25,7 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -45,6 +46,7 @@ from common.kv_events import (
 )
 
 logger = logging.getLogger(__name__)
+REPLAYS_PER_S = 20  # answered at most (every proxy asks once per gap, restart or start)
 SNAPSHOT_MAX_HASHES = 400_000  # the newest; 16-byte hashes keep the batch under MAX_PAYLOAD_BYTES
 
 
@@ -68,6 +70,8 @@ class KVEventPublisher:
         self.seq = -1  # the last batch sent
         self.dropped = 0
         self.replays = 0
+        self.replays_refused = 0
+        self._answered: deque[float] = deque(maxlen=REPLAYS_PER_S)  # when the latest replays were answered
         self.snapshots = 0
         self.port = self.replay_port = 0
         self._ctx = zmq.Context()
@@ -120,6 +124,8 @@ class KVEventPublisher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+            if self._thread.is_alive():
+                return  # its sockets are still open: term() would wait for them forever
             self._thread = None
         self._ctx.term()
 
@@ -176,6 +182,11 @@ class KVEventPublisher:
             identity, body = frames[0], frames[1:]
             if open_frames(self._sealer, body, 2, slice(1, 2)) is not None or body[0] != b"" or len(body[1]) != 8:
                 continue  # not a replay request of this cluster's: no answer
+            now = time.monotonic()
+            if len(self._answered) == REPLAYS_PER_S and now - self._answered[0] < 1.0:
+                self.replays_refused += 1  # a snapshot costs a pass over the cache: asked again at its timeout
+                continue
+            self._answered.append(now)
             self.replays += 1
             start = int.from_bytes(body[1], "big", signed=True)
             for seq, payload in self._replayed(start):

@@ -13,7 +13,7 @@ from common.cluster_auth import ClusterKey, kv_events_sealer, registry_sealer
 from common.engine.block_manager import BlockManager
 from common.engine.cache_events import AllBlocksCleared, BlockRemoved, BlockStored
 from common.kv_events import END_SEQ, EventFormatError, decode_batch, seq_bytes
-from common.node.kv_event_publisher import KVEventPublisher
+from common.node.kv_event_publisher import REPLAYS_PER_S, KVEventPublisher
 from tests.helpers.waiting import wait_until
 
 H = [bytes([i]) * 16 for i in range(8)]
@@ -194,3 +194,17 @@ def test_sealed_under_a_key_and_unsealed_replay_requests_unanswered(ctx) -> None
 def test_decoding_refuses_what_is_not_our_layout(payload: bytes) -> None:
     with pytest.raises(EventFormatError):
         decode_batch(payload)
+
+
+def test_replays_are_answered_at_a_bounded_rate(ctx) -> None:
+    bm = BlockManager(4, 2, True)
+    pub = started(bm)
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://{pub.replay_endpoint}")
+        for _ in range(REPLAYS_PER_S + 10):  # a flood: each could cost a snapshot
+            dealer.send_multipart([b"", seq_bytes(0)])
+        wait_until(lambda: pub.replays + pub.replays_refused == REPLAYS_PER_S + 10, "every request read")
+        assert pub.replays <= REPLAYS_PER_S + 1 and pub.replays_refused >= 9
+    finally:
+        pub.stop()
