@@ -15,6 +15,7 @@ from common.registry_client import RegistrationMessage
 from common.serving.chat import chat_prompt_token_ids
 from common.serving.completions import prompt_token_ids
 from common.serving.protocol import ChatCompletionRequest
+from proxy.disagg import DisaggPolicy
 from proxy.exact_prefix import ExactPrefix, PromptTokens
 from proxy.kv_index import KVIndex
 from proxy.prefix_policy import PromptText
@@ -104,3 +105,24 @@ def test_a_body_the_proxy_cannot_render_has_no_token_ids() -> None:
     assert tokens.token_ids({"messages": MESSAGES, "tools": [{"type": "function"}]}) is None
     assert tokens.token_ids({"messages": [{"role": "user"}]}) is None
     assert tokens.token_ids({"messages": [{"role": "user", "content": 5}]}) is None
+
+
+def test_disagg_auto_uses_the_exact_counts() -> None:
+    """A 2,560-token prompt D holds by its events is prefilled there (its last block's worth); once D's
+    events stop, D counts as holding nothing, whatever this proxy sent it, and P prefills it."""
+    figures = {"prefill_tokens_per_s": 2000.0, "pending_prefill_tokens": 0, "kv_bytes_per_token": 4096.0}
+    p = RegistrationMessage(**{**node(("P", "127.0.0.1:8101")).to_dict(), **figures})
+    d = RegistrationMessage(**{**node(D1).to_dict(), **figures, "num_decoding": 0, "max_local_prefill_stall_ms": 50.0,
+                               "kv_transfer_bytes_per_s": 4e9})
+    index = KVIndex()
+    policy = DisaggPolicy("auto")
+    policy.exact = ExactPrefix(index)
+    tokens = [7 + i % 200 for i in range(2560)]
+    prompt = PromptText("a long prompt", None, tokens)
+    for key in (("P", p.http_address), D1):
+        index.set_fresh(key, True)
+    index.stored(D1, chain(tokens)[:-1])  # all but the last block
+    assert (policy.decide(p, d, prompt).path, policy.decide(p, d, prompt).reason) == ("local", "cheaper_local")
+    index.set_fresh(D1, False)
+    policy.sent(policy.decide(p, d, prompt), p, d, prompt)  # the text memory now says D has it: not used
+    assert (policy.decide(p, d, prompt).path, policy.decide(p, d, prompt).reason) == ("remote", "stall_bound")
