@@ -60,8 +60,8 @@ def test_counts_only_fresh_nodes_and_their_leading_run() -> None:
 class Daemon:
     """A block manager and its publisher, and the heartbeat a daemon would send."""
 
-    def __init__(self, registry: ServiceRegistry, key: tuple[str, str], blocks: int = 16, **kw) -> None:
-        self.registry, self.key = registry, key
+    def __init__(self, registry: ServiceRegistry, node: tuple[str, str], blocks: int = 16, **kw) -> None:
+        self.registry, self.key = registry, node
         self.bm = BlockManager(blocks, 4, True)
         self.pub = KVEventPublisher("127.0.0.1", "127.0.0.1", 4, self.bm.cached_hashes, **kw)
         self.bm.events = self.pub.put
@@ -107,11 +107,12 @@ def started():
         (obj.pub.stop if isinstance(obj, Daemon) else obj.stop)()
 
 
-def test_late_joiner_syncs_then_follows_live(registry, started) -> None:
+@pytest.mark.parametrize("key", [None, ClusterKey(b"k" * 32)], ids=["keyless", "keyed"])
+def test_late_joiner_syncs_then_follows_live(registry, started, key) -> None:
     index = KVIndex()
-    d1 = started(Daemon, registry, D1)
+    d1 = started(Daemon, registry, D1, key=key)
     d1.cache(hashes(3, 1))  # before the proxy subscribed: only a replay can tell it
-    sub = started(KVEventSubscriber, registry, index)
+    sub = started(KVEventSubscriber, registry, index, key=key)
     wait_until(lambda: d1.indexed(index), "D1's cache indexed by replay")
     blocks = d1.cache(hashes(2, 2))
     wait_until(lambda: d1.indexed(index), "live stores indexed")
