@@ -38,9 +38,11 @@ class PromptTokens:
     def __init__(self, tokenizer_dir: str | None) -> None:
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if tokenizer_dir else None
 
-    def prompt(self, body: dict) -> str:
+    def prompt(self, body: dict, tokenize: bool = True) -> str:
+        """``tokenize`` False: the text alone (no node's events could use the ids: 0.3-0.4 ms of
+        tokenizing a few hundred tokens saved per request)."""
         text = prompt_text(body)
-        ids = self.token_ids(body)
+        ids = self.token_ids(body) if tokenize else None
         if ids is None:
             return text
         return PromptText(text, getattr(text, "cache_salt", None), ids)

@@ -91,6 +91,11 @@ class KVIndex:
     def is_fresh(self, node: NodeKey) -> bool:
         return node in self._fresh
 
+    @property
+    def has_fresh(self) -> bool:
+        """Some node's events are usable (else a prompt's token ids would serve nothing)."""
+        return bool(self._fresh)
+
     def any_fresh(self, nodes: Iterable[NodeKey]) -> bool:
         return any(n in self._fresh for n in nodes)
 

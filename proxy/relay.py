@@ -66,7 +66,7 @@ class Dispatcher:
                  exact: ExactPrefix | None = None):
         self.legs, self.router, self.config, self.metrics = legs, router, config, metrics
         self.disagg = DisaggPolicy(config.disagg_policy)
-        self.disagg.exact = exact
+        self.disagg.exact = self.exact = exact
         # the prompt as routing reads it: its text, and its token ids when the KV events are indexed
         self.prompts = PromptTokens(config.tokenizer if exact is not None else None)
         self.tenant_salt = (TenantSalt(ClusterKey.optional(config.cluster_key_file))
@@ -119,7 +119,8 @@ class Dispatcher:
         p_bytes = await off_loop(len(body_bytes), prefill_body, body, path)
         stream = body.get("stream") is True
         wants_text = self.config.policy == "prefix_aware" or self.config.disagg_policy == "auto"
-        prompt = await off_loop(len(body_bytes), self.prompts.prompt, body) if wants_text else ""
+        tokenize = self.exact is not None and self.exact.index.has_fresh
+        prompt = await off_loop(len(body_bytes), self.prompts.prompt, body, tokenize) if wants_text else ""
         rerun_of: ProxyError | None = None  # the decode failure being run again elsewhere
         while True:
             try:
@@ -360,7 +361,8 @@ class Dispatcher:
         """A new attempt for a migrated stream: a pair without the nodes that failed it, a new tag."""
         model = body.get("model") if is_text(body.get("model")) else None
         wants_text = self.config.policy == "prefix_aware" or self.config.disagg_policy == "auto"
-        prompt = self.prompts.prompt(migration.body) if wants_text else ""
+        tokenize = self.exact is not None and self.exact.index.has_fresh
+        prompt = self.prompts.prompt(migration.body, tokenize) if wants_text else ""
         skip_d = frozenset(migration.failed_decodes)
         try:
             pair = self.router.pick(model, frozenset(migration.failed_prefills), prompt, skip_d)
