@@ -69,6 +69,8 @@ class KVEventPublisher:
         self._dropped_seen = 0  # ``dropped`` as of the last batch: more since, and the next skips a number
         self.seq = -1  # the last batch sent
         self.dropped = 0
+        self.queued = 0  # events put (engine thread) ...
+        self.sent = 0  # ... and sent in a batch, or dropped by the queue (publisher thread)
         self.replays = 0
         self.replays_refused = 0
         self._answered: deque[float] = deque(maxlen=REPLAYS_PER_S)  # when the latest replays were answered
@@ -85,10 +87,16 @@ class KVEventPublisher:
         """Queue ``event``; never blocks (a full queue drops it, and the next batch leaves a gap)."""
         try:
             self._queue.put_nowait(event)
+            self.queued += 1
         except queue.Full:
             self.dropped += 1  # written by this thread only; the publisher thread reads it
 
     # ---- any thread ---------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Events queued and not yet in a batch sent."""
+        return self.queued - self.sent
+
     @property
     def endpoint(self) -> str:
         return f"{self.advertise_host}:{self.port}"
@@ -167,6 +175,7 @@ class KVEventPublisher:
         except zmq.Again:
             pass  # a subscriber past its high-water mark: it notices the gap
         self._buffer.append((self.seq, payload))
+        self.sent += len(events)  # after the number moved on: pending 0 means ``seq`` counts them
         self._buffered += len(payload)
         while self._buffered > self.buffer_bytes and len(self._buffer) > 1:
             self._buffered -= len(self._buffer.popleft()[1])
@@ -216,11 +225,14 @@ class KVEventPublisher:
 
 
 def export_metrics(publisher: KVEventPublisher, registry: CollectorRegistry, role: str) -> None:
-    """``pdserve:kv_events_seq`` (the last batch's number) and ``pdserve:kv_events_dropped`` (events a
-    full queue dropped), read at scrape."""
+    """``pdserve:kv_events_seq`` (the last batch's number), ``pdserve:kv_events_dropped`` (events a
+    full queue dropped) and ``pdserve:kv_events_pending`` (queued, not yet sent), read at scrape."""
     seq = Gauge("pdserve:kv_events_seq", "Sequence number of the last KV event batch published.", ["role"],
                 registry=registry)
     seq.labels(role).set_function(lambda: publisher.seq)
     dropped = Gauge("pdserve:kv_events_dropped", "KV events dropped because the publisher's queue was full.",
                     ["role"], registry=registry)
     dropped.labels(role).set_function(lambda: publisher.dropped)
+    pending = Gauge("pdserve:kv_events_pending", "KV events queued and not yet published.", ["role"],
+                    registry=registry)
+    pending.labels(role).set_function(lambda: publisher.pending)

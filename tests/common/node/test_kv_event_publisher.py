@@ -146,10 +146,11 @@ def test_full_queue_drops_counts_and_leaves_a_gap(ctx) -> None:
     pub = KVEventPublisher("127.0.0.1", "127.0.0.1", 2, bm.cached_hashes, max_queue=2)
     bm.events = pub.put  # not started: nothing drains the queue (the cleared event fills one slot)
     blocks = fill(bm, 3)
-    assert pub.dropped == 2
+    assert (pub.dropped, pub.pending) == (2, 2)
     pub.start()
     try:
-        wait_until(lambda: pub.seq == 1, "the queued batch sent as number 1: 0 skipped for what was dropped")
+        wait_until(lambda: pub.seq == 1 and pub.pending == 0, "the queued batch sent as number 1: 0 skipped for "
+                   "what was dropped")
         assert [a[1] for a in replay(ctx, pub, 1)] == [seq_bytes(1), END_SEQ]
         snapshot = replay(ctx, pub, 0)  # 0 was never sent: a subscriber that asks for it gets the cache
         assert [a[1] for a in snapshot] == [seq_bytes(1), END_SEQ] and pub.snapshots == 1
