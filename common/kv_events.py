@@ -6,12 +6,14 @@ ours. A batch is the msgpack array ``[ts, [event, ...]]`` (vLLM's ``KVEventBatch
 order, ``data_parallel_rank`` left out as vLLM's ``omit_defaults`` does); an event is a tagged
 array, the class name first and then its fields in order::
 
-    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
+    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]
     ["BlockRemoved", block_hashes, medium]
     ["AllBlocksCleared"]
 
 Block hashes are our 16-byte chain hashes (vLLM's ``ExternalBlockHash`` is ``bytes | int``);
-``lora_id`` and ``medium`` are always nil.
+``lora_id``, ``medium`` and ``lora_name`` are always nil. ``lora_name`` is the field vLLM added
+last without a default: its decoders read the seven, older ones (six fields) ignore a trailing
+one as msgspec's ``array_like`` does, and fields added since have defaults.
 
 Framing (vLLM's): the PUB socket sends ``[topic, seq, payload]``, ``seq`` an 8-byte big-endian
 count, one per batch; the replay ROUTER takes ``[b"", start_seq]`` from a DEALER and answers
@@ -69,7 +71,7 @@ def encode_event(event: object) -> list:
     kind = type(event).__name__
     if kind == "BlockStored":
         return [kind, list(event.block_hashes), event.parent_block_hash, list(event.token_ids),  # type: ignore[attr-defined]
-                event.block_size, None, None]  # type: ignore[attr-defined]
+                event.block_size, None, None, None]  # type: ignore[attr-defined]
     if kind == "BlockRemoved":
         return [kind, list(event.block_hashes), None]  # type: ignore[attr-defined]
     if kind == "AllBlocksCleared":
@@ -85,7 +87,7 @@ def encode_batch(events: list[list], ts: float | None = None) -> bytes:
 def snapshot_batch(hashes: list[bytes], block_size: int) -> bytes:
     """The whole cache as one batch: cleared, then every cached hash stored (no tokens, no parent:
     what a subscriber too far behind for the replay buffer rebuilds from)."""
-    return encode_batch([["AllBlocksCleared"], ["BlockStored", hashes, None, [], block_size, None, None]])
+    return encode_batch([["AllBlocksCleared"], ["BlockStored", hashes, None, [], block_size, None, None, None]])
 
 
 def decode_batch(payload: bytes) -> list[WireEvent]:

@@ -21,7 +21,7 @@ H = [bytes([i]) * 16 for i in range(8)]
 # vLLM's structs (vllm/distributed/kv_events.py), field by field: msgspec's array_like layout puts
 # the tag first, then the fields in this order, and a batch is [ts, events]
 VLLM_FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
@@ -114,7 +114,8 @@ def test_batches_are_numbered_in_vllm_layout_and_replayed(ctx) -> None:
             events += [e for e in as_vllm(payload)[1] if e["type"] == "BlockStored"]
         assert seqs[-1] == pub.seq and seqs == list(range(seqs[0], seqs[-1] + 1))  # one number per batch
         assert events[0] == {"type": "BlockStored", "block_hashes": [H[0]], "parent_block_hash": None,
-                             "token_ids": [0, 1], "block_size": 2, "lora_id": None, "medium": None}
+                             "token_ids": [0, 1], "block_size": 2, "lora_id": None, "medium": None,
+                             "lora_name": None}
         assert events[1]["parent_block_hash"] == H[0] and events[1]["token_ids"] == [2, 3]
         answers = replay(ctx, pub, 0)
         assert [a[1] for a in answers] == [seq_bytes(s) for s in range(pub.seq + 1)] + [END_SEQ]
