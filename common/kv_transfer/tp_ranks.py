@@ -58,6 +58,7 @@ from common.kv_transfer.consumer_table import ConsumerState
 from common.kv_transfer.tp_outcomes import RankOutcomes
 from common.kv_transfer.tp_routes import RankRoutes, merge, rank_address
 from common.kv_transfer.tp_slices import SlicedWorker
+from common.kv_transfer.workers import consumer_of
 
 if TYPE_CHECKING:
     import torch
@@ -157,7 +158,7 @@ class LeaderKVWorker(KVConnectorWorker):
             self.outcomes.aborted(rid)
         own, routed = meta, []
         if self.routes is not None:
-            own, routed = self.routes.split(meta, self.inner.transfer.consumer, self.peer_tp_size)  # type: ignore
+            own, routed = self.routes.split(meta, consumer_of(self.inner), self.peer_tp_size)
         self.inner.issue(own)
         refused = self._refused(own) | {s.request_id for s in routed if s.request_id in self.routes.refused}
         for load in meta.loads:  # refused at once on rank 0 (unknown peer, bad request): no worker asks
@@ -166,7 +167,7 @@ class LeaderKVWorker(KVConnectorWorker):
             self.outcomes.expect_release(h.request_id)
         # a release naming a prefill node rank 0 would not pull from is not forwarded: the workers'
         # consumers know no peers of their own, and an unverified id may name any address
-        known = self.inner.transfer.consumer.known_peer if meta.releases else None  # type: ignore[attr-defined]
+        known = consumer_of(self.inner).known_peer if meta.releases else None
         meta = dataclasses.replace(
             meta, loads=tuple(s for s in meta.loads if s.request_id not in refused),
             releases=tuple((rid, addr, self.peer_tp_size(addr)) for rid, addr, *_ in meta.releases if known(addr)))
@@ -182,7 +183,7 @@ class LeaderKVWorker(KVConnectorWorker):
         and a refused load is left out of KV_ISSUE."""
         if not meta.loads:
             return set()
-        table = self.inner.transfer.consumer.table  # type: ignore[attr-defined]
+        table = consumer_of(self.inner).table
         return {s.request_id for s in meta.loads if table.state(s.request_id) is ConsumerState.FAILED}
 
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, meta: KVConnectorMetadata) -> None:
@@ -230,7 +231,7 @@ class LeaderKVWorker(KVConnectorWorker):
 def _held_aborts(meta: KVConnectorMetadata, worker: KVConnectorWorker) -> KVConnectorMetadata:
     """Of ``meta.aborts``, those that may still receive on this rank (the table moves them to ABORTING),
     as the scheduler side keeps only those."""
-    table = worker.transfer.consumer.table  # type: ignore[attr-defined]
+    table = consumer_of(worker).table
     return dataclasses.replace(meta, aborts=tuple(rid for rid in meta.aborts if table.abort(rid)))
 
 

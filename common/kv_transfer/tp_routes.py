@@ -190,7 +190,7 @@ class RoutedWorker(KVConnectorWorker):
         self.inner, self.routes, self.peer_tp_size = inner, routes, peer_tp_size
 
     def issue(self, meta: KVConnectorMetadata) -> None:
-        own, _ = self.routes.split(meta, self.inner.transfer.consumer, self.peer_tp_size)  # type: ignore[union-attr]
+        own, _ = self.routes.split(meta, self.inner.consumer, self.peer_tp_size)
         self.inner.issue(own)
 
     def get_finished(self) -> FinishedTransfers:

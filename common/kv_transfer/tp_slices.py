@@ -56,9 +56,9 @@ class SlicedWorker(KVConnectorWorker):
 
     def __init__(self, workers: list[ProducerWorker], num_heads: int) -> None:
         self.workers = workers
-        first = workers[0].transfer.producer  # type: ignore[union-attr]
+        first = workers[0].producer
         for worker in workers[1:]:  # asked at each handshake: whatever the caller set by then
-            worker.transfer.producer.is_member = lambda consumer: first.is_member(consumer)  # type: ignore[union-attr]
+            worker.producer.is_member = lambda consumer: first.is_member(consumer)
         self.heads = [slice_heads(num_heads, len(workers), j) for j in range(len(workers))]
         self.outcomes = RankOutcomes(len(workers))  # a hand-over is freeable once every KV rank released it
 
@@ -73,7 +73,7 @@ class SlicedWorker(KVConnectorWorker):
         for j, worker in enumerate(self.workers):
             if j:
                 for h in meta.handovers:
-                    worker.transfer.producer.table.hand_over(h.request_id)  # type: ignore[union-attr]
+                    worker.producer.table.hand_over(h.request_id)
             worker.issue(meta)
 
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, meta: KVConnectorMetadata) -> None:
@@ -85,11 +85,11 @@ class SlicedWorker(KVConnectorWorker):
         for j, worker in enumerate(self.workers):
             freeable = worker.get_finished().freeable
             if j:
-                worker.transfer.producer.table.forget(freeable)  # type: ignore[union-attr]
+                worker.producer.table.forget(freeable)
             reports.append(FinishedTransfers(freeable=freeable))
         return self.outcomes.combine(reports)[0]
 
     def close(self) -> None:
         """The extra KV ranks' endpoints (the first one's belongs to the caller)."""
         for worker in self.workers[1:]:
-            worker.transfer.close()  # type: ignore[union-attr]
+            worker.transfer.close()

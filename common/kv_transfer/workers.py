@@ -8,17 +8,24 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.kv_connector import FinishedTransfers, KVConnectorMetadata, TransferWorker
+from common.engine.kv_connector import FinishedTransfers, KVConnectorMetadata, KVConnectorWorker, TransferWorker
 from common.kv_transfer.config import TransferError
+from common.kv_transfer.consumer import KVConsumer
+from common.kv_transfer.producer import KVProducer
 
 
 class ProducerWorker(TransferWorker):
     """Moves the bytes: the only half bound to the KV endpoint and the KV cache (``bind``)."""
 
+    @property
+    def producer(self) -> KVProducer:
+        """The bound KV endpoint's producer half."""
+        return self.transfer.producer
+
     def issue(self, meta: KVConnectorMetadata) -> None:
         if self.transfer is None:
             return
-        producer = self.transfer.producer
+        producer = self.producer
         for d in meta.discards:
             producer.discard(d.request_id, d.why)
         for h in meta.handovers:
@@ -32,21 +39,26 @@ class ProducerWorker(TransferWorker):
         if self.transfer is None:
             return
         for s in meta.saves:
-            self.transfer.producer.save_layer(s.request_id, layer_idx, kv_layer, list(s.block_ids))
+            self.producer.save_layer(s.request_id, layer_idx, kv_layer, list(s.block_ids))
 
     def get_finished(self) -> FinishedTransfers:
         if self.transfer is None:
             return FinishedTransfers()
-        return FinishedTransfers(freeable=self.transfer.producer.poll_freeable())
+        return FinishedTransfers(freeable=self.producer.poll_freeable())
 
 
 class ConsumerWorker(TransferWorker):
     """Moves the bytes: the only half bound to the KV endpoint and the KV cache (``bind``)."""
 
+    @property
+    def consumer(self) -> KVConsumer:
+        """The bound KV endpoint's consumer half."""
+        return self.transfer.consumer
+
     def issue(self, meta: KVConnectorMetadata) -> None:
         if self.transfer is None:
             return
-        consumer = self.transfer.consumer
+        consumer = self.consumer
         for rid in meta.aborts:
             consumer.abort(rid)
         for rid, addr in meta.releases:  # as the pull would have, it may open the connection (known peers)
@@ -61,7 +73,7 @@ class ConsumerWorker(TransferWorker):
     def get_finished(self) -> FinishedTransfers:
         if self.transfer is None:
             return FinishedTransfers()
-        consumer = self.transfer.consumer
+        consumer = self.consumer
         done, failed = consumer.poll_finished()
         landed = consumer.take_landed(done) if done else {}
         return FinishedTransfers(
@@ -69,3 +81,9 @@ class ConsumerWorker(TransferWorker):
             first_logprobs={rid: t.first_logprobs for rid, t in landed.items() if t.first_logprobs},
             choice_firsts={rid: t.choices for rid, t in landed.items() if t.choices},
             cached_tokens={rid: t.cached_tokens for rid, t in landed.items() if t.cached_tokens > 0})
+
+
+def consumer_of(worker: KVConnectorWorker) -> KVConsumer:
+    """A decode rank's consumer: its connector worker is a :class:`ConsumerWorker`."""
+    assert isinstance(worker, ConsumerWorker), f"a {type(worker).__name__} pulls no KV"
+    return worker.consumer

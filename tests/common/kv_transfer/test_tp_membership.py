@@ -128,7 +128,9 @@ def test_with_a_cluster_key_every_consumer_is_a_member(node):
 
 def test_a_sliced_rank0_asks_whatever_its_first_endpoint_is_told():
     """Rank 0's KV ranks are built before the daemon sets the first endpoint's is_member: they follow it."""
-    workers = [SimpleNamespace(transfer=SimpleNamespace(producer=SimpleNamespace(is_member=None))) for _ in range(3)]
+    workers = [ProducerWorker() for _ in range(3)]
+    for w in workers:
+        w.bind(SimpleNamespace(producer=SimpleNamespace(is_member=None)), [])
     SlicedWorker(workers, num_heads=6)
     workers[0].transfer.producer.is_member = lambda consumer: consumer == DECODE
     assert [w.transfer.producer.is_member(DECODE) for w in workers] == [True] * 3

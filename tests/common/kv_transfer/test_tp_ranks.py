@@ -10,8 +10,9 @@ import msgpack
 import pytest
 
 from common.engine.kv_connector import (DiscardSpec, FinishedTransfers, HandoverSpec, KVConnectorMetadata,
-                                        KVConnectorWorker, LoadSpec, SaveSpec)
+                                        LoadSpec, SaveSpec)
 from common.kv_transfer.consumer_table import ConsumerTable
+from common.kv_transfer.workers import ConsumerWorker
 from common.kv_transfer.tp_ranks import (KV_ISSUE, KV_POLL, LeaderKVWorker, RankOutcomes, decode_meta, decode_report,
                                          encode_meta, encode_report, for_rank, rank_address)
 
@@ -245,8 +246,9 @@ class FakeLeader:
         return [data] + self.replies.pop(0)
 
 
-class FakeInner(KVConnectorWorker):
+class FakeInner(ConsumerWorker):
     def __init__(self) -> None:
+        super().__init__()
         self.issued: list[KVConnectorMetadata] = []
         self.refused: set[str] = set()
         self.reports: list[FinishedTransfers] = []

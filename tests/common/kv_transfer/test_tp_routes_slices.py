@@ -233,6 +233,10 @@ class FakeProducerWorker:
         self.saved: list[tuple] = []
         self.freeable: list[set[str]] = []  # canned: one set per get_finished
 
+    @property
+    def producer(self):
+        return self.transfer.producer
+
     def issue(self, meta):
         self.issued.append(meta)
 
