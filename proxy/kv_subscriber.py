@@ -167,6 +167,7 @@ class KVEventSubscriber:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)  # libzmq drops a bigger one unread
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            sock.setsockopt(zmq.IPV6, int(endpoint.startswith("[")))  # an IPv6 node: [addr]:port
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(zmq_endpoint(endpoint))
         dealer.connect(zmq_endpoint(replay))

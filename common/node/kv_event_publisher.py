@@ -119,11 +119,13 @@ class KVEventPublisher:
         self._router = self._ctx.socket(zmq.ROUTER)
         for sock in (self._pub, self._router):
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, int(":" in self.host))  # --host :: or another IPv6 address
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
         self._router.setsockopt(zmq.MAXMSGSIZE, 4096)  # a replay request is 8 bytes and a seal
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.port = self._pub.bind_to_random_port(f"tcp://{self.host}")
-        self.replay_port = self._router.bind_to_random_port(f"tcp://{self.host}")
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        self.port = self._pub.bind_to_random_port(f"tcp://{host}")
+        self.replay_port = self._router.bind_to_random_port(f"tcp://{host}")
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-events", daemon=True)
         self._thread.start()
         logger.info("KV events on %s (replay %s), epoch %s", self.endpoint, self.replay_endpoint, self.epoch)
