@@ -16,6 +16,11 @@ preempted to make room (a slot, the blocks of a prompt's next chunk) for a clien
 (a preempted sequence would take its client past the cap again, so it does not come straight
 back). A client holding nothing is never over its cap, so one request larger than the cap runs.
 
+A step full of one client's decodes is many times an idle step on a CPU: while one client holds
+at least half the running slots, a newly admitted client that runs nothing gets its prompt (or its
+first chunk, within the stall bound) computed in a step of its own before the decodes' next step
+(:meth:`newcomers`; never two such steps in a row, so the decodes miss at most every other step).
+
 With one client, or off (``enabled=False``: the counters still run), nothing is reordered and
 nothing is preempted: admission is the plain FIFO.
 """
@@ -114,6 +119,25 @@ class FairShare:
         held = self.held(running)
         seq = self._pick(waiting, held)
         return None if self.over_cap(client_of(seq), held, held_cost(seq)) else seq
+
+    def newcomers(self, waiting: Iterable[Sequence], running: list[Sequence], max_num_seqs: int) -> list[Sequence]:
+        """While one client holds at least half the running slots: the first waiting sequence of
+        each client that runs nothing, in queue order (the scheduler gives their prompts a step of
+        their own, so a small request's first token does not wait for a step full of another
+        client's decodes). Empty with one client, off, or when no client holds that many slots."""
+        if not self.enabled or len(self.live) <= 1:
+            return []
+        slots: dict[str, int] = {}
+        for seq in running:
+            slots[client_of(seq)] = slots.get(client_of(seq), 0) + 1
+        if max(slots.values(), default=0) < max(2, max_num_seqs // 2):
+            return []
+        out: list[Sequence] = []
+        for seq in waiting:
+            if client_of(seq) not in slots:
+                slots[client_of(seq)] = 0  # its first sequence only
+                out.append(seq)
+        return out
 
     def victim(self, running: list[Sequence], for_seq: Sequence) -> Sequence | None:
         """The newest running sequence of another client over its cap, to preempt for ``for_seq``."""

@@ -110,6 +110,7 @@ class Scheduler:
         self.forked: list[Sequence] = []  # choices forked since ``take_forked``
         self.block_copies: list[tuple[int, int]] = []  # (from, to): a forked choice's prompt tail block
         self.fairness = FairShare(max_tokens_in_flight_per_client, enabled=fair_share)
+        self._newcomers_ran = False  # the last step was fair share's newcomers' alone
 
     # ---- queues -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -136,8 +137,15 @@ class Scheduler:
         for seq in self.running:  # KV computed by the last step is complete: share it
             self._cache_full_blocks(seq)
         self._make_room()
-        budget = self._schedule_running(batch, self.max_num_batched_tokens, stall_token_cap)
-        self._admit_waiting(batch, budget, stall_token_cap)
+        if not self._newcomers_ran:  # fair share: their prompts first, in a step of their own
+            newcomers = self.fairness.newcomers(self.waiting, self.running, self.max_num_seqs)
+            if newcomers:
+                budget = min(self.max_num_batched_tokens, stall_token_cap or self.max_num_batched_tokens)
+                self._admit_waiting(batch, budget, stall_token_cap, only=newcomers)
+        self._newcomers_ran = bool(batch)  # the decodes it skipped run in the next step
+        if not batch:
+            budget = self._schedule_running(batch, self.max_num_batched_tokens, stall_token_cap)
+            self._admit_waiting(batch, budget, stall_token_cap)
         batch.kv_connector_metadata = self.connector.build_meta(batch.seqs, batch.num_new_tokens)
         return batch
 
@@ -195,9 +203,14 @@ class Scheduler:
                 return
             self._preempt(victim)
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int, stall_token_cap: int | None = None) -> None:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, stall_token_cap: int | None = None,
+                       only: list[Sequence] | None = None) -> None:
+        """Admit waiting sequences in fair-share order (``only``: these, in their order) while the
+        budget, the slots and the blocks last."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.fairness.pick(self.waiting, self.running)
+            if only is not None and not only:
+                return
+            seq = self.fairness.pick(self.waiting, self.running) if only is None else only.pop(0)
             if self._wants_remote_kv(seq):
                 if not self._park(seq, max(stall_token_cap or 0, self.block_manager.block_size)):
                     return

@@ -142,3 +142,38 @@ def test_one_client_is_plain_fifo():
         return order
 
     assert admitted(True) == admitted(False) == [f"a{i}" for i in range(5)]
+
+
+def test_a_newcomer_beside_a_client_holding_the_slots_gets_a_step_of_its_own():
+    sched = scheduler(max_num_seqs=4, cap=60)
+    for i in range(4):
+        sched.add(seq(f"a{i}", "A", max_tokens=50))
+    step(sched)
+    assert len(sched.running) == 4  # A alone holds every slot
+    sched.add(seq("b0", "B", max_tokens=20))
+    assert step(sched) == ["b0"]  # its prompt alone, not in a step beside A's four decodes
+    assert sched.find("a3").num_preemptions == 1  # its slot came from A, over its cap
+    assert "b0" in (after := step(sched)) and {"a0", "a1", "a2"} <= set(after)  # then everyone decodes
+    sched.add(seq("b1", "B", max_tokens=2))  # B runs something already: no step of its own
+    assert step(sched) != ["b1"]
+
+
+def test_no_two_newcomer_steps_in_a_row():
+    sched = scheduler(max_num_seqs=8, cap=4096)
+    for i in range(6):
+        sched.add(seq(f"a{i}", "A", max_tokens=50))
+    step(sched)
+    sched.add(seq("b0", "B", max_tokens=2))
+    assert step(sched) == ["b0"]
+    sched.add(seq("c0", "C", max_tokens=2))
+    mixed = step(sched)  # not a second one: C joins A's and B's decodes in one step
+    assert {f"a{i}" for i in range(6)} | {"b0", "c0"} == set(mixed)
+
+
+def test_no_newcomer_step_when_no_client_holds_half_the_slots():
+    sched = scheduler(max_num_seqs=8)
+    for rid, client in (("a0", "A"), ("b0", "B"), ("c0", "C")):
+        sched.add(seq(rid, client, max_tokens=50))
+    step(sched)
+    sched.add(seq("d0", "D", max_tokens=2))
+    assert {"a0", "b0", "c0", "d0"} <= set(step(sched))  # one mixed step, as without fair share
