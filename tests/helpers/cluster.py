@@ -120,16 +120,22 @@ def start(role: str, tmp: Path, *args: str, name: str | None = None, wait: bool 
     if role == "proxy":
         cmd += ["--registry-port", str(kv_port := free_port())]
     cmd += list(args)
+    proc = Proc(name, _spawn(cmd, log, "wb"), port, log, kv_port, list(args), cmd)
+    return _ready(proc) if wait else proc
+
+
+def _spawn(cmd: list[str], log: Path, mode: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    with open(log, "wb") as out:
-        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-    proc = Proc(name, popen, port, log, kv_port, list(args), cmd)
-    if wait:
-        try:
-            proc.wait_ready()
-        except BaseException:
-            proc.kill()
-            raise
+    with open(log, mode) as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+
+
+def _ready(proc: Proc) -> Proc:
+    try:
+        proc.wait_ready()
+    except BaseException:
+        proc.kill()
+        raise
     return proc
 
 
@@ -137,17 +143,8 @@ def restart(proc: Proc, wait: bool = True) -> Proc:
     """``proc`` (dead) started again with its command line: the same ports, its log appended to. A
     port another process took meanwhile fails the start, as it would in production."""
     assert proc.popen.poll() is not None, f"{proc.name} is still running"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    with open(proc.log, "ab") as out:
-        proc.popen = subprocess.Popen(proc.cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                      start_new_session=True)
-    if wait:
-        try:
-            proc.wait_ready()
-        except BaseException:
-            proc.kill()
-            raise
-    return proc
+    proc.popen = _spawn(proc.cmd, proc.log, "ab")
+    return _ready(proc) if wait else proc
 
 
 def static_nodes(procs: dict[str, Proc], model: str = "pdserve-tiny") -> tuple[str, ...]:
