@@ -41,7 +41,7 @@ def labelled(url: str, name: str, **labels: str) -> float:
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     tmp: Path = tmp_path_factory.mktemp("kv-events")
     proxies = {name: start("proxy", tmp, "--policy", "prefix_aware", "--disagg-policy", "always", "--tokenizer",
-                           str(ensure_embedded_model()), "--heartbeat-timeout-s", "3", name=name, wait=False)
+                           str(ensure_embedded_model()), name=name, wait=False)
                for name in PROXIES}
     node = ("--proxy", ",".join(f"127.0.0.1:{p.kv_port}" for p in proxies.values()), "--heartbeat-interval-s", "0.5",
             "--block-size", "16")
@@ -86,6 +86,13 @@ def routed(cluster: dict, proxy: str) -> str:
     return r.json()["choices"][0]["text"]
 
 
+def decisions(cluster: dict, proxy: str) -> str:
+    """What ``proxy`` decided so far and whether it follows each node's events (for a failure's message)."""
+    text = httpx.get(cluster[proxy].url + "/metrics", timeout=5).text
+    return "\n".join(line for line in text.splitlines() if line.startswith(
+        ("pdserve:proxy_route_decisions_total", "pdserve:proxy_kv_events", "pdserve:proxy_node_requests_total")))
+
+
 def decode_legs(cluster: dict, proxy: str) -> dict[str, float]:
     """How many decode legs ``proxy`` sent each decode node."""
     return {n: labelled(cluster[proxy].url, "pdserve:proxy_node_requests_total", role="decode",
@@ -102,8 +109,9 @@ def test_a_prefix_cached_on_d1_routes_there_by_events_then_by_load_once_evicted(
         before = decode_legs(cluster, proxy)
         assert routed(cluster, proxy) == expected
         after = decode_legs(cluster, proxy)
-        assert (after["d1"] - before["d1"], after["d2"] - before["d2"]) == (1, 0), proxy  # D1 took it ...
-        assert labelled(url, ROUTES, node_role="decode", reason="prefix_events") == by_events + 1, proxy  # ... by events
+        why = f"{proxy}:\n{decisions(cluster, proxy)}"
+        assert (after["d1"] - before["d1"], after["d2"] - before["d2"]) == (1, 0), why  # D1 took it ...
+        assert labelled(url, ROUTES, node_role="decode", reason="prefix_events") == by_events + 1, why  # ... by events
 
     seq = metric(cluster["d1"].url, "pdserve:kv_events_seq")
     rng = random.Random(31)
@@ -114,7 +122,8 @@ def test_a_prefix_cached_on_d1_routes_there_by_events_then_by_load_once_evicted(
     by_load = labelled(cluster["proxy1"].url, ROUTES, node_role="decode", reason="load")
     before = decode_legs(cluster, "proxy1")
     assert routed(cluster, "proxy1") == expected  # computed again: the same answer
-    assert labelled(cluster["proxy1"].url, ROUTES, node_role="decode", reason="load") == by_load + 1
+    assert labelled(cluster["proxy1"].url, ROUTES, node_role="decode", reason="load") == by_load + 1, \
+        decisions(cluster, "proxy1")
     after = decode_legs(cluster, "proxy1")
     home = next(n for n in after if after[n] > before[n])
 
@@ -123,5 +132,6 @@ def test_a_prefix_cached_on_d1_routes_there_by_events_then_by_load_once_evicted(
     by_events = labelled(cluster["proxy2"].url, ROUTES, node_role="decode", reason="prefix_events")
     before = decode_legs(cluster, "proxy2")
     assert routed(cluster, "proxy2") == expected
-    assert decode_legs(cluster, "proxy2")[home] == before[home] + 1
-    assert labelled(cluster["proxy2"].url, ROUTES, node_role="decode", reason="prefix_events") == by_events + 1
+    why = f"{home}:\n{decisions(cluster, 'proxy2')}"
+    assert decode_legs(cluster, "proxy2")[home] == before[home] + 1, why
+    assert labelled(cluster["proxy2"].url, ROUTES, node_role="decode", reason="prefix_events") == by_events + 1, why
