@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.cluster import all_ready, metric, start
+from helpers.cluster import all_ready, metric, restart, start
 from helpers.waiting import wait_until
 
 from common.model.embedded import ensure_embedded_model
@@ -135,3 +135,21 @@ def test_a_prefix_cached_on_d1_routes_there_by_events_then_by_load_once_evicted(
     why = f"{home}:\n{decisions(cluster, 'proxy2')}"
     assert decode_legs(cluster, "proxy2")[home] == before[home] + 1, why
     assert labelled(cluster["proxy2"].url, ROUTES, node_role="decode", reason="prefix_events") == by_events + 1, why
+
+
+def test_a_restarted_decode_node_is_indexed_from_empty(cluster) -> None:
+    """kill -9 of D1 and a restart on the same ports: a new process, a new epoch, an empty cache. The
+    proxies drop what the old one had and follow the new one; a prompt only the old one held goes by load."""
+    body = {**BODY, "prompt": "Only the process that dies will have computed this prompt, block by block. " * 3}
+    seq = metric(cluster["d1"].url, "pdserve:kv_events_seq")
+    expected = on_d1(cluster, body)
+    wait_until(lambda: synced(cluster, "d1", seq), "both proxies applied D1's stored blocks")
+    cluster["d1"].kill()
+    restart(cluster["d1"])
+    wait_until(lambda: synced(cluster, "d1", -1) and metric(cluster["d1"].url, "pdserve:kv_events_seq") < seq,
+               "both proxies follow the new D1 (its numbers start again)")
+    by_load = labelled(cluster["proxy1"].url, ROUTES, node_role="decode", reason="load")
+    r = httpx.post(cluster["proxy1"].url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected, r.text
+    assert labelled(cluster["proxy1"].url, ROUTES, node_role="decode", reason="load") == by_load + 1, \
+        decisions(cluster, "proxy1")
