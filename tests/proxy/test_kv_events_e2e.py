@@ -6,7 +6,8 @@ A prompt computed on D1 alone (sent to it directly: no proxy saw it, so their te
 nothing) is cached there; D1's events tell the proxies, and the same prompt through either proxy
 goes to D1 -- the decision metric says ``prefix_events``. Once other prompts evicted those blocks
 from D1, its events say so, and the prompt goes by load -- after which the other proxy follows it
-to its new home, by events again; the answer is the same all along.
+to its new home, by events again; the answer is the same all along. A decode node killed and
+restarted (new epoch, empty cache) is indexed from empty.
 """
 
 from __future__ import annotations
