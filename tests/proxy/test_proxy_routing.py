@@ -55,6 +55,15 @@ def test_incompatible_fingerprints_are_never_paired():
     assert not r2.has_pair()
 
 
+def test_nodes_of_different_models_are_never_paired():
+    """The same KV layout is not enough: a prefill node of one model never serves another's decode node."""
+    r = router_with(node("P", 1, model="a"), node("P", 2, model="b"), node("D", 11, model="b"))
+    for _ in range(5):
+        assert r.pick("b").prefill.http_address == "127.0.0.1:2"
+    with pytest.raises((ModelNotFound, NoNodeAvailable)):  # no pair serves model a
+        router_with(node("P", 1, model="a"), node("D", 11, model="b")).pick("a")
+
+
 @pytest.mark.parametrize("p_tp, d_tp, kv_heads, pairs", [
     (1, 1, 8, True), (2, 2, 8, True), (4, 4, 8, True),  # a = b: rank r pulls from rank r
     (8, 8, 2, True),  # both replicate their 2 KV heads over 8 ranks, the same way

@@ -6,10 +6,11 @@ from __future__ import annotations
 import hashlib
 
 import logging
+import time
 
 import pytest
 
-from common.cluster_auth import ClusterKey, warn_if_open
+from common.cluster_auth import SEAL_WINDOW_S, ClusterKey, SealChecker, warn_if_open
 from proxy.app import build_app
 from proxy.config import ProxyConfig
 
@@ -48,6 +49,25 @@ def test_generated_key_is_private_and_signs_ids(tmp_path):
     other = ClusterKey.load(ClusterKey.generate(tmp_path / "other.key"))
     assert "does not match" in key.check_id(rid, other.sign_id(rid, "prefill", b"{}"), "prefill")
 
+
+
+def test_a_seal_is_good_once_within_its_window_for_its_purpose_only(monkeypatch):
+    """Registry and KV control frames: a seal from another key or purpose, one older than the
+    30 s window, or one seen before is refused, each with its reason."""
+    key = ClusterKey(b"0123456789abcdef-cluster")
+    control = SealChecker(key, b"pdserve-kv-control")
+    seal = key.seal(b"pdserve-kv-control", b"ping")
+    assert control.check(b"ping", seal) is None
+    assert control.check(b"ping", seal) == "replayed"
+    assert control.check(b"pong", key.seal(b"pdserve-kv-control", b"ping")) == "bad_signature"
+    assert control.check(b"ping", key.seal(b"pdserve-registry", b"ping")) == "bad_signature"
+    assert control.check(b"ping", ClusterKey(b"another-cluster-0123456789").seal(b"pdserve-kv-control", b"ping")) \
+        == "bad_signature"
+    assert control.check(b"ping", None) == "unauthenticated"
+    old = key.seal(b"pdserve-kv-control", b"ping")
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now + SEAL_WINDOW_S + 1)
+    assert control.check(b"ping", old) == "stale"
 
 def test_a_short_or_missing_key_file_is_a_one_line_config_error(tmp_path):
     (tmp_path / "short.key").write_text("abc")

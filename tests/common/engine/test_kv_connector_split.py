@@ -228,3 +228,17 @@ def test_consumer_worker_issues_the_metadata_and_reports_refused_loads():
     refusing.bind(RecordingTransfer(refuse="first block 9 is outside"), caches)
     refusing.worker.issue(KVConnectorMetadata(loads=(LoadSpec("x", "h:1", (7,), 9, 15),)))
     assert refusing.worker.get_finished().failed_recving == {"x": "first block 9 is outside"}
+
+
+def test_received_blocks_join_the_prefix_cache_only_when_their_request_finishes_normally():
+    """KV a peer sent is named in the prefix cache (and so served to other requests) only once
+    its request ended with stop or length: a request that failed or was aborted names nothing."""
+    s = make(ConsumerScheduler(), prefix_caching=True)
+    for rid, start, reason in (("x", 100, "error"), ("y", 200, "abort"), ("z", 300, "length")):
+        q = seq(rid, 9, FROM_P, max_tokens=4, start=start)  # 2 full blocks of 4 tokens
+        s.add(q)
+        s.schedule()
+        s.process_transfers(FinishedTransfers(done_recving={rid: 42}))
+        assert q.num_computed_tokens == 9 and q.output_token_ids == [42]
+        s.finish(q, reason)
+        assert s.block_manager.num_cached_blocks == (2 if reason == "length" else 0), reason

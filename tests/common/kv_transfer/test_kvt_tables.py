@@ -3,6 +3,9 @@ the moves their docstrings list, and the races they settle, without threads or s
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from common.kv_transfer import consumer_table, producer_table
@@ -146,3 +149,29 @@ def test_illegal_moves_raise_on_both_sides():
         p._move(p.records["y"], S.AWAITING_ACK)
     with p.lock:
         assert p.ack("y") is None  # nothing was sent: an ACK moves nothing
+
+
+def _state_writes(node: ast.AST, func: str = "<module>"):
+    """(enclosing function, line) of each assignment to an attribute named ``state``."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield from _state_writes(child, child.name)
+            continue
+        targets = child.targets if isinstance(child, ast.Assign) else \
+            [child.target] if isinstance(child, ast.AugAssign | ast.AnnAssign) else []
+        if any(isinstance(e, ast.Attribute) and e.attr == "state" and isinstance(e.ctx, ast.Store)
+               for t in targets for e in ast.walk(t)):
+            yield func, child.lineno
+        yield from _state_writes(child, func)
+
+
+def test_a_records_state_is_written_only_by_its_tables_move():
+    """Every module of every package is read: the only statements that write a ``.state`` are the
+    two tables' ``_move``, so no thread changes a transfer's state outside the map of moves."""
+    root = Path(__file__).resolve().parents[3]
+    writers = {(path.relative_to(root).as_posix(), func)
+               for package in ("common", "prefill_node", "decode_node", "proxy", "pdserve")
+               for path in sorted((root / package).rglob("*.py"))
+               for func, _ in _state_writes(ast.parse(path.read_text()))}
+    assert writers == {("common/kv_transfer/producer_table.py", "_move"),
+                       ("common/kv_transfer/consumer_table.py", "_move")}

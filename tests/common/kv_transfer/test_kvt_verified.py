@@ -9,7 +9,9 @@ import pytest
 
 from common.kv_transfer.config import TransferConfig
 from common.kv_transfer.endpoint import KVEndpoint
-from common.kv_transfer.verify import BYTES, CHECKSUM, NOT_REQUESTED, STALE
+from common.kv_transfer.messages import Done
+from common.kv_transfer.verify import (BYTES, CHECKSUM, LAYERS, NOT_REQUESTED, STALE, KVRejected, check_done_identity,
+                                       expected_nbytes, use_checksum)
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
 from kvt_peers import Peer, peer
 from test_kvt_engine import P_BLOCKS, assert_landed, d_cache, slow_transfer_under_way, wait_finished
@@ -137,3 +139,35 @@ def test_pairs_checksum_what_they_move_and_land_it(views, transport, no_thread_l
         assert torch.equal(gather_blocks(d_kv_used[layer], [4, 5, 6]), gather_blocks(p_kv[layer], [1, 2, 3]))
     if views:
         assert not d_kv[0][:, :, :, 1].any()  # the other head untouched
+
+
+@pytest.mark.parametrize("consumer", ["auto", "on", "off"])
+@pytest.mark.parametrize("producer", ["auto", "on", "off"])
+def test_off_on_either_side_wins_then_on_and_auto_is_off(consumer, producer):
+    """--kv-checksum as the handshake agrees it: a pair checksums only if neither side says off
+    and one says on."""
+    assert use_checksum(consumer, producer) is {("auto", "auto"): False, ("on", "auto"): True, ("auto", "on"): True,
+                                                ("on", "on"): True}.get((consumer, producer), False)
+
+
+@pytest.mark.parametrize("landed, done, reason", [
+    ({}, {}, None),  # whole: accepted
+    ({"layers": {0, 1, 2}}, {}, LAYERS),  # one layer never landed
+    ({}, {"num_layers": 3}, LAYERS),  # DONE speaks of another layer count
+    ({"nbytes": -1}, {}, BYTES),  # fewer bytes landed than the request's blocks hold
+    ({}, {"nonce": 8}, STALE),  # another transfer's DONE
+    ({"checksums": {0: 1, 1: 2, 2: 3, 3: 5}}, {}, CHECKSUM),  # layer 3 differs
+])
+def test_a_done_is_accepted_only_for_this_transfers_whole_kv(landed, done, reason):
+    """check_done_identity, case by case: each way KV can be partial or another's has its reason."""
+    nbytes = expected_nbytes(LAYOUT, 3)
+    msg = Done(**{"request_id": "r", "nonce": 7, "num_layers": LAYOUT.num_layers, "nbytes": nbytes,
+                  "checksums": [1, 2, 3, 4], **done})
+    got = {"layers": set(range(LAYOUT.num_layers)), "nbytes": nbytes, "checksums": {0: 1, 1: 2, 2: 3, 3: 4}}
+    got.update({k: (nbytes - 1 if v == -1 else v) for k, v in landed.items()})
+    if reason is None:
+        check_done_identity(msg, nonce=7, layout=LAYOUT, num_blocks=3, **got)
+        return
+    with pytest.raises(KVRejected) as rejected:
+        check_done_identity(msg, nonce=7, layout=LAYOUT, num_blocks=3, **got)
+    assert rejected.value.reason == reason

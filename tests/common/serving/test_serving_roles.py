@@ -11,7 +11,7 @@ from serving_fakes import CharTokenizer, FakeEngine
 
 from common.config import NodeConfig
 from common.metrics import NodeMetrics
-from common.request_id import make_request_id
+from common.request_id import LOCAL_PREFILL, make_request_id
 from common.serving.app import build_app
 from common.serving.context import PreparedRequest
 from common.serving.errors import OpenAIError
@@ -97,6 +97,20 @@ def test_untagged_request_to_a_daemon_is_400(role: str) -> None:
     assert engine.calls[0].kv_transfer_params == {"prefill_addr": "10.0.0.1:14579", "decode_addr": "10.0.0.2:14580"}
     assert engine.calls[0].request_id == TAGGED
 
+
+
+def test_a_local_prefill_tag_is_refused_by_a_prefill_node_and_asks_no_peer_on_a_decode_node() -> None:
+    """``local:0`` names no KV endpoint: the decode node prefills the prompt itself, a prefill node
+    has nothing to do for it (400, nothing reaches its engine)."""
+    local = make_request_id(LOCAL_PREFILL, "10.0.0.2:14580", "abc123")
+    body = {"prompt": "x", "max_tokens": 1}
+    engine = FakeEngine()
+    refused = _client(engine, "prefill").post("/v1/completions", json=body, headers={"X-Request-Id": local})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "local_prefill"
+    assert engine.calls == []
+    served = _client(engine, "decode").post("/v1/completions", json=body, headers={"X-Request-Id": local})
+    assert served.status_code == 200
+    assert engine.calls[0].kv_transfer_params == {"prefill_addr": "", "decode_addr": "10.0.0.2:14580"}
 
 def test_daemon_refuses_a_batch_of_prompts() -> None:
     reply = _client(FakeEngine(), "decode").post(
