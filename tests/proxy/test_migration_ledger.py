@@ -67,6 +67,19 @@ def test_content_without_notes_cannot_be_resumed() -> None:
     assert not ledger.resumable
 
 
+
+def test_several_choices_or_a_relayed_finish_are_not_resumed() -> None:
+    """n > 1 (a note for choice 1) is not tracked; a stream whose finish_reason went out is whole
+    but for its [DONE]: neither is resumed elsewhere."""
+    many = StreamLedger("d1")
+    many.feed(_event(_chat("a", {"content": "x"}), [5]) + b": pdserve-ids 1 6\n" + b"data: {}\n\n")
+    assert not many.resumable
+    finished = StreamLedger("d1")
+    finished.feed(_event(_chat("a", {"content": "x"}), [5]))
+    assert finished.resumable
+    finished.feed(_event(_chat("a", {}, "stop")))
+    assert not finished.resumable
+
 def test_an_error_event_raises() -> None:
     ledger = StreamLedger("d1")
     with pytest.raises(StreamError):

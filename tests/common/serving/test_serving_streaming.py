@@ -126,3 +126,19 @@ def test_engine_refusal_is_a_400_not_a_500(engine: FakeEngine, client: TestClien
     (event,) = _events(streamed.text)
     assert "already running" in event["error"]["message"]
     assert engine.aborted == [] and "dup" in engine.running  # the running request was left alone
+
+
+def test_token_id_notes_only_for_whoever_asks_and_resume_ids_only_under_a_tag(client: TestClient,
+                                                                            engine: FakeEngine) -> None:
+    """A stream carries ``: pdserve-ids`` comment lines only when the request asked for them (our
+    proxy's migration does); anyone else, vLLM's proxy included, gets the usual bytes. The resume
+    field is refused on an untagged request."""
+    body = {"prompt": "x", "max_tokens": 3, "stream": True}
+    noted = client.post("/v1/completions", json=body, headers={"x-pdserve-token-ids": "1"}).text
+    assert noted.count(": pdserve-ids 0 ") == 3
+    plain = client.post("/v1/completions", json=body).text
+    stripped = "".join(line for line in noted.splitlines(keepends=True) if not line.startswith(": pdserve-ids"))
+    assert "pdserve-ids" not in plain
+    assert [e["choices"] for e in _events(plain)] == [e["choices"] for e in _events(stripped)]
+    refused = client.post("/v1/completions", json={**body, "pdserve_resume_token_ids": [5]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "pdserve_resume_token_ids"
