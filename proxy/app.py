@@ -32,6 +32,7 @@ from proxy.pairing import PairingWatch
 from proxy.metrics import ProxyMetrics
 from proxy.registry import ServiceRegistry
 from proxy.relay import Dispatcher
+from proxy.relay_routes import ErrorHandler, RelayRoutes
 from proxy.routing import Router
 from proxy.transport import PooledTransport
 
@@ -93,7 +94,9 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
     app.state.config, app.state.registry = config, registry
     app.state.router, app.state.metrics = router, metrics
 
-    _add_error_handlers(app, metrics)
+    on_proxy_error, on_unexpected = _add_error_handlers(app, metrics)
+    # added first = innermost: the relay routes are served inside the key and body checks
+    app.add_middleware(RelayRoutes, on_proxy_error=on_proxy_error, on_unexpected=on_unexpected)
     app.add_middleware(BodyLimits, max_bytes=config.max_request_bytes)
     if config.api_key:  # added last = outermost: a stranger's body is never read
         app.add_middleware(ApiKeyOnly, api_key=config.api_key,
@@ -104,8 +107,9 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
     return app
 
 
-def _add_error_handlers(app: FastAPI, metrics: ProxyMetrics) -> None:
-    """Every answer the proxy itself makes is an OpenAI error body (unknown path, wrong method, a bug)."""
+def _add_error_handlers(app: FastAPI, metrics: ProxyMetrics) -> tuple[ErrorHandler, ErrorHandler]:
+    """Every answer the proxy itself makes is an OpenAI error body (unknown path, wrong method, a bug).
+    Returns the handlers of a ProxyError and of a bug, which the relay routes call themselves."""
 
     @app.exception_handler(ProxyError)
     async def _proxy_error(request: Request, exc: ProxyError) -> Response:
@@ -126,9 +130,13 @@ def _add_error_handlers(app: FastAPI, metrics: ProxyMetrics) -> None:
         error = ProxyError("internal proxy error; see the proxy log")
         return error.response(request.headers.get("x-request-id"))
 
+    return _proxy_error, _unexpected
+
 
 def _openai_routes(config: ProxyConfig, router: Router) -> APIRouter:
     api = APIRouter()
+    # POSTs to the relay routes are answered by RelayRoutes before the router; these entries keep
+    # them in the OpenAPI schema and give their other methods the router's 405.
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -74,9 +74,19 @@ class ProxyMetrics:
         )
         self._rejected_seen: dict[str, int] = {}
         self._kv_rejected_seen: dict[str, int] = {}
+        # the children the request path touches, by label values: labels() validates and locks on every
+        # call (~1.7 us, 5-7 calls a request); never for a metric that clear() empties at scrape
+        self._children: dict[tuple, object] = {}
+
+    def _child(self, metric, *values: str):
+        key = (metric, values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
     def count_route(self, node_role: str, reason: str) -> None:
-        self.routes.labels("proxy", node_role, reason).inc()
+        self._child(self.routes, "proxy", node_role, reason).inc()
 
     def observe_kv_events(self, blocks: int, applied: Mapping[tuple[str, str], int],
                           fresh: Mapping[tuple[str, str], bool], rejected: Mapping[str, int]) -> None:
@@ -94,26 +104,26 @@ class ProxyMetrics:
             self._kv_rejected_seen[reason] = total
 
     def observe_request(self, status: int, latency_s: float) -> None:
-        self.requests.labels("proxy", str(status)).inc()
-        self.latency.labels("proxy").observe(latency_s)
+        self._child(self.requests, "proxy", str(status)).inc()
+        self._child(self.latency, "proxy").observe(latency_s)
 
     def observe_ttft(self, seconds: float) -> None:
-        self.ttft.labels("proxy").observe(seconds)
+        self._child(self.ttft, "proxy").observe(seconds)
 
     def count_leg(self, node_role: str, node: str) -> None:
-        self.node_requests.labels(node_role, node).inc()
+        self._child(self.node_requests, node_role, node).inc()
 
     def count_error(self, kind: str) -> None:
-        self.errors.labels("proxy", kind).inc()
+        self._child(self.errors, "proxy", kind).inc()
 
     def count_decision(self, path: str, reason: str) -> None:
-        self.decisions.labels("proxy", path, reason).inc()
+        self._child(self.decisions, "proxy", path, reason).inc()
 
     def count_migration(self, cause: str) -> None:
-        self.migrations.labels("proxy", cause).inc()
+        self._child(self.migrations, "proxy", cause).inc()
 
     def count_retry(self) -> None:
-        self.retries.labels("proxy").inc()
+        self._child(self.retries, "proxy").inc()
 
     def render(self, node_counts: Mapping[str, int], rejected: Mapping[str, int] | None = None) -> bytes:
         """Prometheus text; the node gauge and the registry's reject counts are refreshed here."""
