@@ -81,7 +81,7 @@ def _pairs(prefill) -> float:
 def _members_told(prefill, decode_node) -> bool:
     """The registry has named the decode node to the prefill node as a member (its log says so)."""
     lines = prefill.log.read_text(errors="replace").splitlines()
-    told = [line for line in lines if "the registry names" in line]
+    told = [line for line in lines if "peer KV address" in line]
     return bool(told) and decode_node.kv_addr in told[-1]
 
 
