@@ -161,6 +161,22 @@ def test_refusing_prefill_is_retried_on_another(make_cluster, refusal):
                      httpx.get(f"{c.url}/metrics").content)
 
 
+
+def test_after_a_second_prefill_failure_the_decode_node_computes_the_prompt(make_cluster):
+    """Retried once on another prefill node; a second failure (a third node never tried) sends
+    the request to its decode node with the local-prefill tag: a 200, not an error."""
+    c = make_cluster(n_prefill=3)
+    c.decodes[0].behavior.delay_s = 0.5  # a real D waits for P's KV, so the first D leg is still open
+    for node in c.prefills:
+        node.behavior.status = 503
+    r = httpx.post(f"{c.url}/v1/completions", json=BODY)
+    assert r.status_code == 200, r.text
+    assert sum(len(node.seen) for node in c.prefills) == 2
+    served = [s.request_id for s in c.decodes[0].seen if not s.cancelled]
+    assert len(served) == 1 and served[0].startswith("___prefill_addr_local:0___")
+    assert re.search(rb'pdserve:proxy_prefill_decisions_total\{[^}]*path="local"[^}]*reason="prefill_failed"[^}]*\} 1',
+                     httpx.get(f"{c.url}/metrics").content)
+
 def test_api_key(make_cluster):
     c = make_cluster(api_key="s3cret")
     assert httpx.post(f"{c.url}/v1/completions", json=BODY).status_code == 401
