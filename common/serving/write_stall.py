@@ -44,7 +44,9 @@ class WriteStallGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        transport = getattr(getattr(send, "__self__", None), "transport", None)  # uvicorn's cycle
+        cycle = getattr(send, "__self__", None)  # uvicorn's RequestResponseCycle
+        transport = getattr(cycle, "transport", None)
+        flow = getattr(cycle, "flow", None)
         request_id = _header(scope.get("headers", []), b"x-request-id") or "-"
 
         async def bounded_send(message: Message) -> None:
@@ -53,6 +55,9 @@ class WriteStallGuard:
                 if message["type"] == "http.response.start":  # the reply names the id the logs use
                     request_id = _header(message.get("headers", []), b"x-request-id") or request_id
                 await send(message)
+                return
+            if flow is not None and not flow.write_paused:  # uvicorn's send waits only while paused:
+                await send(message)  # no timer then (it cost one per streamed chunk)
                 return
             try:
                 async with asyncio.timeout(self.seconds):
