@@ -203,7 +203,7 @@ def _measure(args, proxy_pid: int, d_port: int, proxy_port: int, stream: bool) -
     spy = None
     if args.profile and not stream:
         spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(proxy_pid), "-d",
-                                str(int(args.seconds) + 1), "-f", "raw", "-o", args.profile, "--nonblocking"],
+                                str(int(args.seconds) + 1), "-r", "400", "-f", "raw", "-o", args.profile, "--nonblocking"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cpu_before = _cpu_s(proxy_pid)
     proxy_load = _run_load(proxy_port, args.concurrency, args.seconds, stream)
