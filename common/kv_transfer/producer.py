@@ -233,7 +233,10 @@ class KVProducer:
                           control=self.control, device=self.device, on_done_sent=self.done_sent,
                           on_failed=self.link_failed, on_message=self.handle, streams=self.streams,
                           in_use=self.link_in_use, table=self.table)
-        link.checksum = use_checksum(msg.checksum, self.config.checksum)
+        link.checksum = use_checksum(msg.checksum, self.config.checksum, transport)
+        if not link.checksum and "on" in (msg.checksum, self.config.checksum) and transport == "cuda_ipc":
+            logger.warning("producer: --kv-checksum on, but pair %s is cuda_ipc (a GPU-to-GPU copy, nothing "
+                           "to hash): it checks nonce, layers and bytes only", msg.pair_id[:8])
         link.consumer = msg.consumer
         link.probation_until = None if member else time.monotonic() + self.config.probation_s
         with self._lock:

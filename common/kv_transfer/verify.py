@@ -50,12 +50,14 @@ def new_nonce() -> int:
     return secrets.randbits(63) | 1  # never 0: 0 is what an old peer's message decodes to
 
 
-def use_checksum(consumer_mode: str, producer_mode: str) -> bool:
+def use_checksum(consumer_mode: str, producer_mode: str, transport: str = "tcp") -> bool:
     """Whether a pair checksums: ``off`` on either side wins, then ``on`` on either side. ``auto``
     is off on every transport today: CRC-32 quadrupled a loopback tcp transfer's time (64 MiB:
-    20 -> 81 ms) and tcp already checksums its segments; the GPU transports would need a kernel."""
+    20 -> 81 ms) and tcp already checksums its segments; the GPU transports would need a kernel.
+    A ``cuda_ipc`` pair never does (the producer copies into the consumer's blocks on the GPU:
+    neither side has the bytes to hash), whatever was asked: it checks nonce, layers and bytes."""
     modes = {consumer_mode, producer_mode}
-    return "off" not in modes and "on" in modes
+    return "off" not in modes and "on" in modes and transport != "cuda_ipc"
 
 
 def layer_checksum(buffers: list[memoryview], crc: int = 0) -> int:

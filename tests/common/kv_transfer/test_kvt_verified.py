@@ -148,6 +148,9 @@ def test_off_on_either_side_wins_then_on_and_auto_is_off(consumer, producer):
     and one says on."""
     assert use_checksum(consumer, producer) is {("auto", "auto"): False, ("on", "auto"): True, ("auto", "on"): True,
                                                 ("on", "on"): True}.get((consumer, producer), False)
+    # a cuda_ipc pair has no bytes to hash (a GPU-to-GPU copy): never agreed, or every DONE would fail
+    assert use_checksum(consumer, producer, "cuda_ipc") is False
+    assert use_checksum(consumer, producer, "gloo") is use_checksum(consumer, producer, "tcp")
 
 
 @pytest.mark.parametrize("landed, done, reason", [
