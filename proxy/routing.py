@@ -260,8 +260,11 @@ class _Candidates:
             error = NoNodeAvailable("no prefill node is registered")
         elif not all_d:
             error = NoNodeAvailable("no decode node is registered")
-        elif not any(g.prefills for g in serving) or not any(g.decodes for g in serving):
+        elif not serving:
             error = ModelNotFound(model_not_served(model, sorted({g.model for g in groups if g.model})))
+        elif not any(g.prefills for g in serving) or not any(g.decodes for g in serving):
+            missing = "decode" if any(g.prefills for g in serving) else "prefill"
+            error = NoNodeAvailable(f"no {missing} node serving model {model!r} is registered")
         elif not decodes_of:
             ps = [n for g in serving for n in g.prefills]
             ds = [n for g in serving for n in g.decodes]

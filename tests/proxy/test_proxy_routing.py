@@ -60,8 +60,11 @@ def test_nodes_of_different_models_are_never_paired():
     r = router_with(node("P", 1, model="a"), node("P", 2, model="b"), node("D", 11, model="b"))
     for _ in range(5):
         assert r.pick("b").prefill.http_address == "127.0.0.1:2"
-    with pytest.raises((ModelNotFound, NoNodeAvailable)):  # no pair serves model a
+    # model a is served, only not by a decode node: a 503 saying so, not a 404 saying a does not exist
+    with pytest.raises(NoNodeAvailable, match="no decode node serving model 'a'"):
         router_with(node("P", 1, model="a"), node("D", 11, model="b")).pick("a")
+    with pytest.raises(NoNodeAvailable, match="no prefill node serving model 'b'"):
+        router_with(node("P", 1, model="a"), node("D", 11, model="a"), node("D", 12, model="b")).pick("b")
 
 
 @pytest.mark.parametrize("p_tp, d_tp, kv_heads, pairs", [
