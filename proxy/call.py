@@ -75,7 +75,7 @@ class Call:
         opened = d is not None and d.done() and not d.cancelled() and d.exception() is None
         if self.response is None and opened:
             self.response = d.result()  # opened just as we gave up on it: must still be closed
-        if self.response is not None:
+        if self.response is not None and not self.response.released:  # a read answer: nothing to close
             with anyio.CancelScope(shield=True):  # runs while our own task may be cancelled
                 await self.response.aclose()
 
@@ -90,8 +90,7 @@ async def until(task: asyncio.Task, call: Call, watcher: asyncio.Task | None,
             waiting.add(watcher)
         if call.prefill is not None and call.prefill is not task and not call.prefill.done():
             waiting.add(call.prefill)
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED,
-                           timeout=CHECK_INTERVAL_S if gone is not None else None)
+        await first_done(waiting, CHECK_INTERVAL_S if gone is not None else None)
         if watcher is not None and watcher.done():
             raise ClientDisconnected()
         if call.prefill is not task:
@@ -99,6 +98,27 @@ async def until(task: asyncio.Task, call: Call, watcher: asyncio.Task | None,
         if gone is not None and not task.done() and (error := gone()) is not None:
             raise error
     return task.result()
+
+
+async def first_done(futures: set[asyncio.Future], timeout: float | None) -> None:
+    """Return once one of ``futures`` is done or ``timeout`` passed: ``asyncio.wait(FIRST_COMPLETED)``
+    without the done/pending sets it builds (one such wait per request; it was ~7% of the CPU)."""
+    waiter = asyncio.get_running_loop().create_future()
+
+    def wake(_: object = None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    for future in futures:
+        future.add_done_callback(wake)
+    timer = waiter.get_loop().call_later(timeout, wake) if timeout is not None else None
+    try:
+        await waiter
+    finally:
+        if timer is not None:
+            timer.cancel()
+        for future in futures:
+            future.remove_done_callback(wake)
 
 
 def raise_if_failed(task: asyncio.Task | None) -> None:

@@ -41,15 +41,31 @@ def node_lost(registry: ServiceRegistry, role: str, node: RegistrationMessage,
 
 async def watched(leg: Awaitable[_T], lost: LostCheck) -> _T:
     """``leg``'s result, unless ``lost()`` (checked every second) names a failure first; the leg is
-    then cancelled, which closes its connection, and the node aborts the request."""
-    task = asyncio.ensure_future(leg)
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=CHECK_INTERVAL_S)
-            if not task.done() and (error := lost()) is not None:
-                raise error
-        return task.result()
-    finally:
-        if not task.done():
+    then cancelled, which closes its connection, and the node aborts the request.
+
+    Runs ``leg`` in the calling task (which must be one of its own, as ``Call.spawn`` makes) with a
+    timer beside it: no second task and no ``asyncio.wait`` per leg (~6% of the proxy's CPU per
+    request went to those)."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    error: ProxyError | None = None
+
+    def check() -> None:
+        nonlocal error, timer
+        error = lost()
+        if error is not None:
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        else:
+            timer = loop.call_later(CHECK_INTERVAL_S, check)
+
+    timer = loop.call_later(CHECK_INTERVAL_S, check)
+    try:
+        return await leg
+    except asyncio.CancelledError:
+        if error is None:
+            raise
+        task.uncancel()
+        raise error from None
+    finally:
+        timer.cancel()

@@ -38,6 +38,11 @@ class Response:
         while (piece := await self._conn.next_piece()) is not None:
             yield piece
 
+    @property
+    def released(self) -> bool:
+        """The connection went back to the pool or was closed: nothing is left to release."""
+        return self._done
+
     async def aclose(self) -> None:
         """Release the connection: back to the pool if reusable, closed otherwise."""
         if not self._done:
@@ -89,6 +94,11 @@ class PooledTransport:
             idle.append(conn)
         else:
             conn.close()
+
+    @property
+    def released(self) -> bool:
+        """The connection went back to the pool or was closed: nothing is left to release."""
+        return self._done
 
     async def aclose(self) -> None:
         for idle in self._idle.values():
