@@ -15,11 +15,12 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp
 
+from common.cluster_auth import ClusterKey, warn_if_open
 from common.serving.errors import error_body, error_type, http_error
 from common.serving.limits import BodyLimits
 from common.serving.write_stall import bound_writes
-from common.cluster_auth import ClusterKey, warn_if_open
 from proxy.api_key import ApiKeyOnly
 from proxy.config import ProxyConfig
 from proxy.errors import NoNodeAvailable, ProxyError
@@ -27,12 +28,12 @@ from proxy.exact_prefix import ExactPrefix
 from proxy.kv_index import KVIndex
 from proxy.kv_subscriber import KVEventSubscriber
 from proxy.legs import Legs
+from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCards
 from proxy.pairing import PairingWatch
-from proxy.metrics import ProxyMetrics
 from proxy.registry import ServiceRegistry
 from proxy.relay import Dispatcher
-from proxy.relay_routes import ErrorHandler, RelayRoutes
+from proxy.relay_routes import ErrorHandler, RelayRoutes, serve_relay_first
 from proxy.routing import Router
 from proxy.transport import PooledTransport
 
@@ -98,14 +99,17 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
     app.state.router, app.state.metrics = router, metrics
 
     on_proxy_error, on_unexpected = _add_error_handlers(app, metrics)
-    # added first = innermost: the relay routes are served inside the key and body checks
-    app.add_middleware(RelayRoutes, on_proxy_error=on_proxy_error, on_unexpected=on_unexpected)
     app.add_middleware(BodyLimits, max_bytes=config.max_request_bytes)
-    if config.api_key:  # added last = outermost: a stranger's body is never read
-        app.add_middleware(ApiKeyOnly, api_key=config.api_key,
-                           on_refused=lambda: metrics.count_error("unauthorized"))
+    relay: ASGIApp = BodyLimits(RelayRoutes(app, on_proxy_error, on_unexpected), max_bytes=config.max_request_bytes)
+    if config.api_key:  # outermost: a stranger's body is never read
+        def refused() -> None:
+            metrics.count_error("unauthorized")
+
+        app.add_middleware(ApiKeyOnly, api_key=config.api_key, on_refused=refused)
+        relay = ApiKeyOnly(relay, api_key=config.api_key, on_refused=refused)
     app.include_router(_openai_routes(config, router))
     _add_ops_routes(app, router, registry, metrics, pairing, subscriber)
+    serve_relay_first(app, relay)  # the relay POSTs skip FastAPI's layers (proxy/relay_routes.py)
     bound_writes(app, config.stream_write_timeout_s)
     return app
 
@@ -138,8 +142,8 @@ def _add_error_handlers(app: FastAPI, metrics: ProxyMetrics) -> tuple[ErrorHandl
 
 def _openai_routes(config: ProxyConfig, router: Router) -> APIRouter:
     api = APIRouter()
-    # POSTs to the relay routes are answered by RelayRoutes before the router; these entries keep
-    # them in the OpenAPI schema and give their other methods the router's 405.
+    # POSTs to the relay routes are answered by RelayRoutes in front of the app (proxy/relay_routes.py);
+    # these entries keep them in the OpenAPI schema and give their other methods the router's 405.
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
