@@ -22,8 +22,9 @@ first chunk, within the stall bound) computed in a step of its own before the de
 (:meth:`newcomers`; never two such steps in a row, so the decodes miss at most every other step).
 And while clients share the node, a step carrying prompt tokens beside decodes is bounded as a
 decode node's is (``SHARED_STALL_MS`` of measured prefill compute, unless the node sets its own
-bound): a newcomer never waits behind a step full of another client's prompt (or its preempted
-sequences' recompute).
+bound; only with chunked prefill, else a prompt over it would wait while anything decodes): a
+newcomer never waits behind a step full of another client's prompt (or its preempted sequences'
+recompute).
 
 With one client, or off (``enabled=False``: the counters still run), nothing is reordered and
 nothing is preempted: admission is the plain FIFO.

@@ -180,8 +180,9 @@ class LLMEngine:
         touched = self._finished_unreported
         self._finished_unreported = []
         stall_ms = self.config.max_local_prefill_stall_ms
-        if stall_ms is None and self.scheduler.fairness.shared():
+        if stall_ms is None and self.config.enable_chunked_prefill and self.scheduler.fairness.shared():
             stall_ms = SHARED_STALL_MS  # clients share the node: no step may hold a newcomer long
+            # (only with chunking: an unchunked prompt over the bound would wait while anything decodes)
         cap = self.step_meter.stall_token_cap(stall_ms, self.config.block_size)
         batch = self.scheduler.schedule(cap)
         self.last_step_num_tokens = batch.num_tokens
