@@ -105,6 +105,11 @@ class NodeConfig(HttpServerOptions, EngineConfig):
         None, ge=1, le=65535, description="KV transfer (ZMQ) port (role default: 14579 prefill, 14580 decode)",
         json_schema_extra=DAEMONS,
     )
+    kv_events_port: int | None = Field(
+        None, ge=1, le=65534, description="KV events (ZMQ PUB) port, the replay socket at the next one (with "
+        "--proxy: the proxies subscribe to the prefix cache's changes there); unset = two free ports, "
+        "advertised in the heartbeat. Set it where a firewall must name the ports", json_schema_extra=DAEMONS,
+    )
     proxy: str | None = Field(
         None, description="Proxy registries to register and heartbeat with: HOST:PORT, or several separated by "
         "commas (every proxy is active); a DNS name stands for every address it resolves to (a Kubernetes "

@@ -64,6 +64,14 @@ def test_a_taken_kv_port_is_one_line(command: str, taken_port: int, tmp_path: Pa
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_taken_kv_events_port_is_one_line(taken_port: int, tmp_path: Path) -> None:
+    proc = _pdserve("prefill", "--port", str(free_port()), "--kv-port", str(free_port()), "--proxy", "127.0.0.1:9",
+                    "--kv-events-port", str(taken_port), "--cache-dir", str(tmp_path / "cache"))
+    assert proc.returncode == 1
+    assert f"error: --kv-events-port: port {taken_port} on 127.0.0.1 is in use" in _error_line(proc)
+    assert not (tmp_path / "cache").exists()
+
+
 @pytest.mark.parametrize("flag", ["--port", "--registry-port"])
 def test_a_taken_proxy_port_is_one_line(flag: str, taken_port: int) -> None:
     other = "--registry-port" if flag == "--port" else "--port"

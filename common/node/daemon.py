@@ -157,7 +157,8 @@ class Daemon:
 
         llm = self.engine.engine
         publisher = KVEventPublisher(self.config.host, self.config.kv_host, llm.block_manager.block_size,
-                                     llm.block_manager.cached_hashes, key=self.key)
+                                     llm.block_manager.cached_hashes, key=self.key,
+                                     port=self.config.kv_events_port or 0)
         llm.block_manager.events = publisher.put
         publisher.start()
         export_metrics(publisher, self.metrics.registry, self.metrics.role)

@@ -51,12 +51,14 @@ SNAPSHOT_MAX_HASHES = 400_000  # the newest; 16-byte hashes keep the batch under
 
 
 class KVEventPublisher:
-    """Binds a PUB and a replay ROUTER on ``host`` (free ports), advertised at ``advertise_host``."""
+    """Binds a PUB and a replay ROUTER on ``host`` (``port`` and the next one; 0: free ports),
+    advertised at ``advertise_host``."""
 
     def __init__(self, host: str, advertise_host: str, block_size: int, cached_hashes: Callable[[], list[bytes]],
                  key: ClusterKey | None = None, max_queue: int = 10_000, buffer_bytes: int = 8 << 20,
-                 idle_s: float = 0.1, topic: bytes = b"") -> None:
+                 idle_s: float = 0.1, topic: bytes = b"", port: int = 0) -> None:
         self.host, self.advertise_host, self.block_size = host, advertise_host, block_size
+        self._bind_port = port
         self.epoch = secrets.token_hex(8)
         self.topic = topic
         self.idle_s = idle_s  # the longest a replay request waits for an idle publisher
@@ -124,8 +126,18 @@ class KVEventPublisher:
         self._router.setsockopt(zmq.MAXMSGSIZE, 4096)  # a replay request is 8 bytes and a seal
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
-        self.port = self._pub.bind_to_random_port(f"tcp://{host}")
-        self.replay_port = self._router.bind_to_random_port(f"tcp://{host}")
+        try:
+            if self._bind_port:
+                self._pub.bind(f"tcp://{host}:{self._bind_port}")
+                self._router.bind(f"tcp://{host}:{self._bind_port + 1}")
+                self.port, self.replay_port = self._bind_port, self._bind_port + 1
+            else:
+                self.port = self._pub.bind_to_random_port(f"tcp://{host}")
+                self.replay_port = self._router.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError:
+            for sock in (self._pub, self._router):  # or stop()'s term() would wait for them forever
+                sock.close(linger=0)
+            raise
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-events", daemon=True)
         self._thread.start()
         logger.info("KV events on %s (replay %s), epoch %s", self.endpoint, self.replay_endpoint, self.epoch)

@@ -84,6 +84,9 @@ def check_ports(config: NodeConfig) -> None:
         check_port_free(config.host, config.kv_port or 0, "--kv-port")
         for rank in range(1, config.kv_rank_count):  # each KV rank's endpoint (tp_ranks, tp_slices)
             check_port_free(config.host, (config.kv_port or 0) + rank, f"--kv-port + {rank} (KV rank {rank})")
+        if config.kv_events_port and config.proxy:  # the KV events' PUB, and its replay at the next port
+            check_port_free(config.host, config.kv_events_port, "--kv-events-port")
+            check_port_free(config.host, config.kv_events_port + 1, "--kv-events-port + 1 (replay)")
 
 
 def check_machine(config: NodeConfig) -> None:

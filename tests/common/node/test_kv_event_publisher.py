@@ -210,3 +210,22 @@ def test_replays_are_answered_at_a_bounded_rate(ctx) -> None:
         assert pub.replays <= REPLAYS_PER_S + 1 and pub.replays_refused >= 9
     finally:
         pub.stop()
+
+
+def test_a_fixed_port_binds_there_and_the_replay_next_to_it_and_a_taken_one_fails_the_start(ctx) -> None:
+    """--kv-events-port: the PUB on the port, the replay ROUTER on the next (a firewall names both); a
+    port another process holds fails the start instead of moving elsewhere."""
+    from tests.helpers.ports import free_port_run
+
+    port = free_port_run(2)
+    bm = BlockManager(4, 2, True)
+    pub = started(bm, port=port)
+    try:
+        assert (pub.endpoint, pub.replay_endpoint) == (f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}")
+        assert replay(ctx, pub, 0)[-1][1] == END_SEQ  # the replay socket answers at port + 1
+        clash = KVEventPublisher("127.0.0.1", "127.0.0.1", 2, bm.cached_hashes, port=port)
+        with pytest.raises(zmq.ZMQError):
+            clash.start()
+        clash.stop()
+    finally:
+        pub.stop()
