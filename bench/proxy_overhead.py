@@ -201,7 +201,7 @@ def _measure(args, proxy_pid: int, d_port: int, proxy_port: int, stream: bool) -
     cpu_one_ms = (_cpu_s(proxy_pid) - cpu_before) * 1e3 / (args.requests + min(50, args.requests))
     direct_load = _run_load(d_port, args.concurrency, args.seconds, stream)
     spy = None
-    if args.profile and not stream:
+    if args.profile and (not stream or args.modes == "stream"):
         spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(proxy_pid), "-d",
                                 str(int(args.seconds) + 1), "-r", "400", "-f", "raw", "-o", args.profile, "--nonblocking"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
