@@ -20,11 +20,6 @@ A step full of one client's decodes is many times an idle step on a CPU: while o
 at least half the running slots, a newly admitted client that runs nothing gets its prompt (or its
 first chunk, within the stall bound) computed in a step of its own before the decodes' next step
 (:meth:`newcomers`; never two such steps in a row, so the decodes miss at most every other step).
-And while clients share the node, a step carrying prompt tokens beside decodes is bounded as a
-decode node's is (``SHARED_STALL_MS`` of measured prefill compute, unless the node sets its own
-bound; only with chunked prefill, else a prompt over it would wait while anything decodes): a
-newcomer never waits behind a step full of another client's prompt (or its preempted sequences'
-recompute).
 
 With one client, or off (``enabled=False``: the counters still run), nothing is reordered and
 nothing is preempted: admission is the plain FIFO.
@@ -40,7 +35,6 @@ from common.engine.sequence import Sequence
 
 PROMPT_WEIGHT = 0.5  # a prompt token costs half an output token (VTC's w_p : w_q = 1 : 2)
 DEFAULT_MAX_TOKENS_IN_FLIGHT_PER_CLIENT = 4096
-SHARED_STALL_MS = 50.0  # the local-prefill stall bound while clients share a node (a decode node's default)
 _MAX_IDLE_CLIENTS = 4096  # counters of inactive clients kept; past it they are dropped (lifted anyway)
 
 
@@ -125,10 +119,6 @@ class FairShare:
         held = self.held(running)
         seq = self._pick(waiting, held)
         return None if self.over_cap(client_of(seq), held, held_cost(seq)) else seq
-
-    def shared(self) -> bool:
-        """Two or more clients have work here (and fair share is on)."""
-        return self.enabled and len(self.live) > 1
 
     def newcomers(self, waiting: Iterable[Sequence], running: list[Sequence], max_num_seqs: int) -> list[Sequence]:
         """While one client holds at least half the running slots: the first waiting sequence of

@@ -28,7 +28,6 @@ from common.engine.block_hash import root_hash
 from common.engine.block_manager import BlockManager
 from common.engine.config import CPU_KV_CACHE_GB, EngineConfig
 from common.engine.cuda_graph import graph_memory
-from common.engine.fairness import SHARED_STALL_MS
 from common.engine.gpu_memory import DEFAULT_GPU_MEMORY_UTILIZATION, activation_reserve, kv_cache_budget
 from common.engine.kv_connector import KVConnector, KVConnectorMetadata, no_connector
 from common.engine.model_runner import ModelRunner
@@ -179,11 +178,7 @@ class LLMEngine:
         landed = self.poll_transfers()
         touched = self._finished_unreported
         self._finished_unreported = []
-        stall_ms = self.config.max_local_prefill_stall_ms
-        if stall_ms is None and self.config.enable_chunked_prefill and self.scheduler.fairness.shared():
-            stall_ms = SHARED_STALL_MS  # clients share the node: no step may hold a newcomer long
-            # (only with chunking: an unchunked prompt over the bound would wait while anything decodes)
-        cap = self.step_meter.stall_token_cap(stall_ms, self.config.block_size)
+        cap = self.step_meter.stall_token_cap(self.config.max_local_prefill_stall_ms, self.config.block_size)
         batch = self.scheduler.schedule(cap)
         self.last_step_num_tokens = batch.num_tokens
         meta = batch.kv_connector_metadata

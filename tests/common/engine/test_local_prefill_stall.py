@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 
 from common.engine.config import EngineConfig
-from common.engine.fairness import SHARED_STALL_MS
 from common.engine.llm_engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
 
@@ -60,26 +59,3 @@ def test_without_decodes_a_prompt_takes_the_whole_step_budget() -> None:
     prompt_steps = [r.num_prefill_tokens for r in engine.step_meter.records]
     assert prompt_steps == [256, 256, 88]  # nothing decodes: the bound does not apply
     assert engine.stats().prefill_tokens_per_s is not None
-
-
-def test_clients_sharing_a_node_get_the_shared_bound_without_one_set() -> None:
-    """Fair share: while two clients have work, a step beside decodes is bounded by SHARED_STALL_MS
-    (a newcomer must not wait behind a step full of another client's prompt); one client, no bound."""
-    prompt = [random.Random(5).randrange(4, 2048) for _ in range(700)]
-    engine = LLMEngine(EngineConfig(max_num_batched_tokens=512, enable_prefix_caching=False, num_kv_blocks=256))
-    engine.add_request("warm", prompt[:100], SamplingParams(temperature=0, max_tokens=1))  # a timed prefill
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.add_request("a", prompt[:20], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, client="A"))
-    for _ in range(3):
-        engine.step()
-    alone = list(engine.step_meter.records)
-    engine.add_request("b", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, client="B"))
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert all(r.prefill_token_cap is None for r in alone)  # client A alone
-    shared = [r for r in list(engine.step_meter.records)[len(alone):] if r.num_decode_rows and r.num_prefill_tokens]
-    assert shared, "B's prompt never went beside A's decode"
-    for r in shared:
-        assert r.prefill_token_cap == max(16, int(r.prefill_tokens_per_s * SHARED_STALL_MS / 1000))
-        assert r.num_prefill_tokens <= r.prefill_token_cap
