@@ -160,7 +160,8 @@ class NodeConfig(HttpServerOptions, EngineConfig):
         "auto", description="CRC-32 of each KV layer, checked by the decode node before it uses the KV (both "
         "sides agree at the handshake: off on either side wins, then on); auto = off on every transport today "
         "(on a CPU it costs ~0.5 ms per MB on each side, 4x a loopback transfer; tcp checksums its segments "
-        "anyway). The transfer's nonce and its layer and byte counts are always checked", json_schema_extra=DAEMONS
+        "anyway; a cuda_ipc pair never checksums: the copy is GPU to GPU). The transfer's nonce and its layer and "
+        "byte counts are always checked", json_schema_extra=DAEMONS
     )
     kv_ranks: int | None = Field(
         None, ge=1, le=64,
