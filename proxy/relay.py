@@ -48,6 +48,7 @@ from proxy.disagg import Decision, DisaggPolicy
 from proxy.errors import (BadRequest, ClientDisconnected, NoNodeAvailable, ProxyError, RequestTimeout,
                           StreamIdle, UpstreamUnreachable, is_retryable)
 from proxy.exact_prefix import ExactPrefix, PromptTokens
+from proxy.fair_share import client_of
 from proxy.legs import Legs, prefill_body, read_chunks
 from proxy.liveness import LostCheck, node_lost, watched
 from proxy.metrics import ProxyMetrics, StreamWatch
@@ -85,16 +86,18 @@ class Dispatcher:
             if refused is not None:
                 raise BadRequest(refused.message, code=refused.code)
             body = await off_loop(len(body_bytes), parse_body, body_bytes)
+            authorization = request.headers.get("authorization")
             if self.tenant_salt is not None:  # both legs and the prefix routing see the tenant's salt
-                body = self.tenant_salt.apply(body, request.headers.get("authorization"))
+                body = self.tenant_salt.apply(body, authorization)
                 body_bytes = await off_loop(len(body_bytes), encode_body, body)
+            client = client_of(authorization, body, self.config.api_key)  # for fair share in routing
         except ProxyError as exc:
             return self._failed(exc, incoming)
         watcher = asyncio.ensure_future(wait_disconnect(request))  # only after the body is read
         attempts: list[Call] = []
         try:
             async with asyncio.timeout(self.config.total_timeout_s):
-                return await self._with_retry(body, body_bytes, incoming, watcher, attempts)
+                return await self._with_retry(body, body_bytes, incoming, watcher, attempts, client)
         except TimeoutError:
             exc = RequestTimeout(f"request exceeded {self.config.total_timeout_s:g} s")
             return self._failed(exc, incoming, attempts[-1] if attempts else None)
@@ -108,7 +111,8 @@ class Dispatcher:
             watcher.cancel()
 
     async def _with_retry(
-        self, body: dict, body_bytes: bytes, incoming: Incoming, watcher: asyncio.Task, attempts: list[Call]
+        self, body: dict, body_bytes: bytes, incoming: Incoming, watcher: asyncio.Task, attempts: list[Call],
+        client: str,
     ) -> Response:
         path = incoming.path
         if RESUME_FIELD in body:  # internal (proxy/migration.py): only this proxy may send it
@@ -124,7 +128,8 @@ class Dispatcher:
         rerun_of: ProxyError | None = None  # the decode failure being run again elsewhere
         while True:
             try:
-                pair, decision = self._pick(model, prompt, migration.failed_prefills, migration.failed_decodes)
+                pair, decision = self._pick(model, prompt, migration.failed_prefills, migration.failed_decodes,
+                                            client)
             except NoNodeAvailable as exc:
                 if isinstance(rerun_of, UpstreamUnreachable) and not rerun_of.reached:  # every one it could use is gone
                     raise NoNodeAvailable(f"no live decode node: {rerun_of}; {exc}") from None
@@ -177,32 +182,32 @@ class Dispatcher:
         return True
 
     def _pick(self, model: str | None, prompt: str, failed_prefills: set[str],
-              failed_decodes: set[str]) -> tuple[Pair, Decision]:
+              failed_decodes: set[str], client: str) -> tuple[Pair, Decision]:
         """A pair and where its prompt is prefilled. Once a prefill node has failed the request and
         no other is left (or two have failed), or when no prefill node is registered at all, the
         decode node computes the prompt itself: a slower first token, not an error (counted as
         ``proxy_prefill_decisions_total{path="local",reason="prefill_failed"|"no_prefill_node"}``)."""
         if len(failed_prefills) < _MAX_PREFILL_TRIES:
             try:
-                pair = self.router.pick(model, frozenset(failed_prefills), prompt, frozenset(failed_decodes))
+                pair = self.router.pick(model, frozenset(failed_prefills), prompt, frozenset(failed_decodes), client)
                 return pair, self._decide(pair, prompt)
             except NoNodeAvailable as exc:
                 if not failed_prefills:
-                    return self._decode_alone(model, prompt, failed_decodes, exc)
-        pair = self.router.pick(model, frozenset(), prompt, frozenset(failed_decodes))
+                    return self._decode_alone(model, prompt, failed_decodes, exc, client)
+        pair = self.router.pick(model, frozenset(), prompt, frozenset(failed_decodes), client)
         decision = Decision("local", "prefill_failed")
         self.metrics.count_decision(decision.path, decision.reason)
         return pair, decision
 
     def _decode_alone(self, model: str | None, prompt: str, failed_decodes: set[str],
-                      lack: NoNodeAvailable) -> tuple[Pair, Decision]:
+                      lack: NoNodeAvailable, client: str) -> tuple[Pair, Decision]:
         """With no prefill node registered at all (the last one was evicted), a decode node computes the
         prompt itself; ``lack`` (the router's NoNodeAvailable) is raised for anything else: no decode
         node either, or none compatible with the prefill nodes there are."""
         if self.router.registry.counts()["P"]:
             raise lack
         try:
-            pair = self.router.pick_decode(model, prompt, frozenset(failed_decodes))
+            pair = self.router.pick_decode(model, prompt, frozenset(failed_decodes), client)
         except NoNodeAvailable:
             raise lack from None
         decision = Decision("local", "no_prefill_node")
@@ -363,14 +368,14 @@ class Dispatcher:
         wants_text = self.config.policy == "prefix_aware" or self.config.disagg_policy == "auto"
         tokenize = self.exact is not None and self.exact.index.has_fresh
         prompt = self.prompts.prompt(migration.body, tokenize) if wants_text else ""
-        skip_d = frozenset(migration.failed_decodes)
+        skip_d, client = frozenset(migration.failed_decodes), call.pair.client
         try:
-            pair = self.router.pick(model, frozenset(migration.failed_prefills), prompt, skip_d)
+            pair = self.router.pick(model, frozenset(migration.failed_prefills), prompt, skip_d, client)
             decision = self._decide(pair, prompt)
         except NoNodeAvailable:
             if not migration.failed_prefills:
                 raise
-            pair = self.router.pick(model, frozenset(), prompt, skip_d)
+            pair = self.router.pick(model, frozenset(), prompt, skip_d, client)
             decision = Decision("local", "migration")  # no other prefill node: decode computes the prompt
         p_addr = LOCAL_PREFILL if decision.local else pair.prefill.zmq_address
         tagged = make_request_id(p_addr, pair.decode.zmq_address, uuid.uuid4().hex)

@@ -21,6 +21,7 @@ from common.registry_client import RegistrationMessage
 from common.serving.errors import model_not_served
 from proxy.errors import ModelNotFound, NoNodeAvailable, ProxyError
 from proxy.exact_prefix import ExactPrefix
+from proxy.fair_share import ClientLegs, saturated
 from proxy.prefix_policy import PrefixAware
 from proxy.registry import Group, GroupKey, Node, ServiceRegistry
 
@@ -49,6 +50,7 @@ def heads_route(p: RegistrationMessage, d: RegistrationMessage) -> bool:
 class Pair:
     prefill: RegistrationMessage
     decode: RegistrationMessage
+    client: str = ""  # whom it was picked for (proxy/fair_share.py): its legs count as that client's
 
 
 class Policy(Protocol):
@@ -118,12 +120,13 @@ class Router:
             if isinstance(p, PrefixAware):
                 p.exact = exact
         self._inflight: Counter = Counter()
+        self._client_legs = ClientLegs()  # the same legs by client: fair share when every node is full
         self._cache: tuple[tuple[Group, ...], dict[str | None, _Candidates]] = ((), {})
 
     def pick(self, model: str | None, exclude_prefill: frozenset[str] = frozenset(),
-             prompt: str = "", exclude_decode: frozenset[str] = frozenset()) -> Pair:
-        """A compatible pair for ``model`` (``prompt``: its text, for prefix_aware); raises
-        NoNodeAvailable or ModelNotFound."""
+             prompt: str = "", exclude_decode: frozenset[str] = frozenset(), client: str = "") -> Pair:
+        """A compatible pair for ``model`` (``prompt``: its text, for prefix_aware; ``client``: who
+        sends it, for fair share when every node is saturated); raises NoNodeAvailable or ModelNotFound."""
         c = self._candidates(model)
         prefills = c.prefills
         if exclude_prefill:
@@ -132,17 +135,17 @@ class Router:
             if c.error is not None:
                 raise type(c.error)(c.error.message)  # a fresh one each time: no traceback pile-up
             raise NoNodeAvailable("no prefill node is registered (besides ones that just failed)")
-        p = self._choose(self._prefill_policy, prefills, prompt, "prefill")
+        p = self._choose(self._prefill_policy, prefills, prompt, "prefill", client)
         decodes = c.decodes_of[p.group, p.info.tp_size]
         if exclude_decode:
             decodes = [n for n in decodes if n.info.http_address not in exclude_decode]
             if not decodes:
                 raise NoNodeAvailable("no decode node is registered (besides ones that just failed)")
-        d = self._choose(self._decode_policy, decodes, prompt, "decode")
-        return Pair(p.info, d.info)
+        d = self._choose(self._decode_policy, decodes, prompt, "decode", client)
+        return Pair(p.info, d.info, client)
 
     def pick_decode(self, model: str | None, prompt: str = "",
-                    exclude_decode: frozenset[str] = frozenset()) -> Pair:
+                    exclude_decode: frozenset[str] = frozenset(), client: str = "") -> Pair:
         """A decode node for ``model`` that computes the prompt itself, for when no prefill node is
         registered: ``Pair(d, d)``, to be sent with a local prefill (the decode leg only). Raises
         NoNodeAvailable when there is none either."""
@@ -151,26 +154,34 @@ class Router:
                          key=lambda n: n.info.http_address)
         if not decodes:
             raise NoNodeAvailable("no prefill and no decode node is registered (besides ones that just failed)")
-        d = self._choose(self._decode_policy, decodes, prompt, "decode")
-        return Pair(d.info, d.info)
+        d = self._choose(self._decode_policy, decodes, prompt, "decode", client)
+        return Pair(d.info, d.info, client)
 
-    def _choose(self, policy: Policy, nodes: list[Node], prompt: str, role: str) -> Node:
+    def _choose(self, policy: Policy, nodes: list[Node], prompt: str, role: str, client: str) -> Node:
         """The policy's pick among ``nodes``, skipping any whose engine is stuck past the stall
         limit, and any a leg just failed to reach while another can take the request (checked on
-        the pick first, so the common case costs no pass over the list). ``on_route`` hears the
-        role and the reason of each pick."""
+        the pick first, so the common case costs no pass over the list); when that pick is
+        saturated, fair share between clients may move it (``proxy/fair_share.py``). ``on_route``
+        hears the role and the reason of each pick (``fair_share`` for a moved one)."""
         node, reason = self._ask(policy, nodes, prompt)
         stalled = self.registry.stalled_for(node) >= self.stall_limit_s
+        pool = nodes
         if stalled or self._cooling_down(node):
             live = [n for n in nodes if self.registry.stalled_for(n) < self.stall_limit_s]
             if not live:
                 raise NoNodeAvailable(f"every compatible {role} node is stalled (its engine has made no "
                                       f"progress for {self.stall_limit_s:g} s, --node-stall-timeout-s)")
-            reachable = [n for n in live if not self._cooling_down(n)]
+            pool = reachable = [n for n in live if not self._cooling_down(n)]
             if reachable:
                 node, reason = self._ask(policy, reachable, prompt)
-            elif stalled:  # all cooling: try anyway
-                node, reason = self._ask(policy, live, prompt)
+            else:  # all cooling: try anyway
+                pool = live
+                if stalled:
+                    node, reason = self._ask(policy, live, prompt)
+        if saturated(node):  # the one check a request pays while its node has a free slot
+            fair = self._client_legs.choose(node, pool, client, self._inflight)
+            if fair is not None:
+                node, reason = fair, "fair_share"
         if self.on_route is not None:
             self.on_route(role, reason)
         return node
@@ -208,15 +219,18 @@ class Router:
         return sorted({g.model for g in self.registry.groups() if g.model})
 
     def begin(self, pair: Pair, local: bool = False) -> None:
-        """Count the legs (only D's for a ``local`` prefill) as in flight until ``end``."""
+        """Count the legs (only D's for a ``local`` prefill) as in flight until ``end``, in all and
+        as ``pair.client``'s."""
         for key in _leg_keys(pair, local):
             self._inflight[key] += 1
+            self._client_legs.add(key, pair.client)
 
     def end(self, pair: Pair, local: bool = False) -> None:
         for key in _leg_keys(pair, local):
             self._inflight[key] -= 1
             if self._inflight[key] <= 0:
                 del self._inflight[key]
+            self._client_legs.remove(key, pair.client)
 
     def _candidates(self, model: str | None) -> _Candidates:
         groups = self.registry.groups()
