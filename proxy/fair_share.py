@@ -56,18 +56,27 @@ class ClientLegs:
     ``end`` and asks :meth:`choose` when its policy's pick is saturated."""
 
     def __init__(self) -> None:
-        self._legs: Counter[tuple[tuple[str, str], str]] = Counter()  # ((type, http_address), client)
-        self._clients: Counter[str] = Counter()  # client -> its legs on any node
+        # plain dicts, written out: this runs twice per leg, on every request
+        self._legs: dict[tuple[tuple[str, str], str], int] = {}  # ((type, http_address), client) -> legs
+        self._clients: dict[str, int] = {}  # client -> its legs on any node
 
     def add(self, key: tuple[str, str], client: str) -> None:
-        self._legs[key, client] += 1
-        self._clients[client] += 1
+        legs, clients, k = self._legs, self._clients, (key, client)
+        legs[k] = legs.get(k, 0) + 1
+        clients[client] = clients.get(client, 0) + 1
 
     def remove(self, key: tuple[str, str], client: str) -> None:
-        for table, k in ((self._legs, (key, client)), (self._clients, client)):
-            table[k] -= 1
-            if table[k] <= 0:
-                del table[k]
+        legs, clients, k = self._legs, self._clients, (key, client)
+        n = legs.get(k, 0) - 1
+        if n > 0:
+            legs[k] = n
+        else:
+            legs.pop(k, None)
+        n = clients.get(client, 0) - 1
+        if n > 0:
+            clients[client] = n
+        else:
+            clients.pop(client, None)
 
     def holds(self, key: tuple[str, str], client: str) -> int:
         return self._legs.get((key, client), 0)
