@@ -7,15 +7,19 @@ has cached, that costs more than it saves. ``always`` sends every request to bot
 request from what the cluster measures (every figure but the hand-off from the heartbeats):
 
     remote = queue_P + compute_P + transfer + handoff(P, D)
-        queue_P   = P's pending prompt tokens / tokens_per_s_P
+        queue_P   = P's pending prompt tokens / tokens_per_s_P (+ what this proxy sent it since)
         compute_P = uncached_P / tokens_per_s_P
         transfer  = max(uncached_D x kv_bytes_per_token / transfer rate - compute_P, 0)
     local  = queue_D + compute_D + overhead_local(D),   compute_D = uncached_D / tokens_per_s_D
-    stall  = num_decoding x compute_D   (what the decodes running on D wait for it, in all)
+    stall  = decoding x compute_D   (what the decodes running on D wait for it, in all)
 
 ``tokens_per_s``, pending tokens and ``num_decoding`` come from each node's heartbeat (an EWMA
-of its timed prefill steps); a decode node that has not prefilled yet borrows the prefill node's
-rate (same model, same KV layout). ``kv_bytes_per_token`` is the KV layout's, the transfer rate
+of its timed prefill steps); a heartbeat is up to an interval old and a burst is decided within
+one, so each node's queue also holds the prompts this proxy sent it since (``Unreported``), and
+``decoding`` is this proxy's own count of requests in flight on D when the router lends it
+(``in_flight``), else the heartbeat's ``num_decoding`` and at least the requests sent since. A
+decode node that has not prefilled yet borrows the prefill node's rate (same model, same KV
+layout). ``kv_bytes_per_token`` is the KV layout's, the transfer rate
 the decode node's EWMA of its received transfers, timed from first byte to DONE (not from the
 PULL, which would count P's queue and prefill as transfer). D asks only for the blocks it lacks,
 so ``uncached_D`` tokens move; layers travel while P computes the next, so only what outlasts
@@ -37,12 +41,15 @@ The decision, each with its reason label: no prefill rate measured anywhere -> r
 (``no_figures``); remote faster for this request's first token -> remote (``cheaper_remote``; a tie
 goes on to the local checks: no transfer, and the prefill node stays free for long prompts);
 its uncached prefill does not fit one step of D's ``--max-local-prefill-stall-ms`` (reported in
-its heartbeat) -> remote (``stall_bound``): decodes there, or arriving meanwhile, see at most one
-bounded hiccup (a longer local prefill would be cheaper for its own first token on an idle decode
-node, and then hold every request arriving during it to bounded-but-slow steps; the decode node
-is the 1P1D bottleneck, so it is kept for short work); ``local + stall`` above ``remote`` ->
-remote (``busy_decode``): the time the running batch would lose outweighs what the request gains;
-else local (``cheaper_local``).
+its heartbeat) and would hold up others -> remote (``stall_bound``): decodes there, or arriving
+meanwhile, see at most one bounded hiccup (the decode node is the 1P1D bottleneck, so it is kept
+for short work). Others are held up when decodes run or prompts wait there, or when the requests
+expected during it (this proxy's rate to D over the last ``ARRIVALS_WINDOW_S``, at least one per
+window) would wait half of it each for longer, in all, than local saves this one: at one client
+on an idle decode node, a prompt a little over the bound used to go remote and pay the hand-off
+for nothing (bench/adaptive.py's closed loop: 256-token prompts, one client). Then ``local +
+stall`` above ``remote`` -> remote (``busy_decode``): the time the running batch would lose
+outweighs what the request gains; else local (``cheaper_local``).
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ CHARS_PER_TOKEN = 3.6  # the embedded byte-level BPE on English text measured 3.
 DEFAULT_REMOTE_OVERHEAD_S = 0.02  # until this proxy has timed a remote request of the pair
 COST_SAMPLES = 8  # a path's fixed cost is the median of its last 8 measured ...
 COST_TTL_S = 10.0  # ... not older than this
+UNREPORTED_TTL_S = 5.0  # what this proxy sent a node counts until its next heartbeat, at most this long
+ARRIVALS_WINDOW_S = 10.0  # a decode node's request rate: what this proxy sent it in the last 10 s
 MAX_COST_KEYS = 4096  # node addresses come and go: keep the tables bounded
 Path = Literal["local", "remote"]
 
@@ -79,6 +88,7 @@ class Decision:
     est_remote_s: float | None = None
     compute_s: float | None = None  # the chosen path's predicted time bar its fixed cost (measured against it)
     stall_s: float | None = None  # what the decodes running on D would wait for a local prefill, in all
+    prefill_s: float | None = None  # the prompt's predicted compute on the node that prefills it
 
     @property
     def local(self) -> bool:
@@ -108,6 +118,73 @@ class PathCost:
         return statistics.median(seconds for _, seconds in samples) if samples else self.prior
 
 
+@dataclass
+class _SinceHeartbeat:
+    heartbeat: RegistrationMessage  # the last one this proxy decided with (a new heartbeat is a new object)
+    seen: float  # when this proxy first decided with it
+    busy_until: float  # when the node's prefill queue drains: the heartbeat's, then what was sent since
+    requests: int = 0  # requests sent since
+
+
+class Unreported:
+    """Per node, what this proxy sent it since the heartbeat it last decided with.
+
+    A heartbeat is up to an interval old, and a burst is decided within one: 16 clients starting
+    together on an idle cluster all saw an idle decode node, all went local, and queued behind
+    each other there. A node's prefill queue is kept as the time it drains (the heartbeat's
+    pending tokens at its rate from when this proxy first saw it, then each prompt sent since at
+    its predicted compute); a decode node runs at least the requests sent it since (every request
+    decodes there). A new heartbeat starts again from its own figures."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._nodes: dict[tuple[str, str], _SinceHeartbeat] = {}
+
+    def refresh(self, key: tuple[str, str], node: RegistrationMessage, pending_s: float) -> _SinceHeartbeat:
+        """The node's record, started again from ``node`` (its latest heartbeat; ``pending_s``: its
+        queue's compute) when that is newer than the one held."""
+        now = self.clock()
+        since = self._nodes.get(key)
+        if since is None or since.heartbeat is not node or now - since.seen > UNREPORTED_TTL_S:
+            since = self._nodes[key] = _SinceHeartbeat(node, now, now + pending_s)
+            if len(self._nodes) > MAX_COST_KEYS:
+                self._nodes.pop(next(iter(self._nodes)))
+        return since
+
+    def queue_s(self, since: _SinceHeartbeat) -> float:
+        return max(since.busy_until - self.clock(), 0.0)
+
+    def add(self, key: tuple[str, str], node: RegistrationMessage, prefill_s: float = 0.0) -> None:
+        """A request sent to ``node``, ``prefill_s`` of prompt computed there."""
+        since = self._nodes.get(key)
+        if since is not None and since.heartbeat is node:
+            since.busy_until = max(since.busy_until, self.clock()) + prefill_s
+            since.requests += 1
+
+
+class Arrivals:
+    """Per decode node, the requests per second this proxy sent it over the last ``ARRIVALS_WINDOW_S``."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._times: dict[str, deque[float]] = {}
+
+    def add(self, key: str) -> None:
+        times = self._times.pop(key, None) or deque()
+        times.append(self.clock())
+        self._times[key] = times  # last used goes last: the first is the one to drop
+        if len(self._times) > MAX_COST_KEYS:
+            self._times.pop(next(iter(self._times)))
+
+    def per_s(self, key: str) -> float:
+        """At least one per window: a quiet spell says little of the next seconds."""
+        times = self._times.get(key)
+        now = self.clock()
+        while times and now - times[0] > ARRIVALS_WINDOW_S:
+            times.popleft()
+        return max(len(times) if times else 0, 1) / ARRIVALS_WINDOW_S
+
+
 class DisaggPolicy:
     """Decides per request; learns each path's fixed cost from the TTFTs it is told about."""
 
@@ -117,6 +194,12 @@ class DisaggPolicy:
         self._remote_cost = PathCost(DEFAULT_REMOTE_OVERHEAD_S, clock)  # keyed by (P, D) http addresses
         self._local_cost = PathCost(0.0, clock)  # keyed by D's http address
         self.exact: ExactPrefix | None = None  # exact cached counts, when the nodes' KV events are indexed
+        self._unreported = Unreported(clock)
+        self._arrivals = Arrivals(clock)
+        # this proxy's requests in flight on a decode node (the router's count, by its http address):
+        # fresher than a heartbeat's num_decoding, which at one client still counts the request that
+        # just ended; None: the heartbeat's, and at least what was sent since
+        self.in_flight: Callable[[str], int] | None = None
 
     def decide(self, prefill: RegistrationMessage, decode: RegistrationMessage, prompt: str) -> Decision:
         """``prompt``: the request's text (as prefix_aware reads it)."""
@@ -137,31 +220,57 @@ class DisaggPolicy:
             return Decision("remote", "no_figures")
         uncached_d = max(tokens - cached_d, 1)
         compute_p = max(tokens - cached_p, 1) / rate_p
+        since_p = self._unreported.refresh(("P", prefill.http_address), prefill,
+                                           (prefill.pending_prefill_tokens or 0) / rate_p)
+        since_d = self._unreported.refresh(("D", decode.http_address), decode,
+                                           (decode.pending_prefill_tokens or 0) / rate_d)
         bytes_per_token = decode.kv_bytes_per_token or prefill.kv_bytes_per_token
         transfer = 0.0  # not measured yet: the hand-off's measured cost holds it
         if bytes_per_token and decode.kv_transfer_bytes_per_s:
             transfer = max(uncached_d * bytes_per_token / decode.kv_transfer_bytes_per_s - compute_p, 0.0)
-        before_handoff = (prefill.pending_prefill_tokens or 0) / rate_p + compute_p + transfer
+        before_handoff = self._unreported.queue_s(since_p) + compute_p + transfer
         est_remote = before_handoff + self._remote_cost.get((prefill.http_address, decode.http_address))
         compute_d = uncached_d / rate_d
-        compute_local = (decode.pending_prefill_tokens or 0) / rate_d + compute_d
+        compute_local = self._unreported.queue_s(since_d) + compute_d
         est_local = compute_local + self._local_cost.get(decode.http_address)
-        stall = (decode.num_decoding or 0) * compute_d
+        decoding = self._decoding(decode, since_d)
+        stall = decoding * compute_d
         figures = dict(est_local_s=est_local, est_remote_s=est_remote, stall_s=stall)
         if est_remote < est_local:
-            return Decision("remote", "cheaper_remote", compute_s=before_handoff, **figures)
+            return Decision("remote", "cheaper_remote", compute_s=before_handoff, prefill_s=compute_p, **figures)
         bound_ms = decode.max_local_prefill_stall_ms
-        if bound_ms is not None and compute_d * 1000 > bound_ms:
-            return Decision("remote", "stall_bound", compute_s=before_handoff, **figures)
+        if (bound_ms is not None and compute_d * 1000 > bound_ms
+                and self._holds_up_others(decode, decoding, compute_local - compute_d, compute_d, est_remote - est_local)):
+            return Decision("remote", "stall_bound", compute_s=before_handoff, prefill_s=compute_p, **figures)
         if est_local + stall > est_remote:
-            return Decision("remote", "busy_decode", compute_s=before_handoff, **figures)
-        return Decision("local", "cheaper_local", compute_s=compute_local, **figures)
+            return Decision("remote", "busy_decode", compute_s=before_handoff, prefill_s=compute_p, **figures)
+        return Decision("local", "cheaper_local", compute_s=compute_local, prefill_s=compute_d, **figures)
+
+    def _decoding(self, decode: RegistrationMessage, since: _SinceHeartbeat) -> int:
+        """The requests decoding on ``decode`` now, or about to (their prefill under way)."""
+        if self.in_flight is not None:
+            return self.in_flight(decode.http_address)
+        return max(decode.num_decoding or 0, since.requests)
+
+    def _holds_up_others(self, decode: RegistrationMessage, decoding: int, queued_s: float, compute_s: float,
+                         saved_s: float) -> bool:
+        """Whether a local prefill longer than one bounded step would hold up other requests: decodes
+        running there or prompts queued, or the requests expected while it runs (this proxy's recent
+        rate to the node) waiting half of it each for longer, in all, than this one saves."""
+        expected = self._arrivals.per_s(decode.http_address) * compute_s
+        return decoding > 0 or queued_s > 0 or expected * compute_s / 2 > saved_s
 
     def sent(self, decision: Decision, prefill: RegistrationMessage, decode: RegistrationMessage,
              prompt: str) -> None:
-        """Note where the prompt's KV now lives (D always; P on a remote prefill)."""
+        """Note where the prompt's KV now lives (D always; P on a remote prefill), and what each
+        node now has queued that its heartbeat cannot say yet."""
         if self.mode != "auto":
             return
+        if decision.prefill_s is not None:
+            self._arrivals.add(decode.http_address)
+            self._unreported.add(("D", decode.http_address), decode, decision.prefill_s if decision.local else 0.0)
+            if not decision.local:
+                self._unreported.add(("P", prefill.http_address), prefill, decision.prefill_s)
         chunks = chunk_hashes(prompt, self._prefixes.chunk_chars)
         self._prefixes.remember(("D", decode.http_address), chunks)
         if not decision.local:

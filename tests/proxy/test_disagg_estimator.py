@@ -37,7 +37,15 @@ def _decode(**figures) -> RegistrationMessage:
 
 CASES = {
     "short prompt, idle decode": (_prefill(), _decode(), SHORT, "local", "cheaper_local"),
-    "long prompt": (_prefill(), _decode(), LONG, "remote", "stall_bound"),
+    # over one bounded step (~1.25 s against 50 ms): kept off a decode node that has decodes to stall...
+    "long prompt, decodes running": (_prefill(), _decode(num_decoding=2), LONG, "remote", "stall_bound"),
+    "long prompt, prefill queued on the decode node": (_prefill(), _decode(pending_prefill_tokens=16), LONG,
+                                                       "remote", "stall_bound"),
+    # ...and off an idle one too: a request arriving (at least one per 10 s assumed) would wait
+    # ~0.6 s of it, more than the 20 ms hand-off local saves
+    "long prompt, idle decode node": (_prefill(), _decode(), LONG, "remote", "stall_bound"),
+    # a prompt just over the bound (~110 tokens, 56 ms) on an idle one stalls no one: local saves the hand-off
+    "prompt just over the bound, idle decode node": (_prefill(), _decode(), SHORT * 4, "local", "cheaper_local"),
     # 8 decodes would each wait ~14 ms: 112 ms of their time for ~20 ms of this request's
     "short prompt, busy decode batch": (_prefill(), _decode(num_decoding=8), SHORT, "remote", "busy_decode"),
     "nothing measured yet": (_prefill(prefill_tokens_per_s=None), _decode(prefill_tokens_per_s=None), SHORT,
@@ -79,7 +87,7 @@ def test_a_tie_goes_local_on_an_idle_decode_node_and_remote_on_a_busy_one() -> N
 
 
 def test_a_long_prompt_the_decode_node_has_cached_is_prefilled_there() -> None:
-    policy, p, d = DisaggPolicy("auto"), _prefill(), _decode()
+    policy, p, d = DisaggPolicy("auto"), _prefill(), _decode(num_decoding=1)
     first = policy.decide(p, d, LONG)
     assert (first.path, first.reason) == ("remote", "stall_bound")
     policy.sent(first, p, d, LONG)  # the decode node now holds its KV (received), and so does P
@@ -173,3 +181,63 @@ def test_one_slow_first_token_does_not_keep_auto_off_a_path() -> None:
     steady = policy.decide(p, d, SHORT)
     assert steady.est_local_s == pytest.approx(steady.est_remote_s - 0.004, abs=0.001)
     assert steady.path == "local"
+
+
+def test_a_burst_decided_on_one_heartbeat_counts_what_it_sent() -> None:
+    """16 clients start together on an idle cluster: every decision sees the same heartbeat (D
+    idle). The first prompt goes local; after it, D runs it and has its prefill queued, so the
+    next ones go remote (busy_decode) instead of all queueing on D, and the prefill node's
+    queue grows with each one sent there. A new heartbeat starts again from its own figures."""
+    clock = _Clock()
+    policy, p, d = DisaggPolicy("auto", clock=clock), _prefill(), _decode()
+    decisions = []
+    for i in range(16):  # distinct prompts: no prefix of one is cached for the next
+        prompt = f"Question {i:02}. {SHORT}"
+        decision = policy.decide(p, d, prompt)
+        policy.sent(decision, p, d, prompt)
+        decisions.append(decision)
+    assert [(x.path, x.reason) for x in decisions[:3]] == [
+        ("local", "cheaper_local"), ("remote", "busy_decode"), ("remote", "busy_decode")]
+    assert sum(x.local for x in decisions) <= 2
+    first, second = decisions[0], decisions[1]
+    assert second.est_local_s == pytest.approx(first.est_local_s + first.prefill_s)  # queued behind the first
+    assert second.stall_s == pytest.approx(first.prefill_s)  # the first one decodes there now
+    remote = [x for x in decisions if not x.local]
+    assert remote[-1].est_remote_s == pytest.approx(remote[0].est_remote_s + (len(remote) - 1) * remote[0].prefill_s)
+    clock.now += 0.01  # P computed 10 ms of that queue meanwhile
+    assert policy.decide(p, d, "Question 99. " + SHORT).est_remote_s == pytest.approx(
+        remote[0].est_remote_s + len(remote) * remote[0].prefill_s - 0.01)
+    fresh = policy.decide(_prefill(), _decode(), "Question 99. " + SHORT)  # the next heartbeat: both nodes idle again
+    assert (fresh.path, fresh.reason) == ("local", "cheaper_local")
+    assert fresh.est_local_s == pytest.approx(first.est_local_s)
+
+
+def test_a_prompt_over_the_bound_goes_local_only_while_nothing_would_wait_for_it() -> None:
+    """The field's case (256-token prompts, a decode node whose bound they exceed): at one client
+    the heartbeat still counts the request that just ended, so the prompt went remote by
+    stall_bound on an idle node and paid the hand-off every time. With this proxy's own in-flight
+    count it goes local; with decodes in flight it does not, and on an idle node that requests
+    keep arriving at (2/s over the last 10 s) neither: each would wait for that prefill."""
+    prompt = SHORT * 4  # ~110 tokens: 56 ms at RATE, over a 50 ms bound
+    p, stale = _prefill(), _decode(num_decoding=1)
+    policy = DisaggPolicy("auto")
+    assert (policy.decide(p, stale, prompt).path, policy.decide(p, stale, prompt).reason) == ("remote", "stall_bound")
+    in_flight = {stale.http_address: 0}
+    policy.in_flight = in_flight.get
+    idle = policy.decide(p, stale, prompt)
+    assert (idle.path, idle.reason, idle.stall_s) == ("local", "cheaper_local", 0)
+    in_flight[stale.http_address] = 3
+    busy = policy.decide(p, stale, prompt)
+    assert (busy.path, busy.reason) == ("remote", "stall_bound")
+    assert busy.stall_s == pytest.approx(3 * busy.prefill_s)
+
+    clock = _Clock()
+    policy = DisaggPolicy("auto", clock=clock)
+    for i in range(20):  # short prompts, one every 0.5 s, each done before the next
+        clock.now += 0.5
+        d = _decode()
+        short = f"Question {i:02}. {SHORT}"
+        policy.sent(policy.decide(p, d, short), p, d, short)
+    long_one = policy.decide(p, _decode(), LONG)  # ~1.25 s: 2.5 arrivals expected meanwhile
+    assert (long_one.path, long_one.reason) == ("remote", "stall_bound")
+    assert policy.decide(p, _decode(), prompt).path == "local"  # 0.11 arrivals x 28 ms < the 20 ms saved
