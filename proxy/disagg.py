@@ -279,16 +279,19 @@ class DisaggPolicy:
     def observe_ttft(self, decision: Decision, prefill: RegistrationMessage, decode: RegistrationMessage,
                      ttft_s: float) -> None:
         """A streamed request's time to first token: what its path took beyond its predicted compute."""
-        if decision.compute_s is None or decision.compute_s > ttft_s / 2:
+        if decision.compute_s is None:
+            return
+        cost = ttft_s - decision.compute_s
+        if decision.local:
+            # every local first token counts (at no less than 0): the local path adds little to its
+            # compute, so the test below would pass only its slow first tokens, and one of those
+            # alone priced local ~200 ms dearer for COST_TTL_S (seen at one client)
+            self._local_cost.observe(decode.http_address, max(cost, 0.0))
+        elif decision.compute_s <= ttft_s / 2:
             # a first token mostly spent computing measures the rate's error more than the
             # hand-off: a long prompt's prefill runs faster per token than the rate from short
             # steps says, its residual comes out <= 0, and learning it would price every
             # hand-off at nothing (then a short prompt's two estimates tie)
-            return
-        cost = ttft_s - decision.compute_s
-        if decision.local:
-            self._local_cost.observe(decode.http_address, cost)
-        else:
             self._remote_cost.observe((prefill.http_address, decode.http_address), cost)
 
     def _cached_tokens(self, key: tuple[str, str], chunks: list[bytes]) -> float:

@@ -241,3 +241,16 @@ def test_a_prompt_over_the_bound_goes_local_only_while_nothing_would_wait_for_it
     long_one = policy.decide(p, _decode(), LONG)  # ~1.25 s: 2.5 arrivals expected meanwhile
     assert (long_one.path, long_one.reason) == ("remote", "stall_bound")
     assert policy.decide(p, _decode(), prompt).path == "local"  # 0.11 arrivals x 28 ms < the 20 ms saved
+
+
+def test_the_local_cost_learns_from_every_local_first_token() -> None:
+    """Local first tokens come ~2 ms after their ~14 ms of compute; one came 200 ms late (a pause).
+    Learning only first tokens not mostly spent computing kept just the slow one, and local was
+    priced 200 ms dearer than it is: every one counts, so the median stays ~2 ms."""
+    policy, p, d = DisaggPolicy("auto"), _prefill(), _decode()
+    policy.observe_ttft(Decision("local", "cheaper_local", compute_s=0.014), p, d, 0.214)
+    for _ in range(4):
+        policy.observe_ttft(Decision("local", "cheaper_local", compute_s=0.014), p, d, 0.016)
+    decision = policy.decide(p, d, SHORT)
+    assert decision.est_local_s == pytest.approx(decision.prefill_s + 0.002)
+    assert (decision.path, decision.reason) == ("local", "cheaper_local")
