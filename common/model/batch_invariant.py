@@ -4,11 +4,20 @@ A BLAS picks its kernel, its split over threads and so its order of summation by
 the call: ``F.linear`` of one row (a gemv) rounds differently from the same row among 4, and
 among 2 to 3, and with two threads the split of the rows over the threads changes the result
 again. So a token's hidden state, and in the end its logits, depended on how many other tokens
-shared its step. Here every linear runs on fixed tiles of ``tile`` rows (the last one padded
-with zeros): one batched matmul of ``[tiles, tile, in] @ [in, out]``, whose every batch
-element has the same shape whatever the batch. Which tile gives identical rows depends on the
-BLAS and the thread count, so :func:`choose_tile` checks at start, on random matrices of the
-model's sizes, and :func:`make_batch_invariant` refuses to start when no tile passes.
+shared its step. Two ways out, chosen at start by checking on the model's own weights:
+
+- on CPU in float32, oneDNN's matmul on the weight packed once in its blocked layout
+  (:func:`packed_linear`): its kernel sums each output over the input axis in one order
+  whatever the number of rows, except that for a single row it may split that axis over the
+  threads, so the rows are padded to a multiple of a small tile (4). It is also 2-4x faster
+  than MKL's sgemm/sgemv on this machine's AMD CPU, so the mode costs little here;
+- elsewhere (CUDA, other dtypes, no oneDNN, or the check fails), fixed tiles of ``tile`` rows
+  (the last one padded with zeros): one batched matmul of ``[tiles, tile, in] @ [in, out]``,
+  whose every batch element has the same shape whatever the batch (:func:`tiled_linear`).
+
+Which tile gives identical rows depends on the library and the thread count, so
+:func:`choose_packed_tile` and :func:`choose_tile` check at start, and
+:func:`make_batch_invariant` refuses to start when no tile passes.
 
 The other ops of the forward pass were checked row by row (``tests/common/model/
 test_batch_invariant.py``): the embedding, RMSNorm's mean over the last dim, rotary,
@@ -23,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 TILES = (16, 32, 64, 128)  # tried in order; the smallest costs least in decode steps of few rows
+PACKED_TILES = (4, 8, 16)  # the oneDNN path's row multiples, tried in order
 _CHECK_ROWS = (1, 2, 3, 5, 7, 9, 16, 17, 33, 100)  # batch sizes the start-up check compares
 
 
@@ -41,17 +51,56 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def packs_weights(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :func:`packed_linear` can run here (oneDNN's CPU matmul, float32)."""
+    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def pack_weight(weight: torch.Tensor, tile: int) -> torch.Tensor:
+    """``weight`` [out, in] in oneDNN's blocked layout, for :func:`packed_linear` (a copy)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), tile)
+
+
+def padded_rows(n: int, tile: int) -> int:
+    """``n`` rows rounded up to a multiple of ``tile``; past 64 rows, to a sixteenth of their power
+    of two: oneDNN builds a kernel per shape (1-3 ms each), so prefill chunks reuse a few."""
+    step = max(tile, 1 << max(n.bit_length() - 4, 0)) if n > 64 else tile
+    return -(-n // step) * step
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                  tile: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with oneDNN on ``packed`` (:func:`pack_weight`), the rows of
+    ``x`` [..., in] padded with zeros to :func:`padded_rows`."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    padded = padded_rows(n, tile)
+    if padded != n:
+        rows = F.pad(rows, (0, 0, 0, padded - n))
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out[:n].view(*x.shape[:-1], out_features)
+
+
 class InvariantLinear(nn.Linear):
-    """An ``nn.Linear`` that computes in fixed row tiles (:func:`tiled_linear`); same parameters."""
+    """An ``nn.Linear`` whose rows do not depend on their batch: :func:`packed_linear` when its
+    weight was packed at start, else fixed row tiles (:func:`tiled_linear`); same parameters.
+    The packed copy is made once: a weight changed in place afterwards is not seen."""
 
     tile: int
+    packed: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled_linear(x, self.weight, self.bias, self.tile)
+        return self._product(x, self.bias)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T`` without the bias (a tensor-parallel rank's partial product)."""
-        return tiled_linear(x, self.weight, None, self.tile)
+        return self._product(x, None)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, bias, self.out_features, self.tile)
+        return tiled_linear(x, self.weight, bias, self.tile)
 
 
 def rows_invariant(fn, x: torch.Tensor) -> bool:
@@ -79,6 +128,18 @@ def choose_tile(sizes: tuple[int, ...], device: torch.device, dtype: torch.dtype
         f"result for every batch size ({device}, {torch.get_num_threads()} threads); run without --batch-invariant")
 
 
+def choose_packed_tile(weights: list[torch.Tensor]) -> int | None:
+    """The first tile of :data:`PACKED_TILES` whose :func:`packed_linear` gives identical rows for
+    every checked batch size and offset, on each of ``weights`` (one per shape the model has);
+    None when none does."""
+    gen = torch.Generator().manual_seed(0)
+    for tile in PACKED_TILES:
+        packed = [(pack_weight(w, tile), w.shape[0], torch.randn(130, w.shape[1], generator=gen)) for w in weights]
+        if all(rows_invariant(lambda rows: packed_linear(rows, p, None, out, tile), x) for p, out, x in packed):
+            return tile
+    return None
+
+
 def bmm_invariant(shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.bmm`` of ``[b, m, k] @ [b, k, n]`` gives each batch element the same bits
     whatever ``b`` (the invariant attention's matmuls)."""
@@ -91,13 +152,18 @@ def bmm_invariant(shape: tuple[int, int, int], device: torch.device, dtype: torc
 
 def make_batch_invariant(model: nn.Module, device: torch.device) -> int:
     """Turn every ``nn.Linear`` of ``model`` into an :class:`InvariantLinear` (same parameters)
-    with the tile :func:`choose_tile` finds; returns the tile. BatchInvariantError when none passes,
+    with its weight packed for oneDNN when :func:`choose_packed_tile` finds a tile, else with the
+    tile :func:`choose_tile` finds; returns the tile. BatchInvariantError when none passes,
     or when the invariant attention's batched matmuls are not batch-count invariant here."""
     from common.model.attn_backends.invariant import KEY_BLOCK, QUERY_TILE
 
     config = model.config
     dtype = next(model.parameters()).dtype
-    tile = choose_tile(tuple(sorted({config.hidden_size, config.intermediate_size})), device, dtype)
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    packed_tile = None
+    if packs_weights(device, dtype):  # one weight of each shape: oneDNN's split of the work depends on it
+        packed_tile = choose_packed_tile(list({tuple(m.weight.shape): m.weight for m in linears}.values()))
+    tile = packed_tile or choose_tile(tuple(sorted({config.hidden_size, config.intermediate_size})), device, dtype)
     rows = QUERY_TILE * (config.num_heads // config.num_kv_heads)
     for shape in ((rows, config.head_dim, KEY_BLOCK), (rows, KEY_BLOCK, config.head_dim)):
         if not bmm_invariant(shape, device, dtype):
@@ -105,8 +171,8 @@ def make_batch_invariant(model: nn.Module, device: torch.device) -> int:
                 f"--batch-invariant: this machine's batched matmul ({device}, {torch.get_num_threads()} threads) "
                 f"gives a [{shape[0]}, {shape[1]}] @ [{shape[1]}, {shape[2]}] product different bits in batches of "
                 "different sizes, so attention cannot be made invariant here; run without --batch-invariant")
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
     for linear in linears:
-        linear.__class__ = InvariantLinear  # a subclass adding no state: parameters and tying stay as they are
+        linear.__class__ = InvariantLinear  # a subclass adding no parameters: they and their tying stay as they are
         linear.tile = tile
+        linear.packed = pack_weight(linear.weight, tile) if packed_tile else None
     return tile
