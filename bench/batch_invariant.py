@@ -78,9 +78,12 @@ def main() -> None:
     engines = {mode: LLMEngine(EngineConfig(model=str(model_dir), device=args.device, batch_invariant=mode,
                                             enable_prefix_caching=False, max_num_seqs=64))
                for mode in (False, True)}
+    head = engines[True].runner.model.lm_head
+    linears = (f"oneDNN on packed weights, rows padded to a multiple of {head.tile}" if head.packed is not None
+               else f"batched matmuls on tiles of {head.tile} rows")
     print(f"model {name}, {args.device}, {torch.get_num_threads()} threads, {args.requests} requests of "
           f"{args.prompt_tokens} prompt tokens and {args.max_tokens} output tokens per round, "
-          f"median of {args.repeats}; linear tile {engines[True].runner.model.lm_head.tile} rows\n")
+          f"median of {args.repeats}; invariant linears: {linears}\n")
     print("| concurrency | mode | output tok/s | TTFT (ms) | CPU ms / output token | cost: tok/s, CPU |")
     print("|---:|---|---:|---:|---:|---:|")
     for concurrency in map(int, args.concurrency.split(",")):

@@ -19,7 +19,7 @@ from common.engine.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
 from common.model.attn_backends.invariant import InvariantBackend
-from common.model.batch_invariant import InvariantLinear
+from common.model.batch_invariant import InvariantLinear, packs_weights
 
 PROMPT = [(7 * i + 3) % 2000 + 4 for i in range(70)]
 MAX_TOKENS = 8
@@ -80,6 +80,12 @@ def test_the_mode_swaps_linears_and_attention_only_when_asked() -> None:
     assert type(plain.runner.model.lm_head) is torch.nn.Linear
     assert isinstance(invariant.runner.model.lm_head, InvariantLinear)
     assert isinstance(invariant.runner.attn_backend, InvariantBackend)
+
+
+@pytest.mark.skipif(not packs_weights(torch.device("cpu"), torch.float32), reason="needs torch's oneDNN")
+def test_cpu_float32_runs_every_linear_on_packed_weights() -> None:
+    linears = [m for m in _engine().runner.model.modules() if isinstance(m, InvariantLinear)]
+    assert linears and all(m.packed is not None for m in linears)
 
 
 def test_logits_bitwise_equal_alone_batched_chunked_and_cached() -> None:

@@ -17,7 +17,19 @@ import torch.nn.functional as F
 from common.model.attention_metadata import AttentionMetadata
 from common.model.attn_backends.invariant import InvariantBackend
 from common.model.attn_backends.sdpa import SdpaBackend
-from common.model.batch_invariant import TILES, bmm_invariant, choose_tile, rows_invariant, tiled_linear
+from common.model.batch_invariant import (
+    PACKED_TILES,
+    TILES,
+    bmm_invariant,
+    choose_packed_tile,
+    choose_tile,
+    pack_weight,
+    packed_linear,
+    packs_weights,
+    padded_rows,
+    rows_invariant,
+    tiled_linear,
+)
 from common.model.layers import RMSNorm, apply_rotary
 from helpers.random_paged import random_step
 
@@ -42,6 +54,27 @@ def test_tiled_linear_gives_every_row_the_same_bits_for_any_batch(threads: int) 
         x = torch.randn(130, k, generator=g)
         assert rows_invariant(lambda rows: tiled_linear(rows, w, b, tile), x), (k, n)
         assert torch.allclose(tiled_linear(x, w, b, tile), F.linear(x, w, b), atol=1e-4)
+
+
+@pytest.mark.skipif(not packs_weights(torch.device("cpu"), torch.float32), reason="needs torch's oneDNN")
+def test_packed_linear_gives_every_row_the_same_bits_for_any_batch(threads: int) -> None:
+    """The CPU float32 path: oneDNN on packed weights, rows padded to the tile (and, past 64 rows,
+    to a sixteenth of their power of two: the 300-row whole runs as 320)."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g) for k, n in SHAPES]
+    tile = choose_packed_tile(weights)
+    assert tile in PACKED_TILES
+    for w in weights:
+        b, x = torch.randn(w.shape[0], generator=g), torch.randn(300, w.shape[1], generator=g)
+        packed = pack_weight(w, tile)
+        assert rows_invariant(lambda rows: packed_linear(rows, packed, b, w.shape[0], tile), x), tuple(w.shape)
+        assert torch.allclose(packed_linear(x, packed, b, w.shape[0], tile), F.linear(x, w, b), atol=1e-4)
+
+
+def test_padded_rows_are_few_shapes() -> None:
+    assert [padded_rows(n, 4) for n in (1, 4, 5, 64, 65, 100, 130, 300, 1000, 2049)] == [
+        4, 4, 8, 64, 72, 104, 144, 320, 1024, 2304]
+    assert [padded_rows(n, 16) for n in (1, 17, 65)] == [16, 32, 80]
 
 
 def test_plain_linear_is_not_batch_invariant() -> None:
