@@ -254,3 +254,22 @@ def test_the_local_cost_learns_from_every_local_first_token() -> None:
     decision = policy.decide(p, d, SHORT)
     assert decision.est_local_s == pytest.approx(decision.prefill_s + 0.002)
     assert (decision.path, decision.reason) == ("local", "cheaper_local")
+
+
+def test_an_arrival_is_counted_as_waiting_for_all_of_a_local_prefill() -> None:
+    """Requests arrive at 2/s, the remote hand-off is measured at 120 ms and a prompt of ~0.3 s comes
+    to an idle decode node: 0.6 arrivals expected meanwhile, each waiting for the whole of it (0.18 s
+    in all) outweigh the 0.12 s local saves: remote. (Counted as waiting half of it, 0.09 s, it went
+    local, and in the open-loop run such prompts doubled TTFT p99 at 2 requests/s.)"""
+    clock = _Clock()
+    policy, p = DisaggPolicy("auto", clock=clock), _prefill()
+    for i in range(20):
+        clock.now += 0.5
+        d = _decode()
+        short = f"Question {i:02}. {SHORT}"
+        policy.sent(policy.decide(p, d, short), p, d, short)
+        policy.observe_ttft(Decision("remote", "cheaper_remote", compute_s=0.014), p, d, 0.134)
+    medium = LONG[:2160]  # 600 tokens: 0.3 s at RATE
+    decision = policy.decide(p, _decode(), medium)
+    assert decision.est_remote_s - decision.est_local_s == pytest.approx(0.12, abs=0.001)
+    assert (decision.path, decision.reason) == ("remote", "stall_bound")
