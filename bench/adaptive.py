@@ -22,8 +22,9 @@ the share of requests ``auto`` prefilled remotely, by the decision's reason
 (``pdserve:proxy_prefill_decisions_total``). ``--rates ''`` or ``--concurrency ''`` skips a run;
 ``--max-local-prefill-stall-ms`` sets the decode daemon's bound (the tiny model prefills 256 tokens
 in ~25 ms, under the default 50 ms; a real model on CPU takes far longer, so ``auto`` sends them
-remote by ``stall_bound``: 10 ms reproduces that); ``--no-colocated`` leaves the colocated node out; ``--debug-decisions`` starts ``auto``'s proxy at
-debug level, so its log (path printed at the end) holds every decision with its estimates.
+remote by ``stall_bound``: 10 ms reproduces that); ``--no-colocated`` leaves the colocated node
+out; ``--debug-decisions`` starts ``auto``'s proxy at debug level, so its log (path printed at the
+end) holds every decision with its estimates.
 
 ``--model`` picks what the nodes serve: ``embedded`` (the default: the tiny random model),
 ``default`` (SmolLM2-135M-Instruct, as a node with no ``--model`` serves it), a directory or a
