@@ -6,6 +6,8 @@ builds the two. Every call the engine thread makes returns without waiting on th
 network; results are polled (``producer.poll_freeable``, ``consumer.poll_finished``), and
 ``on_progress`` (the engine thread's wake-up) is called, from a transfer thread, whenever a
 poll would return something new: a waiting engine steps at once instead of at its next poll.
+The consumer half runs on the control plane's thread, the endpoint's I/O thread (one for
+every producer it pulls from); the producer half sends on one thread per pair (sender.py).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class KVEndpoint:
             if on_progress is not None:
                 half.on_progress = on_progress
         if self._consumer is not None:
+            self.control.on_tick = self._consumer.tick  # its links' pings and deadlines
             self._consumer.address = f"{advertise_host or host}:{split_address(self.address)[1]}"
 
     @property
