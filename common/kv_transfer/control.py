@@ -79,7 +79,8 @@ class ControlPlane:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)  # full = a wake-up is pending already
-        self._watched: dict[int, Callable[[], None]] = {}  # plain fd -> called when readable
+        # plain fd -> (called when readable, called when writable); either may be None
+        self._watched: dict[int, tuple[Callable[[], None] | None, Callable[[], None] | None]] = {}
         self.on_tick: Callable[[], None] = lambda: None  # called every loop, at least every POLL_S
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"kv-control-{port}", daemon=True)
@@ -112,15 +113,20 @@ class ControlPlane:
     def in_loop(self) -> bool:
         return threading.current_thread() is self._thread
 
-    def watch(self, fd: int, on_readable: Callable[[], None]) -> None:
-        """I/O thread only: call ``on_readable`` whenever ``fd`` has bytes (or its close) to read."""
-        self._watched[fd] = on_readable
-        self._poller.register(fd, zmq.POLLIN)
+    def watch(self, fd: int, on_readable: Callable[[], None] | None = None,
+              on_writable: Callable[[], None] | None = None) -> None:
+        """I/O thread only: call ``on_readable`` whenever ``fd`` has bytes (or its close) to read,
+        ``on_writable`` whenever it has room to send; both None stops watching it (before it is closed)."""
+        if on_readable is None and on_writable is None:
+            if self._watched.pop(fd, None) is not None:
+                self._poller.unregister(fd)
+            return
+        self._watched[fd] = (on_readable, on_writable)
+        self._poller.register(fd, (zmq.POLLIN if on_readable else 0) | (zmq.POLLOUT if on_writable else 0))
 
     def unwatch(self, fd: int) -> None:
         """I/O thread only: before ``fd`` is closed."""
-        if self._watched.pop(fd, None) is not None:
-            self._poller.unregister(fd)
+        self.watch(fd)
 
     def close(self) -> None:
         self._stop.set()
@@ -163,9 +169,13 @@ class ControlPlane:
             for address, sock in list(self._dealers.items()):
                 if sock in events:
                     self._read_dealer(address, sock)
-            for fd, on_readable in list(self._watched.items()):
-                if fd in events and self._watched.get(fd) is on_readable:  # not unwatched meanwhile
-                    self._run(on_readable)
+            for fd, (on_readable, on_writable) in list(self._watched.items()):
+                if fd not in events:
+                    continue
+                if events[fd] & zmq.POLLIN and on_readable and self._watched.get(fd, (None,))[0] is on_readable:
+                    self._run(on_readable)  # (and not unwatched meanwhile)
+                if events[fd] & zmq.POLLOUT and on_writable and self._watched.get(fd, (None, None))[1] is on_writable:
+                    self._run(on_writable)
             self._expire_pending(poller)
             self._close_idle_dealers(poller)
             self._run(self.on_tick)

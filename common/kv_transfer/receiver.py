@@ -11,9 +11,8 @@ a tcp pair's socket becoming readable (:meth:`readable`) and a periodic :meth:`t
 - a ``tcp`` pair is read without blocking (tcp_pair.FrameReader): each message's header is
   in-band, so its bytes go straight into the blocks as they arrive;
 - a ``gloo``/``nccl`` pair's receives are posted here, two staging buffers deep, and waited on
-  by the pair's :class:`_Waiter` thread (torch's gloo work cannot be polled: ``get_future`` is
-  not implemented and ``is_completed`` stays False until ``wait``), whose word comes back as
-  a call; the producer's notices (LAYER, DONE, ERROR) and aborts on such a pair are handled
+  by the pair's :class:`~common.kv_transfer.waiter.Waiter` thread (torch's gloo work cannot be
+  polled), whose word comes back as a call; the producer's notices (LAYER, DONE, ERROR) and aborts on such a pair are handled
   strictly in arrival order, each after the receives posted before it landed.
 
 A failed receive or an unanswered ping fails every transfer on the link and drops the pair;
@@ -31,7 +30,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -49,40 +47,13 @@ from common.kv_transfer.paged import StagingBuffer, block_run, scatter_blocks
 from common.kv_transfer.pair_handshake import OpenedPair, open_consumer_pair
 from common.kv_transfer.peer_checks import check_done, check_notice
 from common.kv_transfer.tcp_pair import Frame, FrameReader, PeerClosedError, kv_nbytes, kv_views, scratch_views
+from common.kv_transfer.waiter import Waiter
 from common.kv_transfer.verify import NOT_REQUESTED, STALE, KVRejected, blocks_checksum, check_done_identity
 
 if TYPE_CHECKING:
     from common.kv_transfer.consumer import KVConsumer
 
 logger = logging.getLogger(__name__)
-
-
-class _Waiter:
-    """A gloo/nccl pair's receives, waited on in order on a thread of their own; each one's
-    outcome (None, or the error) comes back to the I/O thread through ``post``."""
-
-    def __init__(self, pair, timeout_s: float, post: Callable[[Callable[[], None]], None],
-                 done: Callable[[object, BaseException | None], None]) -> None:
-        self._works: queue.SimpleQueue = queue.SimpleQueue()
-        self._pair, self._timeout_s, self._post, self._done = pair, timeout_s, post, done
-        threading.Thread(target=self._run, name=f"kv-wait-{getattr(pair, 'backend', '')}", daemon=True).start()
-
-    def add(self, works: list) -> None:
-        self._works.put(works)
-
-    def stop(self) -> None:
-        self._works.put(None)
-
-    def _run(self) -> None:
-        pair = self._pair
-        while (works := self._works.get()) is not None:
-            error: BaseException | None = None
-            try:
-                for work in works:  # always wait: keeps the FIFO in step
-                    pair.wait(work, self._timeout_s)
-            except Exception as e:  # PairBrokenError: the pair is done; later receives fail too
-                error = e
-            self._post(lambda e=error: self._done(pair, e))
 
 
 class PairReceiver:
@@ -101,7 +72,7 @@ class PairReceiver:
         self._building: list[Transfer] | None = None  # transfers waiting for the pair being built
         self._reader: FrameReader | None = None  # tcp
         self._fd = -1  # the tcp pair's socket, watched by the I/O thread
-        self._waiter: _Waiter | None = None  # gloo/nccl
+        self._waiter: Waiter | None = None  # gloo/nccl
         self._in_order: collections.deque = collections.deque()  # gloo/nccl: notices and aborts, in order
         self._posted: collections.deque = collections.deque()  # gloo/nccl: (notice, staging or None) in flight
         self._ping: Future | None = None
@@ -191,8 +162,7 @@ class PairReceiver:
             self._fd = self.pair.fileno()
             self.owner.control.watch(self._fd, lambda: self.run(self._readable))
         elif self.transport in ("gloo", "nccl"):
-            self._waiter = _Waiter(self.pair, self.owner.config.timeout_s, self.owner.control.call_soon,
-                                   lambda pair, error: self.run(self._received, pair, error))
+            self._waiter = Waiter(f"recv-{self.pair_id[:8]}", self.owner.control.call_soon)
         for t in waiting:
             self._pull(t)
 
@@ -357,7 +327,8 @@ class PairReceiver:
             parts = [buf[0, 0], buf[0, 1]] if msg.parts == 2 else [buf]
         self._posted.append((msg, buf))
         assert self._waiter is not None
-        self._waiter.add([self.pair.recv_async(parts)])
+        pair, works, timeout_s = self.pair, self.pair.recv_async(parts), self.owner.config.timeout_s
+        self._waiter.run(lambda: pair.wait(works, timeout_s), lambda error: self.run(self._received, pair, error))
 
     def _received(self, pair, error: BaseException | None) -> None:
         """The waiter's word on the oldest posted receive."""

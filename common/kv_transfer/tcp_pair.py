@@ -92,6 +92,63 @@ def kv_nbytes(kv_caches, layers, num_blocks: int) -> int:
     return sum(2 * num_blocks * math.prod(kv_caches[x].shape[2:]) * kv_caches[x].element_size() for x in layers)
 
 
+def kv_message(request_id: str, kv_caches, layers, block_ids: list[int], trailer: bytes = b""):
+    """(KV bytes, the message's byte views one layer at a time): the header, each layer's
+    ``[2, blocks, ...]`` straight from its blocks (the kernel gathers a layer's scattered runs:
+    no copy), ``trailer`` behind the last. Each layer's views are built just before it goes:
+    the first bytes leave at once instead of after every layer's views are built (~1 ms for
+    32 layers of scattered blocks). A slice of the heads (tensor parallelism) is gathered first."""
+    nbytes = kv_nbytes(kv_caches, layers, len(block_ids))
+    head = memoryview(Frame(request_id, tuple(layers), len(block_ids), nbytes).encode())
+
+    def parts():
+        runs = block_runs(block_ids)
+        for i, layer in enumerate(layers):
+            kv = kv_caches[layer]
+            if kv.is_contiguous():
+                bufs = layer_buffers(kv, runs)
+            else:  # the gathered copy lives as long as its views (they hold this frame)
+                kv = gather_blocks(kv, block_ids)
+                bufs = layer_buffers(kv, [slice(0, len(block_ids))])
+            if i == 0:
+                bufs.insert(0, head)
+            if i == len(layers) - 1 and trailer:
+                bufs.append(memoryview(trailer))
+            yield bufs
+    return nbytes, parts()
+
+
+class FrameWriter:
+    """Sends a message without ever waiting: :meth:`push` sends what the socket takes and
+    returns True once every byte is out; the I/O thread calls it again when the socket is
+    writable. ``parts`` yields lists of byte views (one layer's at a time)."""
+
+    def __init__(self, pair: TcpPair, parts) -> None:
+        self._pair, self._parts = pair, iter(parts)
+        self._bufs: list[memoryview] = []
+        self._i = 0
+        self.last_byte = time.monotonic()
+
+    def push(self) -> bool:
+        while True:
+            if self._i == len(self._bufs):
+                bufs = next(self._parts, None)
+                if bufs is None:
+                    return True
+                self._bufs, self._i = [b for b in bufs if len(b)], 0
+                continue
+            n = self._pair.send_some(self._bufs[self._i:self._i + IOV_MAX])
+            if n == 0:
+                return False
+            self.last_byte = time.monotonic()
+            while n:  # advance past what moved; a partial buffer keeps its tail
+                if n >= len(self._bufs[self._i]):
+                    n -= len(self._bufs[self._i])
+                    self._i += 1
+                else:
+                    self._bufs[self._i], n = self._bufs[self._i][n:], 0
+
+
 class PeerClosedError(PairBrokenError):
     """The peer closed the connection (at a message boundary: an idle pair's normal end)."""
 
@@ -303,24 +360,10 @@ class TcpPair:
     def send_kv(self, request_id: str, kv_caches, layers: list[int], block_ids: list[int],
                 trailer: bytes = b"") -> int:
         """Send ``layers`` of ``block_ids`` as one ``KV`` message straight from the blocks, and
-        ``trailer`` (an encoded message frame, e.g. DONE) right behind it; returns the KV bytes.
-        One ``sendmsg`` per layer, each layer's views built just before it: the first bytes
-        leave at once instead of after every layer's views are built (~1 ms for 32 layers of
-        scattered blocks), and the wire stays busy meanwhile (the socket buffer drains)."""
-        nbytes = kv_nbytes(kv_caches, layers, len(block_ids))
-        head = memoryview(Frame(request_id, tuple(layers), len(block_ids), nbytes).encode())
-        runs = block_runs(block_ids)
-        for i, layer in enumerate(layers):
-            kv = kv_caches[layer]
-            if kv.is_contiguous():
-                bufs = layer_buffers(kv, runs)
-            else:  # a slice of the heads (tensor parallelism): gathered first, alive until sent
-                kv = gather_blocks(kv, block_ids)
-                bufs = layer_buffers(kv, [slice(0, len(block_ids))])
-            if i == 0:
-                bufs.insert(0, head)
-            if i == len(layers) - 1 and trailer:
-                bufs.append(memoryview(trailer))
+        ``trailer`` (an encoded message frame, e.g. DONE) right behind it, waiting until it is
+        out; returns the KV bytes (:func:`kv_message` has the layout)."""
+        nbytes, parts = kv_message(request_id, kv_caches, layers, block_ids, trailer)
+        for bufs in parts:
             self.send(bufs)
         return nbytes
 
@@ -354,6 +397,19 @@ class TcpPair:
     def fileno(self) -> int:
         """The socket's descriptor, to wait for the next message with ``select``."""
         return self._sock.fileno()
+
+    def send_some(self, bufs: list[memoryview]) -> int:
+        """Send what the socket takes of ``bufs`` (in order, at most IOV_MAX) without waiting; 0
+        when it takes nothing."""
+        if self.broken:
+            raise PairBrokenError("pair is broken; rebuild it")
+        try:
+            return self._sock.sendmsg(bufs, [], socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+        except OSError as e:
+            self.broken = True
+            raise PairBrokenError(f"tcp transfer failed: {e}") from e
 
     def recv_some(self, bufs: list[memoryview]) -> int:
         """Receive what is there into ``bufs`` (in order, at most IOV_MAX) without waiting; 0 when
