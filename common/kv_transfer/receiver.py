@@ -178,7 +178,7 @@ class PairReceiver:
                     num_blocks=self.owner.num_blocks(t.num_tokens), block_ids=t.block_ids,
                     first_block=t.first_block, nonce=t.nonce)
         if self.transport == "tcp":
-            # straight to the producer's sender thread, which reads the socket between sends: no
+            # in-band, straight to the producer's I/O thread, which reads the pair's socket: no
             # control-plane hops. No answer: a refusal comes back as an Error notice, as a late one would.
             self.pair.send_message(encode(pull))
             return

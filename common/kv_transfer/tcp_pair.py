@@ -9,10 +9,11 @@ payload bytes), so the consumer reads it as soon as it arrives instead of waitin
 notice to cross the control plane: two thread hops and two ZMQ hops less per message.
 The payload is each layer's ``[2, blocks, ...]`` in C order.
 
-Operations run on the caller's thread and finish before returning (the handle's ``wait``
-is a no-op); each fails after ``timeout_s`` without a byte moving (kernel socket timeouts
-per call), so a stalled peer is noticed that soon while a slow link that keeps moving is not
-cut off. A closed connection, a reset or a timeout marks the pair broken, like a gloo pair
+The endpoint's I/O thread moves the bytes without ever waiting (:class:`FrameReader`,
+:class:`FrameWriter`: what the socket cannot take or give now moves when it is ready), and
+fails a message that moved no byte for ``timeout_s``, so a stalled peer is noticed that soon
+while a slow link that keeps moving is not cut off. The blocking calls (``send``,
+``recv_into``: kernel socket timeouts per call) build the pair and serve tests. A closed connection, a reset or a timeout marks the pair broken, like a gloo pair
 after a timeout.
 The connection opens with a hello (pair_auth.py): the pair id, and with a cluster key a
 mutual challenge-response over the key, so the producer accepts only the consumer it handed
@@ -273,16 +274,6 @@ class FrameReader:
                 then()
 
 
-class _Finished:
-    """The handle of an operation that already completed (the socket calls are synchronous)."""
-
-    def wait(self, timeout=None) -> None:
-        return None
-
-
-FINISHED = _Finished()
-
-
 class TcpListener:
     """The producer's side before the consumer connects: a listening socket on a free port."""
 
@@ -372,24 +363,6 @@ class TcpPair:
         """An encoded control message as it travels on the pair (header + payload)."""
         return Frame("", (), 0, len(payload), MESSAGE).encode() + payload
 
-    def recv_frame(self, timeout_s: float | None = None) -> Frame:
-        """The next message's header; a ``MESSAGE``'s payload comes with it, a ``KV`` one's follows
-        (:meth:`recv_kv` or :meth:`discard`)."""
-        fixed = bytearray(_FRAME.size)
-        self.recv_into([memoryview(fixed)], timeout_s)
-        magic, version, kind, rid_len, num_layers, num_blocks, nbytes = _FRAME.unpack(fixed)
-        if magic != FRAME_MAGIC or version != FRAME_VERSION or kind not in (KV, MESSAGE) \
-                or (kind == MESSAGE and nbytes > MAX_MESSAGE_BYTES):
-            self.close()  # out of step with the peer: nothing after this can be trusted
-            raise PairBrokenError(f"tcp pair out of step: bad frame header {bytes(fixed[:5])!r}")
-        head = rid_len + 2 * num_layers
-        # a message's payload comes in the same receive as the rest of its header
-        rest = bytearray(head + nbytes if kind == MESSAGE else head)
-        self.recv_into([memoryview(rest)], timeout_s)
-        layers = struct.unpack_from(f"!{num_layers}H", rest, rid_len)
-        payload = bytes(rest[head:]) if kind == MESSAGE else b""
-        return Frame(rest[:rid_len].decode(errors="replace"), layers, num_blocks, nbytes, kind, payload)
-
     def send_message(self, payload: bytes) -> None:
         """Send an encoded control message to the peer (a ``MESSAGE`` frame)."""
         self.send([memoryview(self.message_frame(payload))])
@@ -427,17 +400,6 @@ class TcpPair:
             self.broken = True
             raise PeerClosedError("peer closed the connection")
         return n
-
-    def send_async(self, tensors: list[torch.Tensor]) -> _Finished:
-        self.send(tensors)
-        return FINISHED
-
-    def recv_async(self, tensors: list[torch.Tensor]) -> _Finished:
-        self.recv_into(tensors)
-        return FINISHED
-
-    def wait(self, work, timeout_s: float | None = None) -> None:
-        work.wait(timeout_s)
 
     def alive(self) -> bool:
         """False once the peer closed the connection (checked without blocking: readable with

@@ -105,11 +105,9 @@ def test_frames_carry_kv_into_blocks_and_messages_in_band():
     try:
         assert p.send_kv("req-1", src, [0, 1], [4, 5, 1]) == 2 * 2 * 3 * 4 * 2  # layers x K,V x blocks x 4 int16
         p.send_message(b"\x81\xa1v\x01")
-        frame = d.recv_frame()
+        frame, msg = read_frames(d, lambda f: (block_buffers(dst, [0, 1], [0, 2, 3]), None), 2)
         assert (frame.kind, frame.request_id, frame.layers, frame.num_blocks) == (KV, "req-1", (0, 1), 3)
-        d.recv_into(block_buffers(dst, [0, 1], [0, 2, 3]))
         assert all(torch.equal(dst[i][:, [0, 2, 3]], src[i][:, [4, 5, 1]]) for i in range(2))
-        msg = d.recv_frame()
         assert msg.kind == MESSAGE and msg.payload == b"\x81\xa1v\x01"
     finally:
         p.close()
@@ -240,7 +238,7 @@ def test_a_bad_frame_header_breaks_the_pair():
     try:
         p.send([torch.zeros(64, dtype=torch.uint8)])  # not a frame: the stream is out of step
         with pytest.raises(PairBrokenError, match="out of step"):
-            d.recv_frame()
+            read_frames(d, lambda f: ([], None), 1)
         assert d.broken
     finally:
         p.close()
