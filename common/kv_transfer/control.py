@@ -32,7 +32,7 @@ from concurrent.futures import Future
 import zmq
 
 from common.cluster_auth import ClusterKey, control_sealer
-from common.kv_transfer.config import TransferError
+from common.kv_transfer.config import ConnectionReopened, TransferError
 from common.kv_transfer.messages import Message, MessageError, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -332,6 +332,14 @@ class ControlPlane:
         for fut, _, address in entries:
             fut.set_exception(TransferError("no response from peer before the deadline"))
             # A silent peer (a partition: no RST) leaves TCP in retransmission back-off, so the
-            # old socket may stay stuck for long after the link is back: open a fresh one.
+            # old socket may stay stuck for long after the link is back: open a fresh one. What
+            # else waits on the old one went down with it: it fails now (ConnectionReopened),
+            # not at its own deadline, so its caller may send it again on the fresh connection.
             if address in self._dealers:
                 self._close_dealer(address, poller)
+                with self._pending_lock:
+                    lost = [i for i, (_, _, a) in self._pending.items() if a == address]
+                    lost_entries = [self._pending.pop(i) for i in lost]
+                for other, _, _ in lost_entries:
+                    other.set_exception(ConnectionReopened(f"connection to {address} reopened after a silent "
+                                                           "request; this one was sent on the old one"))
