@@ -160,32 +160,19 @@ class KVConsumer:
             return
         link.run(link.notice, msg)
 
-    def tick(self) -> None:
-        """Each link's pings and deadlines (the I/O thread's ``on_tick``)."""
-        now = time.monotonic()
+    def links(self) -> list[PairReceiver]:
         with self._lock:
-            links = list(self._links.values())
-        for link in links:
-            link.tick(now)
+            return list(self._links.values())
 
     def pair_transports(self) -> list[str]:
-        with self._lock:
-            links = list(self._links.values())
-        return [link.transport for link in links if link.transport]
+        return [link.transport for link in self.links() if link.transport]
 
     def close(self) -> None:
         """Close every link's pair, on the I/O thread (before the endpoint closes it)."""
         with self._lock:
             self._closed = True
             links = list(self._links.values())
-        closed = threading.Event()
-
-        def close_links() -> None:
-            for link in links:
-                link.close()
-            closed.set()
-        self.control.call_soon(close_links)
-        closed.wait(timeout=self.config.timeout_s)
+        self.control.run_and_wait(lambda: [link.close() for link in links], self.config.timeout_s)
 
     # ---- the links: every state change of a record is one of these ------------------------------
     def retire(self, link: PairReceiver) -> bool:

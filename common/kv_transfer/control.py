@@ -113,6 +113,19 @@ class ControlPlane:
     def in_loop(self) -> bool:
         return threading.current_thread() is self._thread
 
+    def run_and_wait(self, fn: Callable[[], None], timeout_s: float) -> bool:
+        """Run ``fn`` on the I/O thread and wait until it ran (not from the I/O thread); False
+        if ``timeout_s`` passed first."""
+        ran = threading.Event()
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                ran.set()
+        self.call_soon(run)
+        return ran.wait(timeout_s)
+
     def watch(self, fd: int, on_readable: Callable[[], None] | None = None,
               on_writable: Callable[[], None] | None = None) -> None:
         """I/O thread only: call ``on_readable`` whenever ``fd`` has bytes (or its close) to read,

@@ -13,6 +13,7 @@ a short-lived or per-pair thread and comes back to it as a call (waiter.py).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from common.cluster_auth import ClusterKey
@@ -83,8 +84,11 @@ class KVEndpoint:
         return [h for h in (self._producer, self._consumer) if h is not None]
 
     def _tick(self) -> None:
+        """Every pair's pings, deadlines and idleness, on the I/O thread (``control.on_tick``)."""
+        now = time.monotonic()
         for half in self._halves():
-            half.tick()
+            for link in half.links():
+                link.tick(now)
 
     def _on_router(self, identity: bytes, msg: Message) -> None:
         if self._producer is not None:

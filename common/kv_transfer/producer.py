@@ -21,7 +21,6 @@ A consumer refused a pair computes the prompt itself (decode_node/connector.py).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -394,13 +393,9 @@ class KVProducer:
         with self._lock:
             return [link.transport for link in self._links.values() if not link.broken]
 
-    def tick(self) -> None:
-        """Each pair's liveness and idleness (the I/O thread's ``on_tick``)."""
-        now = time.monotonic()
+    def links(self) -> list[PairSender]:
         with self._lock:
-            links = list(self._links.values())
-        for link in links:
-            link.tick(now)
+            return list(self._links.values())
 
     def close(self) -> None:
         """Close every pair, on the I/O thread (before the endpoint closes it)."""
@@ -409,15 +404,8 @@ class KVProducer:
             links = list(self._links.values())
         for link in links:  # a pair whose consumer never joined stops waiting for it now
             link.drop()
-        closed = threading.Event()
-
-        def close_links() -> None:
-            for link in links:
-                link.close()
-            closed.set()
         assert self.control is not None
-        self.control.call_soon(close_links)
-        closed.wait(timeout=self.config.timeout_s)
+        self.control.run_and_wait(lambda: [link.close() for link in links], self.config.timeout_s)
         for link in links:
             if link.builder is not None:
                 link.builder.join(timeout=self.config.timeout_s)

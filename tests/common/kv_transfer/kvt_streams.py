@@ -71,6 +71,11 @@ class FakeControl:
     def watch(self, fd, on_readable=None, on_writable=None) -> None:
         pass
 
+    def run_and_wait(self, fn, timeout_s: float) -> bool:
+        ran = threading.Event()
+        self.call_soon(lambda: (fn(), ran.set()))
+        return ran.wait(timeout_s)
+
     def _loop(self) -> None:
         while True:
             try:
