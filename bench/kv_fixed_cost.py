@@ -32,16 +32,16 @@ STAMPS: list[tuple[str, int]] = []
 # (class path, method, label, what the step ending at its entry stamp was)
 STEPS = [
     ("consumer.KVConsumer", "request", "D engine: request", ""),
-    ("receiver.PairReceiver", "_on_new", "D link: new transfer", "engine thread -> link thread"),
-    ("tcp_pair.TcpPair", "send_message", "D link: PULL on the socket", "record, pair check"),
-    ("sender.PairSender", "_read_message", "P sender: PULL read", "loopback + sender thread wakes"),
-    ("producer.KVProducer", "handle", "P sender: PULL handled", "frame + msgpack decode"),
-    ("sender.PairSender", "_run_job", "P sender: send job", "table, lease, jobs queued"),
-    ("tcp_pair.TcpPair", "send_kv", "P sender: bytes out", "job dispatch, views"),
-    ("receiver.PairReceiver", "_on_data", "D link: bytes readable", "loopback + link thread wakes"),
-    ("tcp_pair.TcpPair", "recv_kv", "D link: receive into blocks", "frame header, checks"),
-    ("receiver.PairReceiver", "_finish", "D link: DONE read", "blocks landed, next frame"),
-    ("consumer.KVConsumer", "landed", "D link: DONE checked", "identity, checksums"),
+    ("receiver.PairReceiver", "new", "D I/O: new transfer", "engine thread -> I/O thread"),
+    ("tcp_pair.TcpPair", "send_message", "D I/O: PULL on the socket", "record, pair check"),
+    ("sender.PairSender", "_readable", "P I/O: PULL readable", "loopback + I/O thread wakes"),
+    ("producer.KVProducer", "handle", "P I/O: PULL handled", "frame + msgpack decode"),
+    ("sender.PairSender", "_run_job", "P I/O: send job", "table, lease, job queued"),
+    ("sender.PairSender", "_write", "P I/O: bytes out", "job dispatch, views"),
+    ("receiver.PairReceiver", "_readable", "D I/O: bytes readable", "loopback + I/O thread wakes"),
+    ("receiver.PairReceiver", "_on_kv", "D I/O: header read, views", "frame header"),
+    ("receiver.PairReceiver", "_finish", "D I/O: DONE read", "checks, blocks landed, next frame"),
+    ("consumer.KVConsumer", "landed", "D I/O: DONE checked", "identity, checksums"),
 ]
 
 

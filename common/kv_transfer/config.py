@@ -15,6 +15,12 @@ class PairBrokenError(TransferError):
     """The data-plane pair failed (timeout, closed connection); it must be rebuilt."""
 
 
+class ConnectionReopened(TransferError):
+    """A control request lost with a connection the control plane closed and reopened (another
+    request on it went unanswered: a silent peer, typically a network partition). Nothing says
+    the peer saw it; sending it again goes on the fresh connection."""
+
+
 class NoPairError(TransferError):
     """No pair could be had with the producer: it refused the handshake (``reason`` "pairs_full"
     at its --kv-max-pairs, else "pair_refused"). Nothing was asked for or landed, so the decode

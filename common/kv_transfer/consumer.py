@@ -2,7 +2,8 @@
 
 A request's life here: ``request`` (engine thread) starts its one record
 (:class:`~common.kv_transfer.consumer_table.Transfer`) and hands it to the producer's
-:class:`~common.kv_transfer.receiver.PairReceiver` thread, which makes sure a pair exists
+:class:`~common.kv_transfer.receiver.PairReceiver` on the endpoint's I/O thread (the control
+plane's: one thread for every producer), which makes sure a pair exists
 (handshake: layout check, transport choice, pair build), sends PULL, then for each LAYER
 notice receives the bytes into ``kv_caches[layer][:, block_ids]`` (tcp: straight into the
 blocks; gloo/nccl: through a staging buffer unless the blocks are one run; cuda_ipc: the
@@ -12,7 +13,7 @@ from the producer or ``abort`` end it.
 
 The records and their states live in one :class:`~common.kv_transfer.consumer_table.ConsumerTable`
 (``table``; its docstring has the transitions), which the decode connector's scheduler side
-reads too. The link threads report through this class's public methods.
+reads too. The links report through this class's public methods, on the I/O thread.
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ class KVConsumer:
         self.address = ""  # this endpoint's own KV address, named in each handshake (set by the engine)
         self.control: ControlPlane  # set by the engine once bound
         self._lock = threading.Lock()
-        self._links: dict[str, PairReceiver] = {}  # producer address -> its link thread
+        self._links: dict[str, PairReceiver] = {}  # producer address -> its link (run on the I/O thread)
         self.table = ConsumerTable()  # the one record per transfer
         self._closed = False
-        # called (from a link thread, without our lock) when a poll would return something new
+        # called (from the I/O thread, without our lock) when a poll would return something new
         self.on_progress: Callable[[], None] = lambda: None
 
     # ---- engine thread -------------------------------------------------------------------
@@ -86,8 +87,8 @@ class KVConsumer:
                     link = self._links[prefill_addr] = PairReceiver(self, prefill_addr)
                 t = self.table.start(*load, link)
                 if t is not None:
-                    link.events.put(("new", t))  # under the lock: an idle link retires only with an empty queue
-        if full:  # one thread per producer: ids naming ever new addresses must not grow them without bound
+                    self._post(link, link.new, t)  # under the lock: an idle link retires only with nothing posted
+        if full:  # ids naming ever new addresses must not grow the links without bound
             self._refuse(load, f"{self.config.max_peers} producers already in use; not asking {prefill_addr}")
 
     def _refuse(self, load: tuple, reason: str) -> None:
@@ -116,7 +117,7 @@ class KVConsumer:
         reused once :meth:`poll_aborted` names it (a receive into them may still be running)."""
         link = self.table.stop(request_id)
         if link is not None:
-            link.events.put(("abort", request_id))
+            self.post(link, link.abort, request_id)
 
     def release_remote(self, request_id: str, prefill_addr: str, connect: bool | None = None) -> None:
         """Tell the producer at ``prefill_addr`` to drop ``request_id`` that this side will never
@@ -136,34 +137,48 @@ class KVConsumer:
         """Aborted requests whose receive has stopped: nothing writes into their blocks any more."""
         return self.table.poll_aborted()
 
-    # ---- control thread ------------------------------------------------------------------
+    # ---- I/O thread ----------------------------------------------------------------------
+    def post(self, link: PairReceiver, step: Callable, *args) -> None:
+        """Run ``link.step(*args)`` on the I/O thread (from any thread), after what was posted before."""
+        with self._lock:
+            self._post(link, step, *args)
+
+    def _post(self, link: PairReceiver, step: Callable, *args) -> None:
+        link.queued += 1  # under our lock
+        self.control.call_soon(lambda: self._run(link, step, args))
+
+    def _run(self, link: PairReceiver, step: Callable, args: tuple) -> None:
+        with self._lock:
+            link.queued -= 1
+        link.run(step, *args)
+
     def handle(self, address: str, msg: Message) -> None:
-        """An unsolicited message from a producer: its link thread handles it."""
+        """An unsolicited message from a producer: its link handles it."""
         link = self._links.get(address)
         if link is None:
             logger.warning("consumer: %s from unknown producer %s dropped", msg.CMD, address)
             return
-        link.events.put(("notice", msg))
+        link.run(link.notice, msg)
+
+    def links(self) -> list[PairReceiver]:
+        with self._lock:
+            return list(self._links.values())
 
     def pair_transports(self) -> list[str]:
-        with self._lock:
-            links = list(self._links.values())
-        return [link.transport for link in links if link.transport]
+        return [link.transport for link in self.links() if link.transport]
 
     def close(self) -> None:
+        """Close every link's pair, on the I/O thread (before the endpoint closes it)."""
         with self._lock:
             self._closed = True
             links = list(self._links.values())
-        for link in links:
-            link.events.put(None)
-        for link in links:
-            link.thread.join(timeout=self.config.handshake_timeout_s + self.config.timeout_s)
+        self.control.run_and_wait(lambda: [link.close() for link in links], self.config.timeout_s)
 
-    # ---- link threads: every state change of a record is one of these ------------------------
+    # ---- the links: every state change of a record is one of these ------------------------------
     def retire(self, link: PairReceiver) -> bool:
-        """An idle link asks to end its thread; refused if work arrived for it meanwhile."""
+        """An idle link asks to go; refused if work was posted for it meanwhile."""
         with self._lock:
-            if self._links.get(link.address) is not link or not link.events.empty():
+            if self._links.get(link.address) is not link or link.queued:
                 return False
             del self._links[link.address]
             return True

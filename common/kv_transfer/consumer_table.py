@@ -1,10 +1,10 @@
 """The decode node's one table of transfers: one record per request, one state, its moves.
 
 The scheduler side of the consumer connector (engine thread) and :class:`KVConsumer` with
-its link threads share this table (the connector takes the KV endpoint's at ``bind``).
+its I/O thread shares this table (the connector takes the KV endpoint's at ``bind``).
 The table writes every field of its records, under its lock: the other threads report what
 happened (a method below) and read. A state changes only through :meth:`ConsumerTable._move`,
-along :data:`MOVES`; any other move is a bug and raises :class:`IllegalMove`. A link thread
+along :data:`MOVES`; any other move is a bug and raises :class:`IllegalMove`. The I/O thread
 keeps references to the records it works on, never copies of their state.
 
 | state        | entered by (thread)                                  | next                            |
@@ -49,7 +49,7 @@ class ConsumerState(enum.Enum):
 
     LOAD_PENDING = "load_pending"  # scheduler: blocks allocated; the load goes out with the next metadata
     LOADING = "loading"  # scheduler: the load is in the step's metadata, on its way to the KV endpoint
-    QUEUED = "queued"  # handed to the link thread; handshake (if no pair yet) and PULL next
+    QUEUED = "queued"  # handed to the I/O thread; handshake (if no pair yet) and PULL next
     PULLED = "pulled"  # the PULL is out; no byte landed yet
     RECEIVING = "receiving"  # layers landing in the blocks; DONE finishes it
     LANDED = "landed"  # every layer and DONE in and checked: the first token waits for a poll
@@ -107,7 +107,7 @@ class Transfer:
 
     @property
     def live(self) -> bool:
-        """A link thread works on it (or is about to): KV may still land in its blocks."""
+        """The I/O thread works on it (or is about to): KV may still land in its blocks."""
         return self.state in (S.QUEUED, S.PULLED, S.RECEIVING)
 
 
@@ -213,7 +213,7 @@ class ConsumerTable:
                 self._move(t, S.STOPPED)
             return None
 
-    # ---- link threads: what they report ------------------------------------------------------
+    # ---- the I/O thread: what the links report---------------------------------------------------
     def pull_sent(self, t: Transfer) -> None:
         """The PULL is out (PULLED); ignored once the transfer left the link."""
         with self.lock:

@@ -1,7 +1,11 @@
 """The control plane: one ZMQ ROUTER per endpoint, one DEALER per remote endpoint.
 
-One thread owns every socket (ZMQ sockets are not thread-safe); other threads hand it
-work through a queue and a wake-up socketpair, so nothing they call blocks on the network.
+One thread owns every socket (ZMQ sockets are not thread-safe): the endpoint's I/O thread.
+Other threads hand it work through a queue and a wake-up socketpair, so nothing they call
+blocks on the network. Besides the ZMQ sockets it watches the plain sockets a half
+registers (:meth:`watch`: a consumer's tcp pairs) and runs the callables posted to it
+(:meth:`call_soon`) and a half's periodic ``on_tick``, so a half's links live on this one
+thread too.
 The owner never posts a wake-up to itself (it flushes the queue before it polls again) and
 the wake-up socket never blocks (one pending byte is enough), so a flood of requests whose
 replies it queues cannot make it wait on the socket only it drains.
@@ -28,11 +32,12 @@ from concurrent.futures import Future
 import zmq
 
 from common.cluster_auth import ClusterKey, control_sealer
-from common.kv_transfer.config import TransferError
+from common.kv_transfer.config import ConnectionReopened, TransferError
 from common.kv_transfer.messages import Message, MessageError, decode, encode
 
 logger = logging.getLogger(__name__)
 
+POLL_S = 0.05  # the loop's longest sleep: expiries and on_tick run at least this often
 RouterHandler = Callable[[bytes, Message], None]  # (consumer identity, message)
 DealerHandler = Callable[[str, Message], None]  # (producer address, unsolicited message)
 
@@ -67,13 +72,16 @@ class ControlPlane:
         self._last_used: dict[str, float] = {}  # dealer address -> last send or receive
         self._next_idle_check = 0.0
         self._dropped_logged: dict[str, float] = {}
-        self._outbox: queue.SimpleQueue[tuple[str, object, Message]] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[str, object, Message | None]] = queue.SimpleQueue()
         self._pending: dict[int, tuple[Future, float, str]] = {}
         self._pending_lock = threading.Lock()
         self._next_id = 1
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)  # full = a wake-up is pending already
+        # plain fd -> (called when readable, called when writable); either may be None
+        self._watched: dict[int, tuple[Callable[[], None] | None, Callable[[], None] | None]] = {}
+        self.on_tick: Callable[[], None] = lambda: None  # called every loop, at least every POLL_S
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"kv-control-{port}", daemon=True)
         self._thread.start()
@@ -98,6 +106,41 @@ class ControlPlane:
         self._post("dealer", peer_address, msg)
         return fut
 
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the I/O thread, after what was posted before it (from any thread)."""
+        self._post("call", fn, None)
+
+    def in_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def run_and_wait(self, fn: Callable[[], None], timeout_s: float) -> bool:
+        """Run ``fn`` on the I/O thread and wait until it ran (not from the I/O thread); False
+        if ``timeout_s`` passed first."""
+        ran = threading.Event()
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                ran.set()
+        self.call_soon(run)
+        return ran.wait(timeout_s)
+
+    def watch(self, fd: int, on_readable: Callable[[], None] | None = None,
+              on_writable: Callable[[], None] | None = None) -> None:
+        """I/O thread only: call ``on_readable`` whenever ``fd`` has bytes (or its close) to read,
+        ``on_writable`` whenever it has room to send; both None stops watching it (before it is closed)."""
+        if on_readable is None and on_writable is None:
+            if self._watched.pop(fd, None) is not None:
+                self._poller.unregister(fd)
+            return
+        self._watched[fd] = (on_readable, on_writable)
+        self._poller.register(fd, (zmq.POLLIN if on_readable else 0) | (zmq.POLLOUT if on_writable else 0))
+
+    def unwatch(self, fd: int) -> None:
+        """I/O thread only: before ``fd`` is closed."""
+        self.watch(fd)
+
     def close(self) -> None:
         self._stop.set()
         self._wake()
@@ -113,7 +156,7 @@ class ControlPlane:
         self._wake_w.close()
 
     # ---- socket thread ---------------------------------------------------------------
-    def _post(self, kind: str, target: object, msg: Message) -> None:
+    def _post(self, kind: str, target: object, msg: Message | None) -> None:
         self._outbox.put((kind, target, msg))
         self._wake()
 
@@ -126,11 +169,11 @@ class ControlPlane:
             pass  # already pending wake-up, or closing
 
     def _loop(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
         while not self._stop.is_set():
-            events = dict(poller.poll(0 if not self._outbox.empty() else 50))
+            events = dict(poller.poll(0 if not self._outbox.empty() else POLL_S * 1000))
             if self._wake_r.fileno() in events:
                 self._drain_wake()
             self._flush_outbox(poller)
@@ -139,8 +182,16 @@ class ControlPlane:
             for address, sock in list(self._dealers.items()):
                 if sock in events:
                     self._read_dealer(address, sock)
+            for fd, (on_readable, on_writable) in list(self._watched.items()):
+                if fd not in events:
+                    continue
+                if events[fd] & zmq.POLLIN and on_readable and self._watched.get(fd, (None,))[0] is on_readable:
+                    self._run(on_readable)  # (and not unwatched meanwhile)
+                if events[fd] & zmq.POLLOUT and on_writable and self._watched.get(fd, (None, None))[1] is on_writable:
+                    self._run(on_writable)
             self._expire_pending(poller)
             self._close_idle_dealers(poller)
+            self._run(self.on_tick)
 
     def _drain_wake(self) -> None:
         try:
@@ -155,6 +206,9 @@ class ControlPlane:
                 kind, target, msg = self._outbox.get_nowait()
             except queue.Empty:
                 return
+            if kind == "call":
+                self._run(target)
+                continue
             try:
                 frames = self._sealer.frames(encode(msg))
                 if kind == "router":
@@ -264,6 +318,13 @@ class ControlPlane:
             return None
 
     @staticmethod
+    def _run(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:  # a half's bug must not kill the I/O thread
+            logger.exception("control: %r failed on the I/O thread", fn)
+
+    @staticmethod
     def _dispatch(handler: Callable, origin: object, msg: Message) -> None:
         try:
             handler(origin, msg)
@@ -284,6 +345,14 @@ class ControlPlane:
         for fut, _, address in entries:
             fut.set_exception(TransferError("no response from peer before the deadline"))
             # A silent peer (a partition: no RST) leaves TCP in retransmission back-off, so the
-            # old socket may stay stuck for long after the link is back: open a fresh one.
+            # old socket may stay stuck for long after the link is back: open a fresh one. What
+            # else waits on the old one went down with it: it fails now (ConnectionReopened),
+            # not at its own deadline, so its caller may send it again on the fresh connection.
             if address in self._dealers:
                 self._close_dealer(address, poller)
+                with self._pending_lock:
+                    lost = [i for i, (_, _, a) in self._pending.items() if a == address]
+                    lost_entries = [self._pending.pop(i) for i in lost]
+                for other, _, _ in lost_entries:
+                    other.set_exception(ConnectionReopened(f"connection to {address} reopened after a silent "
+                                                           "request; this one was sent on the old one"))

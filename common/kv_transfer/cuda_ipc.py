@@ -4,7 +4,7 @@ Both KV caches are on CUDA and able to share memory (one shared GPU, or two GPUs
 host, both visible to the producer). Once per pair the consumer exports its cache's CUDA
 IPC handles in the handshake (:func:`export_cache`); the producer opens them
 (:func:`open_cache`, on the control thread, so a cache it cannot map refuses the handshake
-with the fix). For each job the producer's sender thread copies the request's blocks into
+with the fix). For each job the producer's I/O thread copies the request's blocks into
 the consumer's blocks, ordered after the layer's KV write by the event the engine thread
 recorded (``SendJob.ready``). The copies run on the pair's streams: one on the producer's
 device, and one on the destination device, where each copy ends (``index_copy_`` runs

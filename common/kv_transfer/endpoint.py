@@ -6,10 +6,14 @@ builds the two. Every call the engine thread makes returns without waiting on th
 network; results are polled (``producer.poll_freeable``, ``consumer.poll_finished``), and
 ``on_progress`` (the engine thread's wake-up) is called, from a transfer thread, whenever a
 poll would return something new: a waiting engine steps at once instead of at its next poll.
+Both halves run on the control plane's thread, the endpoint's I/O thread: one thread for
+every pair; what must be waited on (a pair's build, gloo/NCCL work, CUDA copies) waits on
+a short-lived or per-pair thread and comes back to it as a call (waiter.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from common.cluster_auth import ClusterKey
@@ -60,6 +64,7 @@ class KVEndpoint:
             half.control = self.control
             if on_progress is not None:
                 half.on_progress = on_progress
+        self.control.on_tick = self._tick  # the pairs' pings, deadlines and idleness
         if self._consumer is not None:
             self._consumer.address = f"{advertise_host or host}:{split_address(self.address)[1]}"
 
@@ -77,6 +82,13 @@ class KVEndpoint:
 
     def _halves(self) -> list:
         return [h for h in (self._producer, self._consumer) if h is not None]
+
+    def _tick(self) -> None:
+        """Every pair's pings, deadlines and idleness, on the I/O thread (``control.on_tick``)."""
+        now = time.monotonic()
+        for half in self._halves():
+            for link in half.links():
+                link.tick(now)
 
     def _on_router(self, identity: bytes, msg: Message) -> None:
         if self._producer is not None:

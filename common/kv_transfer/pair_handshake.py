@@ -9,6 +9,7 @@ The handshake is bounded by ``handshake_timeout_s``, building the pair after it 
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.kv_layout import KVLayout
-from common.kv_transfer.config import NoPairError, TransferConfig, TransferError
+from common.kv_transfer.config import ConnectionReopened, NoPairError, TransferConfig, TransferError
 from common.kv_transfer.cuda_ipc import export_cache
 from common.kv_transfer.messages import Error, Handshake, HandshakeOk
 from common.kv_transfer.transport import Endpoint, open_pair
@@ -45,11 +46,18 @@ def open_consumer_pair(control: ControlPlane, address: str, layout: KVLayout, mo
     hello = Handshake(pair_id=pair_id, layout=layout.to_dict(), backend=mode,
                       endpoint=Endpoint.local(device).to_dict(), ipc=ipc, checksum=config.checksum,
                       consumer=consumer)
-    fut = control.request(address, hello, config.handshake_timeout_s)
-    try:
-        reply = fut.result(timeout=config.handshake_timeout_s + 1)
-    except Exception as e:
-        raise TransferError(f"producer {address} unreachable: {e}") from e
+    deadline = time.monotonic() + config.handshake_timeout_s
+    while True:
+        fut = control.request(address, hello, max(deadline - time.monotonic(), 0.1))
+        try:
+            reply = fut.result(timeout=config.handshake_timeout_s + 1)
+            break
+        except ConnectionReopened:  # lost with a stuck connection the control plane replaced: again,
+            hello.pair_id = pair_id = uuid.uuid4().hex  # under a new id (the producer may have seen it)
+            if time.monotonic() >= deadline:
+                raise TransferError(f"producer {address} unreachable: no answer before the deadline") from None
+        except Exception as e:
+            raise TransferError(f"producer {address} unreachable: {e}") from e
     if isinstance(reply, Error):  # nothing asked for yet, nothing lands: the decode node may compute it
         raise NoPairError("pairs_full" if "--kv-max-pairs" in reply.reason else "pair_refused",
                           f"producer {address} refused a pair: {reply.reason}")

@@ -88,7 +88,7 @@ class KVProducer:
                 return  # sent from the paged blocks after finish()
             if req.link.transport in ("tcp", "cuda_ipc"):  # sent from the blocks: nothing staged
                 self.table.queue(req, [layer_idx])
-                req.link.jobs.put(SendJob("layers", req, [layer_idx], source=(kv_layer, ids),
+                req.link.put(SendJob("layers", req, [layer_idx], source=(kv_layer, ids),
                                           ready=self._kv_written(kv_layer)))
                 return
             if not self._budget.try_acquire(len(ids) * self.layout.bytes_per_block_per_layer()):
@@ -98,7 +98,7 @@ class KVProducer:
             # its queue or marks the request dropped before we get here (no leaked budget).
             staged = gather_blocks(kv_layer, ids)
             # the gather runs on the engine's stream; the send waits for it on another
-            req.link.jobs.put(SendJob("layers", req, [layer_idx], staged.unsqueeze(0),
+            req.link.put(SendJob("layers", req, [layer_idx], staged.unsqueeze(0),
                                       ready=self._kv_written(kv_layer)))
 
     def finish(self, request_id: str, first_token: int, kv_caches: list[torch.Tensor],
@@ -151,7 +151,7 @@ class KVProducer:
         with self._lock:
             return self.table.poll_freeable()
 
-    # ---- control thread --------------------------------------------------------------
+    # ---- I/O thread -------------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:
         handler = {Handshake: self._on_handshake, Pull: self._on_pull, Ack: self._on_ack,
                    Abort: self._on_abort, Ping: self._on_ping}.get(type(msg))
@@ -315,7 +315,7 @@ class KVProducer:
             ipc = [link for link in links if link.transport == "cuda_ipc"]
             if ipc:  # answered by the sender once its stream drained: no copy lands after the reply
                 fence_req = req or ProducerRequest(msg.request_id)  # in no table: the fence only answers
-                ipc[0].jobs.put(SendJob("fence", fence_req, reply_id=msg.id))
+                ipc[0].put(SendJob("fence", fence_req, reply_id=msg.id))
                 return
         self._reply(identity, Ok(id=msg.id))
 
@@ -337,8 +337,8 @@ class KVProducer:
         if req.link.transport == "tcp":  # sent in place, nothing staged: one message, no gaps between
             per_msg = max(1, len(rest))
         for i in range(0, len(rest), per_msg):
-            req.link.jobs.put(SendJob("layers", req, rest[i:i + per_msg]))
-        req.link.jobs.put(SendJob("done", req))
+            req.link.put(SendJob("layers", req, rest[i:i + per_msg]))
+        req.link.put(SendJob("done", req))
         self.table.sending(req)
 
     def _fail_request(self, req: ProducerRequest, reason: str) -> None:
@@ -367,7 +367,7 @@ class KVProducer:
                     self.control.reply(req.link.identity, Error(reason=reason, request_id=req.request_id))
                 self._drop(req.request_id, reason)
 
-    # ---- sender threads: what a pair's sender reports ------------------------------------
+    # ---- what a pair's sender reports (I/O thread) ------------------------------------------
     def done_sent(self, req: ProducerRequest) -> None:
         """DONE is out: the lease runs again until the consumer's ACK."""
         with self._lock:
@@ -393,11 +393,19 @@ class KVProducer:
         with self._lock:
             return [link.transport for link in self._links.values() if not link.broken]
 
+    def links(self) -> list[PairSender]:
+        with self._lock:
+            return list(self._links.values())
+
     def close(self) -> None:
+        """Close every pair, on the I/O thread (before the endpoint closes it)."""
         with self._lock:
             self._closed = True
             links = list(self._links.values())
-        for link in links:  # all at once: a pair whose consumer never joined stops waiting for it now
+        for link in links:  # a pair whose consumer never joined stops waiting for it now
             link.drop()
+        assert self.control is not None
+        self.control.run_and_wait(lambda: [link.close() for link in links], self.config.timeout_s)
         for link in links:
-            link.stop(self.config.timeout_s + 1)
+            if link.builder is not None:
+                link.builder.join(timeout=self.config.timeout_s)

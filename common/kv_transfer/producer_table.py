@@ -1,7 +1,7 @@
 """The prefill node's one table of transfers: one record per request, one state, its moves.
 
 The scheduler side of the producer connector (engine thread) and :class:`KVProducer` with
-its control and sender threads share this table (the connector takes the transfer
+its I/O thread shares this table (the connector takes the transfer
 engine's at ``bind``). The table writes every field of its records, under its ``lock``
 (KVProducer holds it while it also queues the sends a change calls for): the other threads
 report what happened (a method below) and read. A state changes only through
@@ -105,7 +105,7 @@ class ProducerRequest:
         return self.state in FINISHED
 
     @property
-    def dropped(self) -> bool:  # read by the sender thread without the lock: one attribute read
+    def dropped(self) -> bool:  # read by the I/O thread without the lock: one attribute read
         return self.why is not None
 
 
@@ -222,7 +222,7 @@ class ProducerTable:
         self._move(req, S.SENDING)
 
     def checksummed(self, req: ProducerRequest, checksums: dict[int, int]) -> None:
-        """The sender computed these layers' CRC-32s (sender thread: takes the lock)."""
+        """The sender computed these layers' CRC-32s (I/O thread: takes the lock)."""
         with self.lock:
             req.checksums.update(checksums)
 

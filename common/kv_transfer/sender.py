@@ -1,16 +1,25 @@
-"""The producer's sender for one pair: a job queue drained by one thread.
+"""The producer's sender for one pair, run on the endpoint's I/O thread.
 
-Two sends are kept in flight, so layer i+1 is gathered while layer i is on the wire, and
-the next job's notice goes out before this job's bytes so the consumer can post its
-receive early. ``tcp`` sends straight from the blocks (the kernel gathers them) behind
-an in-band header instead of a notice;
-gloo/nccl send contiguous block runs in place and gather anything else into one of two
-reusable staging buffers, each after the engine's event for that KV (the sender's stream
-waits on it, so the gather and NCCL's send come after the write); ``cuda_ipc`` copies into
-the consumer's blocks on the pair's streams and sends DONE once they have finished.
+There is no thread per pair: jobs are put from any thread (the engine's ``save_layer`` and
+``finish``, the I/O thread's PULL) and run in order on the I/O thread (control.py), which
+never waits on the network:
+
+- ``tcp`` sends straight from the blocks (the kernel gathers them) behind an in-band header,
+  without blocking (tcp_pair.FrameWriter: what the socket does not take now goes when it is
+  writable); the consumer's in-band PULLs and ACKs are read the same way (FrameReader);
+- gloo/nccl keep two sends in flight, so layer i+1 is gathered while layer i is on the wire,
+  and the next job's notice goes out before this job's bytes so the consumer can post its
+  receive early. Contiguous block runs go in place; anything else is gathered into one of
+  two reusable staging buffers, each after the engine's event for that KV (the I/O thread's
+  stream waits on it, so the gather and NCCL's send come after the write). The pair's
+  :class:`~common.kv_transfer.waiter.Waiter` thread waits for each send;
+- ``cuda_ipc`` copies into the consumer's blocks on the pair's streams; DONE (and a fence's
+  answer) goes once they finished, which the waiter waits for.
+
+Building the pair (rank 0: waiting for the consumer to join) runs on a short-lived thread.
 A cuda_ipc pair whose consumer stopped pinging it is closed (its mapping with it), and any
-pair that carried no transfer for ``pair_idle_s`` is closed too (its thread and sockets go;
-the consumer builds a new one for its next request), so strangers' pairs do not pile up.
+pair that carried no transfer for ``pair_idle_s`` is closed too (its sockets go; the
+consumer builds a new one for its next request), so strangers' pairs do not pile up.
 """
 
 from __future__ import annotations
@@ -18,8 +27,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import queue
-import select
 import threading
 import time
 from collections.abc import Callable
@@ -34,10 +41,10 @@ from common.kv_transfer.messages import (Ack, Done, LayerNotice, Message, Messag
 from common.kv_transfer.p2p_group import dtype_name
 from common.kv_transfer.paged import ByteBudget, StagingBuffer, block_run, gather_blocks
 from common.kv_transfer.streams import StreamOps, stream_ops
-from common.kv_transfer.inbox import READABLE, Inbox
-from common.kv_transfer.tcp_pair import MESSAGE
+from common.kv_transfer.tcp_pair import Frame, FrameReader, FrameWriter, kv_message
 from common.kv_transfer.transport import open_pair
 from common.kv_transfer.verify import blocks_checksum
+from common.kv_transfer.waiter import Waiter
 
 if TYPE_CHECKING:
     from common.kv_transfer.control import ControlPlane
@@ -69,18 +76,12 @@ class SendJob:
         return self.staged.numel() * self.staged.element_size() if self.staged is not None else 0
 
 
-class _Sends:
-    """A layer's send handle plus the tensors it reads from (must outlive the send)."""
-
-    def __init__(self, work, tensors: list[torch.Tensor]) -> None:
-        self.work, self.tensors = work, tensors
-
-    def wait(self, timeout) -> None:
-        self.work.wait(timeout)
+STOP = None  # the job that ends a pair after the ones before it
 
 
 class PairSender:
-    """One consumer's pair on the producer side and the thread that feeds it."""
+    """One consumer's pair on the producer side. ``put``, ``drain``, ``heard`` and ``drop`` may
+    be called from any thread; everything else runs on the I/O thread."""
 
     def __init__(self, pair_id: str, identity: bytes, *, config: TransferConfig, stats: TransferStats,
                  budget: ByteBudget, control: ControlPlane, device: str,
@@ -96,12 +97,12 @@ class PairSender:
         self.streams = streams or stream_ops(device)
         self._on_done_sent, self._on_failed = on_done_sent, on_failed
         self._on_message = on_message  # the producer's handler, for what a tcp consumer sends in-band
-        self.jobs = Inbox()  # of SendJob, or None to stop
-        self.pair = None  # PairGroup | TcpPair | IpcPair, built on the thread
+        self.jobs: collections.deque = collections.deque()  # SendJob, or STOP; appended from any thread
+        self.pair = None  # PairGroup | TcpPair | IpcPair, built on the builder thread
         self.transport = ""
         self.checksum = False  # DONE carries per-layer checksums (agreed at the handshake, verify.py)
         self.broken = False
-        self.thread: threading.Thread | None = None
+        self.builder: threading.Thread | None = None  # waits for the consumer to join, then hands the pair over
         self._peer_cache: list | None = None  # cuda_ipc: handed to the pair, then held by it alone
         self._last_heard = time.monotonic()
         self._in_use = in_use  # does a live request still use this pair (the producer's table)
@@ -112,13 +113,28 @@ class PairSender:
         self.consumer = ""
         self.probation_until: float | None = None
         self._rendezvous = None
+        self._staging: list[StagingBuffer] = []
+        self._inflight: collections.deque[tuple[list, int]] = collections.deque()  # gloo/nccl: (tensors, budget)
+        self._waiter: Waiter | None = None  # gloo/nccl sends, cuda_ipc syncs
+        self._syncing = False  # cuda_ipc: DONE or a fence waits for the copies to finish
+        self._writer: FrameWriter | None = None  # tcp: the message going out
+        self._after_write: Callable[[], None] | None = None
+        self._reader: FrameReader | None = None  # tcp: the consumer's in-band PULLs and ACKs
+        self._fd = -1
+        self._next_tick = 0.0
+        self.closed = False
 
+    # ---- any thread ------------------------------------------------------------------------
     def start(self, rendezvous, transport: str, peer_cache: list | None = None) -> None:
-        """Build the pair (rank 0, blocks until the consumer joins) and serve jobs, off-thread."""
+        """Build the pair (rank 0: until the consumer joins) on the builder thread."""
         self.transport, self._peer_cache, self._rendezvous = transport, peer_cache, rendezvous
-        self.thread = threading.Thread(target=self._run, args=(rendezvous,),
-                                       name=f"kv-send-{self.pair_id[:8]}", daemon=True)
-        self.thread.start()
+        self.builder = threading.Thread(target=self._build, name=f"kv-pair-{self.pair_id[:8]}", daemon=True)
+        self.builder.start()
+
+    def put(self, job: SendJob | None) -> None:
+        """Queue a job (or STOP) for the I/O thread."""
+        self.jobs.append(job)
+        self._control.call_soon(self._pump)
 
     def heard(self) -> None:
         """The consumer spoke on this pair (a ping, a pull): it is still there."""
@@ -130,109 +146,139 @@ class PairSender:
         waiting on its store ends at its connect deadline."""
         if hasattr(self._rendezvous, "cancel"):
             self._rendezvous.cancel()
-        self.jobs.put(None)
-
-    def stop(self, timeout_s: float) -> None:
-        self.jobs.put(None)
-        if self.thread is not None:
-            self.thread.join(timeout_s)
+        self.put(STOP)
 
     def drain(self) -> None:
         """Release the staged bytes of jobs that will never run."""
         while True:
             try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
+                job = self.jobs.popleft()
+            except IndexError:
                 return
             if job is not None:
                 self._budget.release(job.budget)
 
-    def _run(self, rendezvous) -> None:
-        # Two sends in flight: layer i+1 is gathered and announced while layer i is on the
-        # wire. The next job's notice goes out before this job's bytes, so the consumer can
-        # post its receive early. Gathered layers alternate between two staging buffers.
-        staging = [StagingBuffer(self.device), StagingBuffer(self.device)]
-        inflight: collections.deque[tuple[_Sends, int]] = collections.deque()
-        ahead: SendJob | None = None
+    # ---- building ----------------------------------------------------------------------------
+    def _build(self) -> None:
+        # the mapped cache lives in the pair alone, so closing the pair unmaps it
+        peer_cache, self._peer_cache = self._peer_cache, None
         try:
-            # the mapped cache lives in the pair alone, so closing the pair unmaps it
-            peer_cache, self._peer_cache = self._peer_cache, None
-            self.pair = open_pair(self.transport, 0, self.config.timeout_s, self.pair_id,
-                                  connect_timeout_s=self.config.connect_timeout_s, rendezvous=rendezvous,
-                                  device=self.device, peer_cache=peer_cache, streams=self.streams,
-                                  key=self._control.key)
-            del peer_cache
-            while True:
-                if ahead is not None:
-                    job, ahead = ahead, None
-                else:
-                    try:
-                        job = self._next_job(block=not inflight)
-                    except queue.Empty:
-                        self._retire(inflight)  # nothing new: let the oldest send finish
-                        continue
-                if job is None:
-                    while inflight:
-                        self._retire(inflight)
-                    break
-                if len(inflight) >= 2:
-                    self._retire(inflight)
-                try:
-                    ahead = self.jobs.get_nowait()
-                except queue.Empty:
-                    pass
-                sent = self._run_job(job, staging[0], ahead)
-                if sent is not None:
-                    inflight.append(sent)
-                    staging.reverse()
-        except Exception as e:  # PairBrokenError, or a bug: either way this pair is done
-            log = logger.info if isinstance(e, PairIdleError) else logger.warning
-            log("producer: pair %s %s: %s", self.pair_id[:8], "idle" if isinstance(e, PairIdleError) else "failed",
-                e, exc_info=not isinstance(e, PairBrokenError))
-            for _, nbytes in inflight:
-                self._budget.release(nbytes)
-            if ahead is not None:
-                self._budget.release(ahead.budget)
-            self.broken = True
-            self._on_failed(self, str(e))
+            pair = open_pair(self.transport, 0, self.config.timeout_s, self.pair_id,
+                             connect_timeout_s=self.config.connect_timeout_s, rendezvous=self._rendezvous,
+                             device=self.device, peer_cache=peer_cache, streams=self.streams,
+                             key=self._control.key)
+        except Exception as e:  # PairBrokenError (the consumer never came), or a bug
+            error = e
+            self._control.call_soon(lambda: self._fail(error))
+            return
         finally:
-            if self.pair is not None:
-                self.pair.close()
-            self.jobs.close()  # its wake-up sockets; later puts only queue (drained on failure)
+            del peer_cache
+        self._control.call_soon(lambda: self._built(pair))
 
-    def _next_job(self, block: bool) -> SendJob | None:
-        """The next job; while waiting for one, a tcp pair's socket is read too (PULLs come that way)."""
-        fd = self.pair.fileno() if self.transport == "tcp" else None
-        while fd is not None and select.select([fd], [], [], 0)[0]:  # between jobs too: a busy queue
-            self._read_message()  # must not starve the consumer's PULLs and ACKs
-        if not block:
-            return self.jobs.get_nowait()
-        while True:
-            try:
-                item = self.jobs.get(min(1.0, self.config.heartbeat_s), fd)
-            except queue.Empty:
-                self._check_consumer()
-                continue
-            if item is not READABLE:
-                return item
-            self._read_message()
+    def _built(self, pair) -> None:
+        if self.closed:
+            pair.close()
+            return
+        self.pair = pair
+        self._staging = [StagingBuffer(self.device), StagingBuffer(self.device)]
+        if self.transport == "tcp":
+            self._reader = FrameReader(pair, self._kv_from_consumer, self._read_message)
+            self._fd = pair.fileno()
+            self._control.watch(self._fd, self._readable)
+        else:
+            self._waiter = Waiter(f"send-{self.pair_id[:8]}", self._control.call_soon)
+        self._pump()
 
-    def _check_consumer(self) -> None:
+    # ---- I/O thread ------------------------------------------------------------------------
+    def _guard(self, step: Callable, *args) -> None:
+        if self.closed:
+            return
+        try:
+            step(*args)
+        except Exception as e:  # PairBrokenError, or a bug: either way this pair is done
+            self._fail(e)
+
+    def _pump(self) -> None:
+        """Run the queued jobs, in order, as far as they go without waiting."""
+        self._guard(self._run_jobs)
+
+    def _run_jobs(self) -> None:
+        while self.pair is not None and self.jobs and self._writer is None and not self._syncing \
+                and len(self._inflight) < 2:
+            job = self.jobs.popleft()
+            if job is STOP:
+                if self._inflight:  # the sends in flight first
+                    self.jobs.appendleft(job)
+                    return
+                self.close()
+                return
+            ahead = self.jobs[0] if self.jobs else None
+            self._run_job(job, ahead)
+
+    def tick(self, now: float) -> None:
+        """Liveness and idleness, a few times a second (the producer's ``tick``)."""
+        if self.closed or self.pair is None or now < self._next_tick:
+            return
+        self._next_tick = now + min(1.0, self.config.heartbeat_s) / 4
+        self._guard(self._check_consumer, now)
+
+    def _check_consumer(self, now: float) -> None:
         """cuda_ipc: nothing on the data plane tells that the consumer went (a restarted decode
-        daemon just makes a new pair), and this pair maps its whole cache: its pings do."""
-        silent = time.monotonic() - self._last_heard
+        daemon just makes a new pair), and this pair maps its whole cache: its pings do. A tcp
+        message that stopped moving for ``timeout_s`` means the consumer stopped reading."""
+        silent = now - self._last_heard
         if self.transport == "cuda_ipc" and silent > self.config.peer_silent_s:
             raise PairBrokenError(f"consumer silent for {silent:.1f} s; dropping its pair and the mapping "
                                   "of its KV cache")
-        idle = time.monotonic() - self.last_used
-        if idle > self.config.pair_idle_s and not self._in_use(self):
+        if self._writer is not None and now - self._writer.last_byte > self.config.timeout_s:
+            raise PairBrokenError(f"tcp transfer failed: no byte moved for {self.config.timeout_s:g} s")
+        if self._reader is not None and self._reader.mid_frame() \
+                and now - self._reader.last_byte > self.config.timeout_s:
+            raise PairBrokenError(f"tcp transfer failed: no byte moved for {self.config.timeout_s:g} s")
+        idle = now - self.last_used
+        if idle > self.config.pair_idle_s and not self.jobs and not self._in_use(self):
             raise PairIdleError(f"no transfer for {idle:.0f} s; closed (the consumer builds a new pair)")
 
-    def _read_message(self) -> None:
-        """tcp: a consumer's in-band message (PULL, ACK), or its close (the pair fails)."""
-        frame = self.pair.recv_frame(self.config.timeout_s)
-        if frame.kind != MESSAGE:
-            raise PairBrokenError("the consumer sent KV bytes on its pair")
+    def _fail(self, e: BaseException) -> None:
+        if self.closed:
+            return
+        log = logger.info if isinstance(e, PairIdleError) else logger.warning
+        log("producer: pair %s %s: %s", self.pair_id[:8], "idle" if isinstance(e, PairIdleError) else "failed",
+            e, exc_info=not isinstance(e, PairBrokenError))
+        self.broken = True
+        self.close()
+        self._on_failed(self, str(e))
+
+    def close(self) -> None:
+        """Close the pair (its in-flight budgets go back); queued jobs stay for ``drain``."""
+        if self.closed:
+            return
+        self.closed = self.broken = True
+        for _, nbytes in self._inflight:
+            self._budget.release(nbytes)
+        self._inflight.clear()
+        if self._fd >= 0:
+            self._control.unwatch(self._fd)
+            self._fd = -1
+        if self._reader is not None:
+            self._reader.closed = True
+        self._writer = self._reader = None
+        if self._waiter is not None:
+            self._waiter.stop()
+            self._waiter = None
+        if self.pair is not None:  # off this thread: a cuda_ipc pair drains its streams first
+            threading.Thread(target=self.pair.close, name=f"kv-close-{self.pair_id[:8]}", daemon=True).start()
+
+    # ---- tcp: the consumer's in-band messages, and what goes out -------------------------------
+    def _readable(self) -> None:
+        if self._reader is not None:
+            self._guard(self._reader.feed)
+
+    def _kv_from_consumer(self, frame: Frame):
+        raise PairBrokenError("the consumer sent KV bytes on its pair")
+
+    def _read_message(self, frame: Frame) -> None:
+        """tcp: a consumer's in-band message (PULL, ACK)."""
         try:
             msg = decode(frame.payload)
         except MessageError as e:
@@ -241,27 +287,44 @@ class PairSender:
             raise PairBrokenError(f"unexpected in-band {msg.CMD} from the consumer")
         self._on_message(self.identity, msg)
 
-    def _retire(self, inflight: collections.deque) -> None:
-        work, nbytes = inflight[0]
-        self.pair.wait(work, self.config.timeout_s)
-        inflight.popleft()
-        self._budget.release(nbytes)
+    def _write(self, parts, then: Callable[[], None] | None = None) -> None:
+        """Send ``parts`` (lists of byte views) on the tcp pair; ``then`` once all is out. What the
+        socket does not take now goes when it is writable; jobs behind wait."""
+        writer = FrameWriter(self.pair, parts)
+        if writer.push():
+            if then is not None:
+                then()
+            return
+        self._writer, self._after_write = writer, then
+        self._control.watch(self._fd, self._readable, self._writable)
 
-    def _run_job(self, job: SendJob, staging: StagingBuffer, ahead: SendJob | None) -> tuple | None:
-        """Announce (unless done already) and post one job; returns (sends, budget bytes)."""
+    def _writable(self) -> None:
+        self._guard(self._write_more)
+
+    def _write_more(self) -> None:
+        if self._writer is None or not self._writer.push():
+            return
+        then, self._writer, self._after_write = self._after_write, None, None
+        self._control.watch(self._fd, self._readable)
+        if then is not None:
+            then()
+        self._run_jobs()
+
+    # ---- jobs --------------------------------------------------------------------------------
+    def _run_job(self, job: SendJob, ahead: SendJob | None) -> None:
+        """Announce (unless done already) and start one job."""
         req = job.req
         if job.kind == "fence":
-            self.pair.synchronize(self.config.timeout_s)
-            self._control.reply(self.identity, Ok(id=job.reply_id))
-            return None
+            self._sync(lambda: self._control.reply(self.identity, Ok(id=job.reply_id)))
+            return
         if req.dropped and (not job.announced or self.transport == "cuda_ipc"):
             self._budget.release(job.budget)
-            return None
+            return
         assert self.pair is not None
         if job.kind == "done":
             if not job.announced:
                 self._send_done(job)
-            return None
+            return
         inband = self.transport == "tcp"  # the header travels with the bytes: nothing to announce
         if not job.announced and not inband:
             self._announce(job)
@@ -277,11 +340,13 @@ class PairSender:
                 self._send_done(ahead)
         if self.transport == "cuda_ipc":
             self.stats.add(bytes_sent=self.pair.write(job, self._source(job)))
-            return None
+            return
         if inband:
             self._send_tcp(job, ahead)
-            return None
+            return
         self._after_kv_written(job)
+        staging = self._staging[0]
+        self._staging.reverse()
         parts = self._parts(job, staging)
         try:
             work = self.pair.send_async(parts)
@@ -289,7 +354,32 @@ class PairSender:
             self._budget.release(job.budget)
             raise
         self.stats.add(bytes_sent=sum(p.numel() * p.element_size() for p in parts))
-        return (_Sends(work, parts), job.budget)
+        self._inflight.append((parts, job.budget))  # the tensors outlive the send
+        pair, waiter, timeout_s = self.pair, self._waiter, self.config.timeout_s
+        assert waiter is not None
+        waiter.run(lambda: pair.wait(work, timeout_s), lambda error: self._guard(self._sent, error))
+
+    def _sent(self, error: BaseException | None) -> None:
+        """The waiter's word on the oldest send in flight."""
+        if error is not None:
+            raise error
+        _, nbytes = self._inflight.popleft()
+        self._budget.release(nbytes)
+        self._run_jobs()
+
+    def _sync(self, then: Callable[[], None]) -> None:
+        """cuda_ipc: ``then`` once every copy queued so far finished (the waiter waits); jobs behind wait."""
+        pair, waiter, timeout_s = self.pair, self._waiter, self.config.timeout_s
+        assert waiter is not None
+        self._syncing = True
+
+        def synced(error: BaseException | None) -> None:
+            self._syncing = False
+            if error is not None:
+                raise error
+            then()
+            self._run_jobs()
+        waiter.run(lambda: pair.synchronize(timeout_s), lambda error: self._guard(synced, error))
 
     def _checksum_layers(self, job: SendJob) -> None:
         """gloo/nccl with checksums: each layer's CRC-32 over its bytes in wire order (keys, then
@@ -323,11 +413,13 @@ class PairSender:
         done = ahead if ahead is not None and ahead.kind == "done" and ahead.req is job.req \
             and not ahead.announced and not ahead.req.dropped else None
         trailer = self.pair.message_frame(encode(self._done(done.req))) if done is not None else b""
-        nbytes = self.pair.send_kv(job.req.request_id, kv_caches, job.layers, ids, trailer)
+        nbytes, parts = kv_message(job.req.request_id, kv_caches, job.layers, ids, trailer)
         self.stats.add(bytes_sent=nbytes)
-        if done is not None:
-            done.announced = True
-            self._on_done_sent(done.req)
+        if done is None:
+            self._write(parts)
+            return
+        done.announced = True
+        self._write(parts, lambda: self._on_done_sent(done.req))
 
     def _done(self, req: ProducerRequest) -> Done:
         kv = req.kv_caches[0] if req.kv_caches else None
@@ -340,13 +432,18 @@ class PairSender:
                     nbytes=block_bytes * req.num_blocks * len(req.kv_caches), checksums=checksums)
 
     def _send_done(self, job: SendJob) -> None:
-        if self.transport == "cuda_ipc":
-            self.pair.synchronize(self.config.timeout_s)  # every copy landed before DONE says so
-        if self.transport == "tcp":  # behind the request's last bytes, on the same stream
-            self.pair.send_message(encode(self._done(job.req)))
-        else:
-            self._control.reply(self.identity, self._done(job.req))
         job.announced = True
+        if self.transport == "cuda_ipc":  # every copy landed before DONE says so
+            self._sync(lambda: self._done_out(job))
+        else:
+            self._done_out(job)
+
+    def _done_out(self, job: SendJob) -> None:
+        if self.transport == "tcp":  # behind the request's last bytes, on the same stream
+            frame = self.pair.message_frame(encode(self._done(job.req)))
+            self._write([[memoryview(frame)]], lambda: self._on_done_sent(job.req))
+            return
+        self._control.reply(self.identity, self._done(job.req))
         self._on_done_sent(job.req)
 
     def _announce(self, job: SendJob) -> None:

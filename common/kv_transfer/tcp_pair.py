@@ -9,10 +9,11 @@ payload bytes), so the consumer reads it as soon as it arrives instead of waitin
 notice to cross the control plane: two thread hops and two ZMQ hops less per message.
 The payload is each layer's ``[2, blocks, ...]`` in C order.
 
-Operations run on the caller's thread and finish before returning (the handle's ``wait``
-is a no-op); each fails after ``timeout_s`` without a byte moving (kernel socket timeouts
-per call), so a stalled peer is noticed that soon while a slow link that keeps moving is not
-cut off. A closed connection, a reset or a timeout marks the pair broken, like a gloo pair
+The endpoint's I/O thread moves the bytes without ever waiting (:class:`FrameReader`,
+:class:`FrameWriter`: what the socket cannot take or give now moves when it is ready), and
+fails a message that moved no byte for ``timeout_s``, so a stalled peer is noticed that soon
+while a slow link that keeps moving is not cut off. The blocking calls (``send``,
+``recv_into``: kernel socket timeouts per call) build the pair and serve tests. A closed connection, a reset or a timeout marks the pair broken, like a gloo pair
 after a timeout.
 The connection opens with a hello (pair_auth.py): the pair id, and with a cluster key a
 mutual challenge-response over the key, so the producer accepts only the consumer it handed
@@ -26,6 +27,7 @@ import math
 import select
 import socket
 import struct
+import time
 from dataclasses import dataclass
 
 import torch
@@ -91,14 +93,185 @@ def kv_nbytes(kv_caches, layers, num_blocks: int) -> int:
     return sum(2 * num_blocks * math.prod(kv_caches[x].shape[2:]) * kv_caches[x].element_size() for x in layers)
 
 
-class _Finished:
-    """The handle of an operation that already completed (the socket calls are synchronous)."""
+def kv_message(request_id: str, kv_caches, layers, block_ids: list[int], trailer: bytes = b""):
+    """(KV bytes, the message's byte views one layer at a time): the header, each layer's
+    ``[2, blocks, ...]`` straight from its blocks (the kernel gathers a layer's scattered runs:
+    no copy), ``trailer`` behind the last. Each layer's views are built just before it goes:
+    the first bytes leave at once instead of after every layer's views are built (~1 ms for
+    32 layers of scattered blocks). A slice of the heads (tensor parallelism) is gathered first."""
+    nbytes = kv_nbytes(kv_caches, layers, len(block_ids))
+    head = memoryview(Frame(request_id, tuple(layers), len(block_ids), nbytes).encode())
 
-    def wait(self, timeout=None) -> None:
-        return None
+    def parts():
+        runs = block_runs(block_ids)
+        for i, layer in enumerate(layers):
+            kv = kv_caches[layer]
+            if kv.is_contiguous():
+                bufs = layer_buffers(kv, runs)
+            else:  # the gathered copy lives as long as its views (they hold this frame)
+                kv = gather_blocks(kv, block_ids)
+                bufs = layer_buffers(kv, [slice(0, len(block_ids))])
+            if i == 0:
+                bufs.insert(0, head)
+            if i == len(layers) - 1 and trailer:
+                bufs.append(memoryview(trailer))
+            yield bufs
+    return nbytes, parts()
 
 
-FINISHED = _Finished()
+class FrameWriter:
+    """Sends a message without ever waiting: :meth:`push` sends what the socket takes and
+    returns True once every byte is out; the I/O thread calls it again when the socket is
+    writable. ``parts`` yields lists of byte views (one layer's at a time)."""
+
+    def __init__(self, pair: TcpPair, parts) -> None:
+        self._pair, self._parts = pair, iter(parts)
+        self._bufs: list[memoryview] = []
+        self._i = 0
+        self.last_byte = time.monotonic()
+
+    def push(self) -> bool:
+        while True:
+            if self._i == len(self._bufs):
+                bufs = next(self._parts, None)
+                if bufs is None:
+                    return True
+                self._bufs, self._i = [b for b in bufs if len(b)], 0
+                continue
+            n = self._pair.send_some(self._bufs[self._i:self._i + IOV_MAX])
+            if n == 0:
+                return False
+            self.last_byte = time.monotonic()
+            while n:  # advance past what moved; a partial buffer keeps its tail
+                if n >= len(self._bufs[self._i]):
+                    n -= len(self._bufs[self._i])
+                    self._i += 1
+                else:
+                    self._bufs[self._i], n = self._bufs[self._i][n:], 0
+
+
+class PeerClosedError(PairBrokenError):
+    """The peer closed the connection (at a message boundary: an idle pair's normal end)."""
+
+
+def kv_views(kv_caches, layers, block_ids: list[int], staging: StagingBuffer) -> tuple[list[memoryview], object]:
+    """Byte views that a ``KV`` message of ``layers`` x ``block_ids`` lands in, in wire order,
+    and what to call once every byte is in: straight into the blocks where a layer is
+    contiguous (nothing to do after); a slice of the heads (tensor parallelism) lands in
+    ``staging`` and is scattered into its blocks after."""
+    runs = block_runs(block_ids)
+    views: list[memoryview] = []
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    sliced = [x for x in layers if not kv_caches[x].is_contiguous()]
+    if sliced:
+        kv0 = kv_caches[sliced[0]]
+        buf = staging.view(kv0.dtype, (len(sliced), 2, len(block_ids), *kv0.shape[2:]))
+    for layer in layers:
+        kv = kv_caches[layer]
+        if kv.is_contiguous():
+            views += layer_buffers(kv, runs)
+        else:
+            part = buf[len(staged)]
+            staged.append((kv, part))
+            views.append(tensor_buffer(part))
+
+    def scatter() -> None:
+        for kv, part in staged:
+            scatter_blocks(kv, block_ids, part)
+    return views, scatter
+
+
+def scratch_views(nbytes: int) -> list[memoryview]:
+    """Views adding up to ``nbytes`` that all land in one scratch buffer: a message nobody waits for."""
+    scratch = memoryview(bytearray(min(nbytes, _DISCARD_CHUNK)))
+    full, rest = divmod(nbytes, len(scratch)) if nbytes else (0, 0)
+    return [scratch] * full + ([scratch[:rest]] if rest else [])
+
+
+class FrameReader:
+    """A tcp pair's incoming frames, read without ever waiting: the I/O thread calls :meth:`feed`
+    whenever the socket is readable, and it reads what is there and returns. A ``KV`` frame's
+    payload goes where ``on_kv(frame)`` says (byte views adding up to ``frame.nbytes``, and what
+    to call once they are full); a ``MESSAGE`` frame goes to ``on_message(frame)``.
+    :meth:`divert` sends the rest of the payload in progress to scratch (its request was
+    dropped: its blocks may be reused at once)."""
+
+    def __init__(self, pair: TcpPair, on_kv, on_message) -> None:
+        self.pair, self._on_kv, self._on_message = pair, on_kv, on_message
+        self._fixed = bytearray(_FRAME.size)
+        self.closed = False
+        self.last_byte = time.monotonic()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._expect([memoryview(self._fixed)])
+        self._stage = "head"
+        self._frame: Frame | None = None
+        self._then = None
+        self.request_id = ""  # whose blocks the payload in progress lands in
+
+    def mid_frame(self) -> bool:
+        """Part of a frame is in, the rest not yet (its silence is a stalled peer's)."""
+        return self._stage != "head" or self._i > 0 or len(self._bufs[0]) < _FRAME.size
+
+    def divert(self) -> None:
+        """The payload in progress goes to scratch from here on (same byte count)."""
+        if self._stage == "body":
+            self._expect(scratch_views(sum(len(b) for b in self._bufs[self._i:])))
+            self._then, self.request_id = None, ""
+
+    def _expect(self, bufs: list[memoryview]) -> None:
+        self._bufs, self._i = [b for b in bufs if len(b)], 0
+
+    def feed(self) -> None:
+        """Read until the socket would block (or this reader is closed by a callback)."""
+        while not self.closed:
+            n = self.pair.recv_some(self._bufs[self._i:self._i + IOV_MAX])
+            if n == 0:
+                return
+            self.last_byte = time.monotonic()
+            bufs = self._bufs
+            while n:  # advance past what moved; a partial buffer keeps its tail
+                if n >= len(bufs[self._i]):
+                    n -= len(bufs[self._i])
+                    self._i += 1
+                else:
+                    bufs[self._i], n = bufs[self._i][n:], 0
+            while self._i == len(self._bufs) and not self.closed:
+                self._next()
+
+    def _next(self) -> None:
+        """The part in progress is full: parse it and go on to the next part (or frame)."""
+        if self._stage == "head":
+            magic, version, kind, rid_len, num_layers, num_blocks, nbytes = _FRAME.unpack(self._fixed)
+            if magic != FRAME_MAGIC or version != FRAME_VERSION or kind not in (KV, MESSAGE) \
+                    or (kind == MESSAGE and nbytes > MAX_MESSAGE_BYTES):
+                self.pair.close()  # out of step with the peer: nothing after this can be trusted
+                raise PairBrokenError(f"tcp pair out of step: bad frame header {bytes(self._fixed[:5])!r}")
+            head = rid_len + 2 * num_layers
+            self._rest = bytearray(head + nbytes if kind == MESSAGE else head)
+            self._head = (kind, rid_len, num_layers, num_blocks, nbytes)
+            self._stage = "rest"
+            self._expect([memoryview(self._rest)])
+        elif self._stage == "rest":
+            kind, rid_len, num_layers, num_blocks, nbytes = self._head
+            head = rid_len + 2 * num_layers
+            layers = struct.unpack_from(f"!{num_layers}H", self._rest, rid_len)
+            frame = Frame(self._rest[:rid_len].decode(errors="replace"), layers, num_blocks, nbytes, kind,
+                          bytes(self._rest[head:]) if kind == MESSAGE else b"")
+            if kind == MESSAGE:
+                self._reset()
+                self._on_message(frame)
+                return
+            views, self._then = self._on_kv(frame)
+            self._frame, self.request_id = frame, frame.request_id
+            self._stage = "body"
+            self._expect(views)
+        else:
+            then = self._then
+            self._reset()
+            if then is not None:
+                then()
 
 
 class TcpListener:
@@ -178,92 +351,55 @@ class TcpPair:
     def send_kv(self, request_id: str, kv_caches, layers: list[int], block_ids: list[int],
                 trailer: bytes = b"") -> int:
         """Send ``layers`` of ``block_ids`` as one ``KV`` message straight from the blocks, and
-        ``trailer`` (an encoded message frame, e.g. DONE) right behind it; returns the KV bytes.
-        One ``sendmsg`` per layer, each layer's views built just before it: the first bytes
-        leave at once instead of after every layer's views are built (~1 ms for 32 layers of
-        scattered blocks), and the wire stays busy meanwhile (the socket buffer drains)."""
-        nbytes = kv_nbytes(kv_caches, layers, len(block_ids))
-        head = memoryview(Frame(request_id, tuple(layers), len(block_ids), nbytes).encode())
-        runs = block_runs(block_ids)
-        for i, layer in enumerate(layers):
-            kv = kv_caches[layer]
-            if kv.is_contiguous():
-                bufs = layer_buffers(kv, runs)
-            else:  # a slice of the heads (tensor parallelism): gathered first, alive until sent
-                kv = gather_blocks(kv, block_ids)
-                bufs = layer_buffers(kv, [slice(0, len(block_ids))])
-            if i == 0:
-                bufs.insert(0, head)
-            if i == len(layers) - 1 and trailer:
-                bufs.append(memoryview(trailer))
+        ``trailer`` (an encoded message frame, e.g. DONE) right behind it, waiting until it is
+        out; returns the KV bytes (:func:`kv_message` has the layout)."""
+        nbytes, parts = kv_message(request_id, kv_caches, layers, block_ids, trailer)
+        for bufs in parts:
             self.send(bufs)
         return nbytes
-
-    def recv_kv(self, kv_caches, layers: tuple[int, ...], block_ids: list[int],
-                timeout_s: float | None = None, staging: StagingBuffer | None = None) -> None:
-        """Receive a ``KV`` message's payload (its header read) straight into the blocks, layer
-        by layer: the first receive is posted as soon as the header is in. A cache that is a
-        slice of the heads (tensor parallelism: not contiguous) lands through ``staging``."""
-        runs = block_runs(block_ids)
-        for layer in layers:
-            kv = kv_caches[layer]
-            if kv.is_contiguous():
-                self.recv_into(layer_buffers(kv, runs), timeout_s)
-                continue
-            assert staging is not None, "a head-slice cache needs a staging buffer"
-            buf = staging.view(kv.dtype, (2, len(block_ids), *kv.shape[2:]))
-            self.recv_into([tensor_buffer(buf)], timeout_s)
-            scatter_blocks(kv, block_ids, buf)
 
     @staticmethod
     def message_frame(payload: bytes) -> bytes:
         """An encoded control message as it travels on the pair (header + payload)."""
         return Frame("", (), 0, len(payload), MESSAGE).encode() + payload
 
-    def recv_frame(self, timeout_s: float | None = None) -> Frame:
-        """The next message's header; a ``MESSAGE``'s payload comes with it, a ``KV`` one's follows
-        (:meth:`recv_kv` or :meth:`discard`)."""
-        fixed = bytearray(_FRAME.size)
-        self.recv_into([memoryview(fixed)], timeout_s)
-        magic, version, kind, rid_len, num_layers, num_blocks, nbytes = _FRAME.unpack(fixed)
-        if magic != FRAME_MAGIC or version != FRAME_VERSION or kind not in (KV, MESSAGE) \
-                or (kind == MESSAGE and nbytes > MAX_MESSAGE_BYTES):
-            self.close()  # out of step with the peer: nothing after this can be trusted
-            raise PairBrokenError(f"tcp pair out of step: bad frame header {bytes(fixed[:5])!r}")
-        head = rid_len + 2 * num_layers
-        # a message's payload comes in the same receive as the rest of its header
-        rest = bytearray(head + nbytes if kind == MESSAGE else head)
-        self.recv_into([memoryview(rest)], timeout_s)
-        layers = struct.unpack_from(f"!{num_layers}H", rest, rid_len)
-        payload = bytes(rest[head:]) if kind == MESSAGE else b""
-        return Frame(rest[:rid_len].decode(errors="replace"), layers, num_blocks, nbytes, kind, payload)
-
     def send_message(self, payload: bytes) -> None:
         """Send an encoded control message to the peer (a ``MESSAGE`` frame)."""
         self.send([memoryview(self.message_frame(payload))])
-
-    def discard(self, nbytes: int, timeout_s: float | None = None) -> None:
-        """Read and drop ``nbytes`` (a message nobody waits for any more), keeping the stream in step."""
-        scratch = memoryview(bytearray(min(nbytes, _DISCARD_CHUNK)))
-        while nbytes > 0:
-            n = min(nbytes, len(scratch))
-            self.recv_into([scratch[:n]], timeout_s)
-            nbytes -= n
 
     def fileno(self) -> int:
         """The socket's descriptor, to wait for the next message with ``select``."""
         return self._sock.fileno()
 
-    def send_async(self, tensors: list[torch.Tensor]) -> _Finished:
-        self.send(tensors)
-        return FINISHED
+    def send_some(self, bufs: list[memoryview]) -> int:
+        """Send what the socket takes of ``bufs`` (in order, at most IOV_MAX) without waiting; 0
+        when it takes nothing."""
+        if self.broken:
+            raise PairBrokenError("pair is broken; rebuild it")
+        try:
+            return self._sock.sendmsg(bufs, [], socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+        except OSError as e:
+            self.broken = True
+            raise PairBrokenError(f"tcp transfer failed: {e}") from e
 
-    def recv_async(self, tensors: list[torch.Tensor]) -> _Finished:
-        self.recv_into(tensors)
-        return FINISHED
-
-    def wait(self, work, timeout_s: float | None = None) -> None:
-        work.wait(timeout_s)
+    def recv_some(self, bufs: list[memoryview]) -> int:
+        """Receive what is there into ``bufs`` (in order, at most IOV_MAX) without waiting; 0 when
+        nothing is."""
+        if self.broken:
+            raise PairBrokenError("pair is broken; rebuild it")
+        try:
+            n = self._sock.recvmsg_into(bufs, 0, socket.MSG_DONTWAIT)[0]
+        except BlockingIOError:
+            return 0
+        except OSError as e:
+            self.broken = True
+            raise PairBrokenError(f"tcp transfer failed: {e}") from e
+        if n == 0:
+            self.broken = True
+            raise PeerClosedError("peer closed the connection")
+        return n
 
     def alive(self) -> bool:
         """False once the peer closed the connection (checked without blocking: readable with

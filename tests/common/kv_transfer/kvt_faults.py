@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from common.kv_transfer.messages import Done, encode
+import common.kv_transfer.sender as sender_mod
 from common.kv_transfer.sender import PairSender
 from common.kv_transfer.tcp_pair import TcpPair
 
@@ -21,13 +22,19 @@ from common.kv_transfer.tcp_pair import TcpPair
 def install(kind: str) -> None:
     if kind in ("truncate", "flip"):
         _corrupt_first_message(kind)
-    elif kind == "ghost":
-        original = PairSender._send_tcp
+    elif kind == "ghost":  # behind each KV message (and its DONE), on the same stream
+        original, original_send = sender_mod.kv_message, PairSender._send_tcp
+        sending = {"pair_id": ""}
 
         def send_tcp(self, job, ahead):
-            original(self, job, ahead)
-            self.pair.send_message(encode(Done(request_id="ghost", pair_id=self.pair_id, first_token=1)))
+            sending["pair_id"] = self.pair_id
+            original_send(self, job, ahead)
+
+        def kv_message(request_id, kv_caches, layers, block_ids, trailer=b""):
+            ghost = Done(request_id="ghost", pair_id=sending["pair_id"], first_token=1)
+            return original(request_id, kv_caches, layers, block_ids, trailer + TcpPair.message_frame(encode(ghost)))
         PairSender._send_tcp = send_tcp
+        sender_mod.kv_message = kv_message
     elif kind == "stale":
         original_done = PairSender._done
 
@@ -43,19 +50,19 @@ def install(kind: str) -> None:
 
 
 def _corrupt_first_message(kind: str) -> None:
-    original = TcpPair.send_kv
+    original = sender_mod.kv_message
     state = {"done": False}
 
-    def send_kv(self, request_id, kv_caches, layers, block_ids, trailer=b""):
+    def kv_message(request_id, kv_caches, layers, block_ids, trailer=b""):
         if state["done"]:
-            return original(self, request_id, kv_caches, layers, block_ids, trailer)
+            return original(request_id, kv_caches, layers, block_ids, trailer)
         state["done"] = True
         if kind == "truncate":
-            return original(self, request_id, kv_caches, layers, block_ids[:-1], trailer)
+            return original(request_id, kv_caches, layers, block_ids[:-1], trailer)
         copies = {x: kv_caches[x].clone() for x in layers}  # the blocks themselves stay intact
         copies[layers[0]][1, block_ids[-1]].reshape(-1).view(torch.uint8)[3] ^= 0x10  # a value's byte
-        return original(self, request_id, copies, layers, block_ids, trailer)
-    TcpPair.send_kv = send_kv
+        return original(request_id, copies, layers, block_ids, trailer)
+    sender_mod.kv_message = kv_message
 
 
 def _replay_first_request() -> None:

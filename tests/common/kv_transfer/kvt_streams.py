@@ -8,6 +8,7 @@ which stream, who waited on it, and what went out after.
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 
 import torch
@@ -52,12 +53,42 @@ class RecordingStreams:
 
 
 class FakeControl:
-    """The producer's control plane: replies are logged (and counted on a condition)."""
+    """The producer's control plane: replies are logged (and counted on a condition); calls
+    posted to it run in order on a thread of its own, as on the endpoint's I/O thread."""
 
     def __init__(self, log: list) -> None:
         self.log = log
         self.changed = threading.Condition()
         self.key = None  # keyless: the pairs' hello names the pair id alone
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="fake-io", daemon=True).start()
+
+        self.on_tick = lambda: None  # called between calls, at least every 10 ms
+
+    def call_soon(self, fn) -> None:
+        self._calls.put(fn)
+
+    def watch(self, fd, on_readable=None, on_writable=None) -> None:
+        pass
+
+    def run_and_wait(self, fn, timeout_s: float) -> bool:
+        ran = threading.Event()
+        self.call_soon(lambda: (fn(), ran.set()))
+        return ran.wait(timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                fn = self._calls.get(timeout=0.01)
+            except queue.Empty:
+                fn = lambda: None  # noqa: E731
+            if fn is None:
+                return
+            fn()
+            self.on_tick()
+
+    def close(self) -> None:
+        self._calls.put(None)
 
     def reply(self, identity: bytes, msg) -> None:
         with self.changed:

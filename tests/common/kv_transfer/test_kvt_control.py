@@ -6,7 +6,7 @@ import pytest
 import zmq
 
 from common.cluster_auth import ClusterKey, control_sealer
-from common.kv_transfer.config import TransferError
+from common.kv_transfer.config import ConnectionReopened, TransferError
 from common.kv_transfer.control import ControlPlane
 from common.kv_transfer.messages import Ok, Ping, decode, encode
 from kvt_fixtures import no_thread_leak  # noqa: F401
@@ -67,6 +67,29 @@ def test_request_to_silent_peer_fails_at_deadline(no_thread_leak):
         with pytest.raises(TransferError, match="no response from peer before the deadline"):
             client.request(silent.address, Ping(), 0.3).result(30)
         assert [type(m) for m in seen] == [Ping]  # delivered, never answered: the deadline failed it
+    finally:
+        client.close()
+        silent.close()
+
+
+def test_what_waits_on_a_connection_reopened_after_a_silent_request_fails_at_once(no_thread_leak):
+    """A request that expires closes its connection (a partitioned peer's socket can stay stuck
+    long after the link is back); a later request sent on that connection was lost with it and
+    fails at once, naming it, instead of waiting out its own deadline; the next goes on a fresh one."""
+    seen: list = []
+    silent = ControlPlane("127.0.0.1:0", lambda i, m: seen.append(m), lambda a, m: None)
+    client = ControlPlane("127.0.0.1:0", lambda i, m: None, lambda a, m: None)
+    try:
+        first = client.request(silent.address, Ping(), 0.3)
+        later = client.request(silent.address, Ping(), 60.0)
+        with pytest.raises(TransferError, match="no response from peer before the deadline"):
+            first.result(30)
+        with pytest.raises(ConnectionReopened, match="reopened after a silent request"):
+            later.result(5)  # long before its own 60 s
+        third = client.request(silent.address, Ping(), 0.3)
+        with pytest.raises(TransferError, match="no response"):
+            third.result(30)
+        assert [type(m) for m in seen] == [Ping, Ping, Ping]
     finally:
         client.close()
         silent.close()

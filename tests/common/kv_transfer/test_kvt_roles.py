@@ -54,7 +54,7 @@ def test_closing_a_producer_does_not_wait_for_a_pair_nobody_joined(no_thread_lea
                                            endpoint=Endpoint.local("cpu").to_dict())))
             assert stranger.poll(10_000) and isinstance(decode(stranger.recv()), HandshakeOk)
         [link] = list(p.producer._links.values())
-        assert link.thread is not None and link.thread.is_alive()  # waiting for its consumer
+        assert link.builder is not None and link.builder.is_alive()  # waiting for its consumer
     finally:
         p.close()
-    assert not link.thread.is_alive()
+    assert not link.builder.is_alive()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 
 import pytest
@@ -21,14 +22,21 @@ from common.kv_transfer.messages import Handshake, Pull
 from common.kv_transfer.paged import ByteBudget
 from common.kv_transfer.producer import KVProducer
 from common.kv_transfer.producer_table import ProducerRequest, ProducerState, ProducerTable
-from common.kv_transfer.sender import PairSender, SendJob
+from common.kv_transfer.sender import STOP, PairSender, SendJob
 from common.kv_transfer.transport import Endpoint
 from kvt_fixtures import FAST, LAYOUT
 from kvt_peers import make_kv, same_bytes
+from helpers.waiting import wait_for
 from kvt_streams import FakeControl, FakeSendPair, RecordingStreams, index_of
 
 ENGINE = f"current:cpu@{threading.current_thread().name}"  # the test thread plays the engine
 
+
+
+def stop(sender: PairSender) -> None:
+    """End the sender after its queued jobs, and wait until it closed."""
+    sender.put(STOP)
+    assert wait_for(lambda: sender.closed, 5)
 
 def _entries(log: list, kind: str) -> list[tuple]:
     return [e for e in log if e[0] == kind]
@@ -60,8 +68,9 @@ def gloo_producer(monkeypatch):
 
 
 def test_send_waits_on_the_event_recorded_after_the_gather(gloo_producer):
-    """save_layer gathers on the engine's stream and records an event after it; the sender's
-    stream waits on that event before the send (NCCL orders its stream after the sender's)."""
+    """save_layer gathers on the engine's stream and records an event after it; the stream of the
+    thread that sends (the endpoint's I/O thread) waits on that event before the send (NCCL
+    orders its stream after the caller's)."""
     producer, log, control, pair = gloo_producer
     kv = make_kv(LAYOUT, 8, 1)
     producer.save_layer("r", 0, kv[0], [5, 2])  # scattered: gathered into a staging tensor
@@ -70,7 +79,7 @@ def test_send_waits_on_the_event_recorded_after_the_gather(gloo_producer):
     assert record[1] == ENGINE
     event = record[2]
     (wait,) = [e for e in _entries(log, "wait") if e[2] == event]
-    assert wait[1].startswith("current:cpu@kv-send-")  # the sender thread's stream
+    assert wait[1] == "current:cpu@fake-io"  # the I/O thread's stream
     assert index_of(log, ("gather",)) < log.index(record) < log.index(wait) < index_of(log, ("send", 1))
     assert same_bytes(pair.sent[0][0][0], kv[0][:, [5, 2]])
 
@@ -125,11 +134,11 @@ def test_done_goes_out_only_after_the_copies_event_completed():
     kv = make_kv(LAYOUT, 8, 4)
     job = _ipc_job([0, 5], [4, 3], kv, ready="layer-written")
     try:
-        sender.jobs.put(job)
-        sender.jobs.put(SendJob("done", job.req))
+        sender.put(job)
+        sender.put(SendJob("done", job.req))
         assert control.wait_for(lambda: ("reply", "done", "r") in log)
     finally:
-        sender.stop(5)
+        stop(sender)
     fence = _entries(log, "record")[0]  # the first after the copies (the last one: closing the pair)
     assert fence[1] == "stream:cpu"
     assert index_of(log, ("wait", "stream:cpu", "layer-written")) < log.index(fence) \
@@ -159,14 +168,17 @@ def test_a_silent_consumers_ipc_pair_is_closed_and_its_cache_unmapped():
     peer = [torch.zeros(LAYOUT.layer_shape(4), dtype=LAYOUT.torch_dtype) for _ in range(LAYOUT.num_layers)]
     mapped = weakref.ref(peer[0])
     cfg = TransferConfig(**dict(FAST, timeout_s=0.2, heartbeat_s=0.05))
+    control = FakeControl(log)
     sender = PairSender("p", b"d", config=cfg, stats=TransferStats(), budget=ByteBudget(1 << 20),
-                        control=FakeControl(log), device="cpu", on_done_sent=lambda req: None,
+                        control=control, device="cpu", on_done_sent=lambda req: None,
                         on_failed=lambda link, why: (failed.append(why), closed.set()),
                         streams=RecordingStreams(log), table=ProducerTable())
+    control.on_tick = lambda: sender.tick(time.monotonic())
     sender.start(None, "cuda_ipc", peer)
     del peer
     assert closed.wait(10)
-    sender.thread.join(5)
+    assert wait_for(lambda: ("release_ipc",) in log, 5)  # the pair closes off the I/O thread
+    control.close()
     gc.collect()
     assert "consumer silent" in failed[0] and sender.broken
     assert mapped() is None, "the pair still holds the gone consumer's cache"
@@ -178,14 +190,16 @@ def test_a_pinging_consumers_pair_stays():
     silence bound passed several times over (counted by the sender's own idle wake-ups)."""
     log: list = []
     cfg = TransferConfig(**dict(FAST, timeout_s=0.5, heartbeat_s=0.05))
+    control = FakeControl(log)
     sender = PairSender("p", b"d", config=cfg, stats=TransferStats(), budget=ByteBudget(1 << 20),
-                        control=FakeControl(log), device="cpu", on_done_sent=lambda req: None,
+                        control=control, device="cpu", on_done_sent=lambda req: None,
                         on_failed=lambda link, why: None, streams=RecordingStreams(log), table=ProducerTable())
+    control.on_tick = lambda: sender.tick(time.monotonic())
     wakeups = threading.Semaphore(0)
     check = sender._check_consumer
 
-    def counted_check() -> None:
-        check()
+    def counted_check(now: float) -> None:
+        check(now)
         wakeups.release()
 
     sender._check_consumer = counted_check
@@ -195,6 +209,6 @@ def test_a_pinging_consumers_pair_stays():
         for _ in range(2 * bound_wakeups):
             sender.heard()
             assert wakeups.acquire(timeout=5)
-        assert not sender.broken and sender.thread.is_alive()
+        assert not sender.broken and not sender.closed
     finally:
-        sender.stop(5)
+        stop(sender)
