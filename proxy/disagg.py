@@ -130,7 +130,7 @@ class Unreported:
     """Per node, what this proxy sent it since the heartbeat it last decided with.
 
     A heartbeat is up to an interval old, and a burst is decided within one: 16 clients starting
-    together on an idle cluster all saw an idle decode node, all went local, and queued behind
+    together on an idle cluster would all see an idle decode node, all go local, and queue behind
     each other there. A node's prefill queue is kept as the time it drains (the heartbeat's
     pending tokens at its rate from when this proxy first saw it, then each prompt sent since at
     its predicted compute); a decode node runs at least the requests sent it since (every request
@@ -258,8 +258,8 @@ class DisaggPolicy:
         running there or prompts queued, or the requests expected while it runs (this proxy's recent
         rate to the node) waiting for it longer, in all, than this one saves. An arrival is counted
         as waiting all of it: its first token waits for the rest of the prefill, and its decodes
-        then share steps with it (half of it each had 2,500-token prompts go local beside arrivals
-        at 2 requests/s, and their TTFT p99 double)."""
+        then share steps with it (counted as waiting half of it, 2,500-token prompts went local beside
+        arrivals at 2 requests/s, and TTFT p99 doubled in that loaded run)."""
         expected = self._arrivals.per_s(decode.http_address) * compute_s
         return decoding > 0 or queued_s > 0 or expected * compute_s > saved_s
 
