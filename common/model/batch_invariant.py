@@ -63,8 +63,8 @@ def pack_weight(weight: torch.Tensor, tile: int) -> torch.Tensor:
 
 
 def padded_rows(n: int, tile: int) -> int:
-    """``n`` rows rounded up to a multiple of ``tile``; past 64 rows, to a sixteenth of their power
-    of two: oneDNN builds a kernel per shape (1-3 ms each), so prefill chunks reuse a few."""
+    """``n`` rows rounded up to a multiple of ``tile``; past 64 rows, to a sixteenth of the power of
+    two above ``n``: oneDNN builds a kernel per shape (1-3 ms each), so prefill chunks reuse a few."""
     step = max(tile, 1 << max(n.bit_length() - 4, 0)) if n > 64 else tile
     return -(-n // step) * step
 
