@@ -21,24 +21,14 @@ at least half the running slots, a newly admitted client that runs nothing gets 
 first chunk, within the stall bound) computed in a step of its own before the decodes' next step
 (:meth:`newcomers`; never two such steps in a row, so the decodes miss at most every other step).
 
-A newcomer still waits for the step in progress when it arrives, and on a CPU a step of 64 decodes
-is several times its own prompt's step. So while the node is shared (another client active now, or
-within ``SHARED_WINDOW_S``: the next request of a client that sends many arrives between steps), a
-decode step longer than ``LONG_STEP_S`` is cut in two: every row of the smaller clients, and half of
-the largest client's rows in turn (:meth:`decode_turn`), so each of its sequences decodes every
-other step. :class:`DecodeCut` times the steps and keeps cutting only while a cut step takes at most
-``CUT_PAYS`` of a whole one: where a step's time hardly depends on its rows (a GPU's decode, bound
-by reading the weights), cutting would halve the decodes' rate for nothing, and it stops.
-
 With one client, or off (``enabled=False``: the counters still run), nothing is reordered and
 nothing is preempted: admission is the plain FIFO.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from common.engine.sequence import Sequence
@@ -46,10 +36,6 @@ from common.engine.sequence import Sequence
 PROMPT_WEIGHT = 0.5  # a prompt token costs half an output token (VTC's w_p : w_q = 1 : 2)
 DEFAULT_MAX_TOKENS_IN_FLIGHT_PER_CLIENT = 4096
 _MAX_IDLE_CLIENTS = 4096  # counters of inactive clients kept; past it they are dropped (lifted anyway)
-SHARED_WINDOW_S = 2.0  # a client that went idle this recently still shares the node (its next request comes)
-LONG_STEP_S = 0.02  # while shared, decode steps longer than this are cut in two
-CUT_PAYS = 0.55  # ... as long as two cut steps cost at most 10 % more than one whole one
-_EWMA_WEIGHT = 0.2  # of the newest step
 
 
 def client_of(seq: Sequence) -> str:
@@ -71,9 +57,6 @@ class FairShare:
     counters: dict[str, float] = field(default_factory=dict)
     live: dict[str, int] = field(default_factory=dict)  # client -> sequences waiting, parked or running
     charged: set[str] = field(default_factory=set)  # request ids whose prompt is counted (until they leave)
-    idle_since: dict[str, float] = field(default_factory=dict)  # client -> when it went idle (recent ones)
-    clock: Callable[[], float] = time.monotonic
-    _turn: int = 0  # where the largest client's rows start in the next cut step
 
     # ---- events -------------------------------------------------------------------------
     def arrived(self, seq: Sequence) -> None:
@@ -82,7 +65,6 @@ class FairShare:
         if seq.group_id:  # a choice: its prompt was its parent's
             self.charged.add(seq.request_id)
         if not self.live.get(client):
-            self.idle_since.pop(client, None)
             active = [self.counters.get(c, 0.0) for c, n in self.live.items() if n]
             floor = min(active) if active else 0.0
             self.counters[client] = max(self.counters.get(client, 0.0), floor)
@@ -104,9 +86,6 @@ class FairShare:
             self.live[client] = n
             return
         self.live.pop(client, None)
-        self.idle_since[client] = now = self.clock()
-        if len(self.idle_since) > _MAX_IDLE_CLIENTS:
-            self.idle_since = {c: t for c, t in self.idle_since.items() if now - t < SHARED_WINDOW_S}
         if len(self.counters) > _MAX_IDLE_CLIENTS:
             self.counters = {c: v for c, v in self.counters.items() if c in self.live}
 
@@ -160,33 +139,6 @@ class FairShare:
                 out.append(seq)
         return out
 
-    def shared(self) -> bool:
-        """Another client than the one active shares the node: two active, or one that went idle
-        within ``SHARED_WINDOW_S``. False off, or with one client for longer than that."""
-        if not self.enabled or not self.live:
-            return False
-        if len(self.live) > 1:
-            return True
-        if not self.idle_since:
-            return False
-        now = self.clock()
-        self.idle_since = {c: t for c, t in self.idle_since.items() if now - t < SHARED_WINDOW_S}
-        return any(c not in self.live for c in self.idle_since)
-
-    def decode_turn(self, decodes: list[Sequence]) -> list[Sequence]:
-        """A cut decode step's rows: every row of the clients with fewer rows than the largest, and
-        half of the largest client's rows, starting where the last cut step stopped."""
-        rows: dict[str, int] = {}
-        for seq in decodes:
-            rows[client_of(seq)] = rows.get(client_of(seq), 0) + 1
-        largest = max(rows, key=rows.__getitem__)
-        theirs = [s for s in decodes if client_of(s) == largest]
-        half = (len(theirs) + 1) // 2
-        start = self._turn % len(theirs)
-        self._turn = start + half
-        turn = {id(s) for s in (theirs[start:] + theirs[:start])[:half]}
-        return [s for s in decodes if client_of(s) != largest or id(s) in turn]
-
     def victim(self, running: list[Sequence], for_seq: Sequence) -> Sequence | None:
         """The newest running sequence of another client over its cap, to preempt for ``for_seq``."""
         held = self.held(running)
@@ -206,36 +158,3 @@ class FairShare:
                 best, best_key = seq, key
         assert best is not None
         return best
-
-
-@dataclass
-class DecodeCut:
-    """Times decode-only steps, whole and cut, from one ``schedule`` call to the next (the step, its
-    postprocess and the outputs' hand-over: what a request arriving meanwhile waits for), and says
-    whether the next one, while the node is shared, should be cut."""
-
-    whole_s: float | None = None  # EWMA of whole decode steps' seconds
-    cut_s: float | None = None  # EWMA of cut ones
-    _at: float | None = None
-    _last: str | None = None  # "whole", "cut" or None (not timed: it computed prompt tokens, or nothing)
-
-    def tick(self, now: float) -> None:
-        """A ``schedule`` call begins: the step before it is timed."""
-        if self._at is not None and self._last is not None:
-            seconds = now - self._at
-            old = self.whole_s if self._last == "whole" else self.cut_s
-            new = seconds if old is None else old + _EWMA_WEIGHT * (seconds - old)
-            if self._last == "whole":
-                self.whole_s = new
-            else:
-                self.cut_s = new
-        self._at, self._last = now, None
-
-    def ran(self, kind: str | None) -> None:
-        """What this step is: "whole", "cut", or None when it is not one to time."""
-        self._last = kind
-
-    def wanted(self) -> bool:
-        """Whole decode steps are long, and a cut one is known to be much shorter (or not tried yet)."""
-        return (self.whole_s is not None and self.whole_s > LONG_STEP_S
-                and (self.cut_s is None or self.cut_s <= CUT_PAYS * self.whole_s))

@@ -31,10 +31,8 @@ same salt (on a decode node too: it asks the peer for every block its salt has n
 
 Fair share (``fairness``, on unless ``fair_share=False``): admission takes the next sequence
 from ``waiting`` by client, the least-served client first (FIFO within a client), and a client
-over its cap of tokens in flight yields its newest running sequences to one under it; a newcomer's
-prompt gets a step of its own, and while clients share the node long decode steps are cut in two
-(``DecodeCut``), so what a newcomer waits for is short. With one client the order is the plain
-FIFO above.
+over its cap of tokens in flight yields its newest running sequences to one under it. With one
+client the order is the plain FIFO above.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ from dataclasses import dataclass, field
 from common.engine.block_hash import BlockHash, extend_hashes, root_hash, salted_root
 from common.engine.block_manager import BlockManager
 from common.engine.choices import FirstToken, new_choice
-from common.engine.fairness import DEFAULT_MAX_TOKENS_IN_FLIGHT_PER_CLIENT, DecodeCut, FairShare
+from common.engine.fairness import DEFAULT_MAX_TOKENS_IN_FLIGHT_PER_CLIENT, FairShare
 from common.engine.kv_connector import (EMPTY_METADATA, FinishedTransfers, KVConnectorMetadata,
                                         KVConnectorScheduler)
 from common.engine.outputs import FinishReason
@@ -113,7 +111,6 @@ class Scheduler:
         self.block_copies: list[tuple[int, int]] = []  # (from, to): a forked choice's prompt tail block
         self.fairness = FairShare(max_tokens_in_flight_per_client, enabled=fair_share)
         self._newcomers_ran = False  # the last step was fair share's newcomers' alone
-        self.decode_cut = DecodeCut()
 
     # ---- queues -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -137,7 +134,6 @@ class Scheduler:
         """The step's batch. ``stall_token_cap``: the most prompt tokens the step may carry when
         it also decodes (a local prefill is chunked so no decode waits longer than its bound)."""
         batch = ScheduledBatch()
-        self.decode_cut.tick(self.fairness.clock())
         for seq in self.running:  # KV computed by the last step is complete: share it
             self._cache_full_blocks(seq)
         self._make_room()
@@ -147,12 +143,9 @@ class Scheduler:
                 budget = min(self.max_num_batched_tokens, stall_token_cap or self.max_num_batched_tokens)
                 self._admit_waiting(batch, budget, stall_token_cap, only=newcomers)
         self._newcomers_ran = bool(batch)  # the decodes it skipped run in the next step
-        cut = False
         if not batch:
-            budget, cut = self._schedule_running(batch, self.max_num_batched_tokens, stall_token_cap)
+            budget = self._schedule_running(batch, self.max_num_batched_tokens, stall_token_cap)
             self._admit_waiting(batch, budget, stall_token_cap)
-        decode_only = batch and all(not s.is_prefill for s in batch.seqs)
-        self.decode_cut.ran(("cut" if cut else "whole") if decode_only else None)
         batch.kv_connector_metadata = self.connector.build_meta(batch.seqs, batch.num_new_tokens)
         return batch
 
@@ -160,16 +153,9 @@ class Scheduler:
         """What the connector decided since ``schedule`` (a step's postprocess, an abort)."""
         return self.connector.build_meta()
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int,
-                          stall_token_cap: int | None) -> tuple[int, bool]:
-        """Running sequences' tokens, decodes first; the budget left, and whether the decodes were cut
-        (fair share: half of the largest client's rows, while the node is shared and it pays)."""
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, stall_token_cap: int | None) -> int:
         decodes = [s for s in self.running if not s.is_prefill]
         prefills = [s for s in self.running if s.is_prefill]
-        cut = False
-        if len(decodes) > 1 and self.decode_cut.wanted() and self.fairness.shared():
-            turn = self.fairness.decode_turn(decodes)
-            decodes, cut = turn, len(turn) < len(decodes)
         for i, seq in enumerate(decodes + prefills):
             if i == len(decodes) and batch and stall_token_cap is not None:
                 budget = min(budget, stall_token_cap)  # what is left goes to prompts: keep the step short
@@ -183,7 +169,7 @@ class Scheduler:
                 budget -= n
         if not prefills and batch and stall_token_cap is not None:
             budget = min(budget, stall_token_cap)  # waiting prompts admitted next share the bound
-        return budget, cut
+        return budget
 
     def _grow_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Find blocks for ``n`` more tokens of ``seq``, preempting others; False if ``seq``

@@ -4,7 +4,7 @@ admission order, driven as tests/common/engine/test_engine_scheduler.py drives t
 from __future__ import annotations
 
 from common.engine.block_manager import BlockManager
-from common.engine.fairness import CUT_PAYS, LONG_STEP_S, PROMPT_WEIGHT, SHARED_WINDOW_S, FairShare
+from common.engine.fairness import PROMPT_WEIGHT, FairShare
 from common.engine.kv_connector import KVConnectorScheduler
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
@@ -16,16 +16,10 @@ def seq(rid: str, client: str, prompt: int = 8, max_tokens: int = 4, n: int = 1)
     return Sequence(rid, list(range(1, prompt + 1)), params)
 
 
-def scheduler(max_num_seqs=8, cap=4096, fair_share=True, num_blocks=256, clock: list[float] | None = None
-              ) -> Scheduler:
-    """``clock``: the time fair share reads, [seconds] (the test moves it); without it time stands still,
-    so no step is timed as long and no decode step is cut."""
-    sched = Scheduler(BlockManager(num_blocks, 4), KVConnectorScheduler(), max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=64, max_model_len=10_000, enable_chunked_prefill=True,
-                      eos_token_ids={0}, fair_share=fair_share, max_tokens_in_flight_per_client=cap)
-    now = clock if clock is not None else [0.0]
-    sched.fairness.clock = lambda: now[0]
-    return sched
+def scheduler(max_num_seqs=8, cap=4096, fair_share=True, num_blocks=256) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, 4), KVConnectorScheduler(), max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=64, max_model_len=10_000, enable_chunked_prefill=True,
+                     eos_token_ids={0}, fair_share=fair_share, max_tokens_in_flight_per_client=cap)
 
 
 def step(sched: Scheduler) -> list[str]:
@@ -183,68 +177,3 @@ def test_no_newcomer_step_when_no_client_holds_half_the_slots():
     step(sched)
     sched.add(seq("d0", "D", max_tokens=2))
     assert {"a0", "b0", "c0", "d0"} <= set(step(sched))  # one mixed step, as without fair share
-
-
-# ---- long decode steps cut in two while the node is shared ----------------------------------------
-def timed_step(sched: Scheduler, clock: list[float], seconds: float) -> list[str]:
-    """A step that lasts ``seconds`` (the next ``schedule`` call is that much later)."""
-    ids = step(sched)
-    clock[0] += seconds
-    return ids
-
-
-def a_decoding_with_b_gone(clock: list[float]) -> Scheduler:
-    """A decodes 8 sequences, a step timed at 2 x LONG_STEP_S; B's one request came and went."""
-    sched = scheduler(max_num_seqs=16, clock=clock)
-    for i in range(8):
-        sched.add(seq(f"a{i}", "A", max_tokens=200))
-    sched.add(seq("b0", "B", max_tokens=1))
-    while sched.waiting or any(s.is_prefill for s in sched.running) or sched.find("b0"):  # the prompts
-        timed_step(sched, clock, 0.001)
-    assert len(timed_step(sched, clock, 2 * LONG_STEP_S)) == 8  # a whole decode step, timed long
-    return sched
-
-
-def test_long_decode_steps_are_cut_in_two_while_another_client_was_just_here():
-    clock = [0.0]
-    sched = a_decoding_with_b_gone(clock)
-    first, second = timed_step(sched, clock, 0.5 * LONG_STEP_S), timed_step(sched, clock, 0.5 * LONG_STEP_S)
-    assert len(first) == len(second) == 4 and set(first) | set(second) == {f"a{i}" for i in range(8)}
-    outputs = [len(sched.find(f"a{i}").output_token_ids) for i in range(8)]
-    assert max(outputs) - min(outputs) <= 1  # in turn: every sequence decodes every other step
-
-
-def test_no_cut_once_the_other_client_is_gone_for_the_window():
-    clock = [0.0]
-    sched = a_decoding_with_b_gone(clock)
-    clock[0] += SHARED_WINDOW_S
-    assert len(timed_step(sched, clock, 2 * LONG_STEP_S)) == 8  # A alone again: whole steps
-
-
-def test_a_newcomer_is_never_cut_out():
-    clock = [0.0]
-    sched = a_decoding_with_b_gone(clock)
-    sched.add(seq("c0", "C", max_tokens=3))
-    assert timed_step(sched, clock, 0.005) == ["c0"]  # its prompt's step of its own
-    for _ in range(2):
-        assert "c0" in timed_step(sched, clock, 0.5 * LONG_STEP_S)  # then it decodes in every cut step
-
-
-def test_cutting_stops_where_it_does_not_pay():
-    """Where a step's time hardly depends on its rows (a GPU's decode), a cut step is as long as a
-    whole one: after a few, whole steps again."""
-    clock = [0.0]
-    sched = a_decoding_with_b_gone(clock)
-    sizes = [len(timed_step(sched, clock, 2 * LONG_STEP_S)) for _ in range(6)]
-    assert sizes == [4, 8, 8, 8, 8, 8]
-    assert sched.decode_cut.cut_s > CUT_PAYS * sched.decode_cut.whole_s
-
-
-def test_no_cut_with_fair_share_off():
-    clock = [0.0]
-    sched = scheduler(max_num_seqs=16, fair_share=False, clock=clock)
-    for i in range(8):
-        sched.add(seq(f"a{i}", "A", max_tokens=200))
-    sched.add(seq("b0", "B", max_tokens=50))
-    timed_step(sched, clock, 0.001)
-    assert all(len(timed_step(sched, clock, 2 * LONG_STEP_S)) == 9 for _ in range(5))
