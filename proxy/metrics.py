@@ -55,8 +55,9 @@ class ProxyMetrics:
         )
         self.routes = Counter(
             "pdserve:proxy_route_decisions", "Nodes picked, by the node's role (prefill|decode) and why: prefix_events "
-            "(the longest cached prefix by the nodes' KV events), prefix_text (by the text estimate), load, or the "
-            "policy's name (round_robin, least_loaded).", ["role", "node_role", "reason"], registry=r,
+            "(the longest cached prefix by the nodes' KV events), prefix_text (by the text estimate), load, the "
+            "policy's name (round_robin, least_loaded), or fair_share (every candidate saturated: the node where "
+            "the request's client holds the fewest legs).", ["role", "node_role", "reason"], registry=r,
         )
         self.kv_index_blocks = Gauge(
             "pdserve:proxy_kv_index_blocks", "Block hashes in the index of the nodes' KV events.", ["role"], registry=r
