@@ -25,6 +25,7 @@ uuid) and its own ``X-Request-Id`` echoed back.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -68,6 +69,7 @@ class Dispatcher:
         self.legs, self.router, self.config, self.metrics = legs, router, config, metrics
         self.disagg = DisaggPolicy(config.disagg_policy)
         self.disagg.exact = self.exact = exact
+        self.disagg.in_flight = functools.partial(router.in_flight, "D")  # decodes running there, as of now
         # the prompt as routing reads it: its text, and its token ids when the KV events are indexed
         self.prompts = PromptTokens(config.tokenizer if exact is not None else None)
         self.tenant_salt = (TenantSalt(ClusterKey.optional(config.cluster_key_file))

@@ -218,6 +218,11 @@ class Router:
     def models(self) -> list[str]:
         return sorted({g.model for g in self.registry.groups() if g.model})
 
+    def in_flight(self, node_type: str, http_address: str) -> int:
+        """This proxy's legs in flight on one node (``node_type`` "P" or "D"): fresher than its
+        heartbeat, which at one client still counts the request that just ended."""
+        return self._inflight[(node_type, http_address)]
+
     def begin(self, pair: Pair, local: bool = False) -> None:
         """Count the legs (only D's for a ``local`` prefill) as in flight until ``end``, in all and
         as ``pair.client``'s."""

@@ -45,6 +45,20 @@ def test_least_loaded_uses_heartbeat_load_then_inflight():
     assert r.pick("m").decode.http_address == "127.0.0.1:12"
 
 
+def test_in_flight_counts_this_proxys_legs_per_node_for_the_disagg_policy():
+    """--disagg-policy auto reads how many requests decode on D from here (proxy/relay.py wires
+    Router.in_flight into DisaggPolicy.in_flight): a local prefill counts only D's leg."""
+    r = router_with(node("P", 1), node("D", 11))
+    pair = r.pick("m")
+    assert r.in_flight("D", "127.0.0.1:11") == 0
+    r.begin(pair)
+    r.begin(pair, local=True)
+    assert (r.in_flight("D", "127.0.0.1:11"), r.in_flight("P", "127.0.0.1:1")) == (2, 1)
+    r.end(pair)
+    r.end(pair, local=True)
+    assert (r.in_flight("D", "127.0.0.1:11"), r.in_flight("P", "127.0.0.1:1")) == (0, 0)
+
+
 def test_incompatible_fingerprints_are_never_paired():
     r = router_with(node("P", 1, fp="A"), node("P", 2, fp="B"), node("D", 11, fp="B"))
     for _ in range(5):
