@@ -37,7 +37,8 @@ from common.kv_transfer.messages import Message, MessageError, decode, encode
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.05  # the loop's longest sleep: expiries and on_tick run at least this often
+POLL_S = 0.05  # the loop's longest sleep
+HOUSEKEEPING_S = 0.005  # deadlines, idle connections and on_tick: at most this often, at least every POLL_S
 RouterHandler = Callable[[bytes, Message], None]  # (consumer identity, message)
 DealerHandler = Callable[[str, Message], None]  # (producer address, unsolicited message)
 
@@ -81,7 +82,8 @@ class ControlPlane:
         self._wake_w.setblocking(False)  # full = a wake-up is pending already
         # plain fd -> (called when readable, called when writable); either may be None
         self._watched: dict[int, tuple[Callable[[], None] | None, Callable[[], None] | None]] = {}
-        self.on_tick: Callable[[], None] = lambda: None  # called every loop, at least every POLL_S
+        self.on_tick: Callable[[], None] = lambda: None  # called every HOUSEKEEPING_S to POLL_S
+        self._next_housekeeping = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"kv-control-{port}", daemon=True)
         self._thread.start()
@@ -189,9 +191,12 @@ class ControlPlane:
                     self._run(on_readable)  # (and not unwatched meanwhile)
                 if events[fd] & zmq.POLLOUT and on_writable and self._watched.get(fd, (None, None))[1] is on_writable:
                     self._run(on_writable)
-            self._expire_pending(poller)
-            self._close_idle_dealers(poller)
-            self._run(self.on_tick)
+            now = time.monotonic()
+            if now >= self._next_housekeeping:  # not after every event: the loop's hot path is a transfer's
+                self._next_housekeeping = now + HOUSEKEEPING_S
+                self._expire_pending(poller)
+                self._close_idle_dealers(poller)
+                self._run(self.on_tick)
 
     def _drain_wake(self) -> None:
         try:

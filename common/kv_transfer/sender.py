@@ -286,6 +286,8 @@ class PairSender:
         if not isinstance(msg, Pull | Ack) or (isinstance(msg, Pull) and msg.pair_id != self.pair_id):
             raise PairBrokenError(f"unexpected in-band {msg.CMD} from the consumer")
         self._on_message(self.identity, msg)
+        if not self.closed:
+            self._run_jobs()  # what a PULL queued goes now, not after a turn of the I/O loop
 
     def _write(self, parts, then: Callable[[], None] | None = None) -> None:
         """Send ``parts`` (lists of byte views) on the tcp pair; ``then`` once all is out. What the
