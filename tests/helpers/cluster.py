@@ -175,6 +175,15 @@ def metric(base_url: str, name: str) -> float:
     return metrics(base_url, name)[0]
 
 
+def labelled(base_url: str, name: str, **labels: str) -> float:
+    """The value of the series ``name`` with ``labels`` (0 when there is none yet)."""
+    text = httpx.get(base_url + "/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def wait_idle(base_url: str, timeout: float = 30.0) -> None:
     """Until the node reports no running request and no used KV block."""
     deadline = time.monotonic() + timeout

@@ -15,22 +15,13 @@ from __future__ import annotations
 import threading
 
 import httpx
-from helpers.cluster import all_ready, metric, start
+from helpers.cluster import all_ready, labelled, metric, start
 from helpers.waiting import wait_until
 
 A_BODY = {"prompt": "one prompt that prefix routing would keep sending to the same node " * 2,
           "max_tokens": 4, "ignore_eos": True, "temperature": 0}
 LEGS = "pdserve:proxy_node_requests_total"
 ROUTES = "pdserve:proxy_route_decisions_total"
-
-
-def labelled(url: str, name: str, **labels: str) -> float:
-    """The value of the series ``name`` with ``labels`` (0 when there is none yet)."""
-    text = httpx.get(url + "/metrics", timeout=5).text
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def test_a_clients_requests_are_spread_when_every_decode_node_is_saturated(tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.cluster import all_ready, metric, restart, start
+from helpers.cluster import all_ready, labelled, metric, restart, start
 from helpers.waiting import wait_until
 
 from common.model.embedded import ensure_embedded_model
@@ -27,15 +27,6 @@ ROUTES = "pdserve:proxy_route_decisions_total"
 PROXIES = ("proxy1", "proxy2")
 PROMPT = "The cache remembers every block of this prompt, so the proxy can send it home. " * 3
 BODY = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-
-
-def labelled(url: str, name: str, **labels: str) -> float:
-    """The value of the series ``name`` with ``labels`` (0 when there is none yet)."""
-    text = httpx.get(url + "/metrics", timeout=5).text
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 @pytest.fixture(scope="module")
