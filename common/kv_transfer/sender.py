@@ -230,7 +230,7 @@ class PairSender:
         if self.transport == "cuda_ipc" and silent > self.config.peer_silent_s:
             raise PairBrokenError(f"consumer silent for {silent:.1f} s; dropping its pair and the mapping "
                                   "of its KV cache")
-        if self._writer is not None and now - self._writer.last_byte > self.config.timeout_s:
+        if self._writer is not None and now - self._writer.last_progress() > self.config.timeout_s:
             raise PairBrokenError(f"tcp transfer failed: no byte moved for {self.config.timeout_s:g} s")
         if self._reader is not None and self._reader.mid_frame() \
                 and now - self._reader.last_byte > self.config.timeout_s:

@@ -23,10 +23,12 @@ the port to over the control plane, and a stranger's connection never becomes th
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import math
 import select
 import socket
 import struct
+import termios
 import time
 from dataclasses import dataclass
 
@@ -129,6 +131,16 @@ class FrameWriter:
         self._bufs: list[memoryview] = []
         self._i = 0
         self.last_byte = time.monotonic()
+        self._queued = -1
+
+    def last_progress(self) -> float:
+        """When a byte last moved: into the socket, or out of it to the peer (the kernel's send
+        queue shrank). On a slow lossy link the socket may take nothing for seconds while the wire
+        drains what it holds: that is progress, not a stalled peer."""
+        queued = self._pair.queued_bytes()
+        if queued != self._queued:
+            self._queued, self.last_byte = queued, time.monotonic()
+        return self.last_byte
 
     def push(self) -> bool:
         while True:
@@ -370,6 +382,13 @@ class TcpPair:
     def fileno(self) -> int:
         """The socket's descriptor, to wait for the next message with ``select``."""
         return self._sock.fileno()
+
+    def queued_bytes(self) -> int:
+        """Bytes in the kernel's send queue, not yet acknowledged by the peer (-1 when unknown)."""
+        try:
+            return struct.unpack("i", fcntl.ioctl(self._sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        except OSError:
+            return -1
 
     def send_some(self, bufs: list[memoryview]) -> int:
         """Send what the socket takes of ``bufs`` (in order, at most IOV_MAX) without waiting; 0
