@@ -95,26 +95,42 @@ class Decision:
         return self.path == "local"
 
 
+class _Recent:
+    """Per key, the (when, value) entries of the last ``window_s`` (at most ``maxlen`` a key); past
+    ``MAX_COST_KEYS`` keys the least recently added to goes."""
+
+    def __init__(self, clock: Callable[[], float], window_s: float, maxlen: int | None = None) -> None:
+        self.clock, self.window_s, self.maxlen = clock, window_s, maxlen
+        self._entries: dict[object, deque[tuple[float, float]]] = {}
+
+    def add(self, key: object, value: float = 0.0) -> None:
+        entries = self._entries.pop(key, None) or deque(maxlen=self.maxlen)
+        entries.append((self.clock(), value))
+        self._entries[key] = entries  # last used goes last: the first is the one to drop
+        if len(self._entries) > MAX_COST_KEYS:
+            self._entries.pop(next(iter(self._entries)))
+
+    def live(self, key: object) -> deque[tuple[float, float]]:
+        entries = self._entries.get(key, deque())
+        now = self.clock()
+        while entries and now - entries[0][0] > self.window_s:
+            entries.popleft()
+        return entries
+
+
 class PathCost:
     """One path's fixed cost per key (a node pair, or a decode node): the median of its last
     ``COST_SAMPLES`` measured costs younger than ``COST_TTL_S``, else ``prior``."""
 
     def __init__(self, prior: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.prior, self.clock = prior, clock
-        self._samples: dict[object, deque[tuple[float, float]]] = {}  # key -> (when, seconds)
+        self.prior = prior
+        self._samples = _Recent(clock, COST_TTL_S, COST_SAMPLES)
 
     def observe(self, key: object, seconds: float) -> None:
-        samples = self._samples.pop(key, None) or deque(maxlen=COST_SAMPLES)
-        samples.append((self.clock(), seconds))
-        self._samples[key] = samples  # last used goes last: the first is the one to drop
-        if len(self._samples) > MAX_COST_KEYS:
-            self._samples.pop(next(iter(self._samples)))
+        self._samples.add(key, seconds)
 
     def get(self, key: object) -> float:
-        samples = self._samples.get(key)
-        now = self.clock()
-        while samples and now - samples[0][0] > COST_TTL_S:
-            samples.popleft()
+        samples = self._samples.live(key)
         return statistics.median(seconds for _, seconds in samples) if samples else self.prior
 
 
@@ -166,23 +182,14 @@ class Arrivals:
     """Per decode node, the requests per second this proxy sent it over the last ``ARRIVALS_WINDOW_S``."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
-        self.clock = clock
-        self._times: dict[str, deque[float]] = {}
+        self._times = _Recent(clock, ARRIVALS_WINDOW_S)
 
     def add(self, key: str) -> None:
-        times = self._times.pop(key, None) or deque()
-        times.append(self.clock())
-        self._times[key] = times  # last used goes last: the first is the one to drop
-        if len(self._times) > MAX_COST_KEYS:
-            self._times.pop(next(iter(self._times)))
+        self._times.add(key)
 
     def per_s(self, key: str) -> float:
         """At least one per window: a quiet spell says little of the next seconds."""
-        times = self._times.get(key)
-        now = self.clock()
-        while times and now - times[0] > ARRIVALS_WINDOW_S:
-            times.popleft()
-        return max(len(times) if times else 0, 1) / ARRIVALS_WINDOW_S
+        return max(len(self._times.live(key)), 1) / ARRIVALS_WINDOW_S
 
 
 class DisaggPolicy:
