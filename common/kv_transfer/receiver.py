@@ -144,9 +144,10 @@ class PairReceiver:
                 consumer=owner.address)
         except TransferError as e:
             opened = e
-        owner.post(self, self._built, opened)
+        owner.post(self, self._built, opened, kv_caches[0].device)
 
-    def _built(self, opened: OpenedPair | TransferError) -> None:
+    def _built(self, opened: OpenedPair | TransferError, device: torch.device) -> None:
+        """The pair is in (``device``: where its cache lives, for the staging buffers), or failed."""
         waiting, self._building = self._building or [], None
         if isinstance(opened, TransferError):
             for t in waiting:
@@ -154,7 +155,6 @@ class PairReceiver:
             return
         self.pair, self.pair_id, self.transport = opened.pair, opened.pair_id, opened.transport
         self.checksum, self._exported = opened.checksum, opened.exported
-        device = waiting[0].kv_caches[0].device if waiting else torch.device("cpu")
         self.staging = [StagingBuffer(device), StagingBuffer(device)]
         logger.info("consumer: pair %s to %s uses %s", self.pair_id[:8], self.address, self.transport)
         if self.transport == "tcp":
