@@ -21,6 +21,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import TypeVar
 
 from common.engine.config import EngineConfig
 from common.engine.kv_connector import KVConnector
@@ -34,6 +36,7 @@ from common.engine.text_stream import TextStream
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.005
+_T = TypeVar("_T")
 
 
 class EngineDeadError(RuntimeError):
@@ -59,6 +62,9 @@ class AsyncLLMEngine:
         # stops serving and exits non-zero so a supervisor restarts it (common/node/node.py)
         self.on_dead: Callable[[str], None] = lambda reason: None
         self._busy_since: float | None = None  # when the thread's current iteration with work began
+        tiers = self.engine.kv_tiers
+        if tiers is not None and tiers.file is not None:
+            tiers.file.on_loaded = self.wake  # a file load finished: its request can run
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -72,6 +78,8 @@ class AsyncLLMEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
+        if self.engine.kv_tiers is not None:
+            self.engine.kv_tiers.close()
         self._fail_all_streams("abort", None)
 
     # ---- EngineClient -------------------------------------------------------------------
@@ -156,6 +164,25 @@ class AsyncLLMEngine:
         safe from any thread."""
         self._wake.set()
 
+    def call(self, fn: Callable[[LLMEngine], _T]) -> Future[_T]:
+        """``fn(engine)`` run on the engine thread between two steps (a daemon's role flip swaps the
+        connector there); the future holds its result or exception."""
+        future: Future[_T] = Future()
+        self._post(("call", fn, future))
+        return future
+
+    def abort_all(self, error: str, code: str) -> int:
+        """End every open request with ``error`` (finish reason "error", ``code``) and abort it in
+        the engine: a node that stops serving (a role flip's drain ran out) lets the proxy migrate
+        them. Returns how many streams were ended."""
+        with self._lock:
+            ids = list(self._streams)
+        self._dispatch([RequestOutput(rid, [], finished=True, finish_reason="error", error=error, error_code=code)
+                        for rid in ids])
+        for rid in ids:
+            self._post(("abort", rid))
+        return len(ids)
+
     def _post(self, command: tuple) -> None:
         self._commands.append(command)
         self._wake.set()
@@ -192,6 +219,13 @@ class AsyncLLMEngine:
             command = self._commands.popleft()
             if command[0] == "abort":
                 self.engine.abort_request(*command[1:])
+                continue
+            if command[0] == "call":
+                _, fn, future = command
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as e:  # noqa: BLE001 - the caller gets it, the engine goes on
+                    future.set_exception(e)
                 continue
             _, request_id, prompt, params, kv_transfer_params = command
             try:

@@ -15,7 +15,7 @@ as one piece (one iovec on tcp, no gather on gloo/nccl) instead of block by bloc
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from common.engine.block_hash import BlockHash
 from common.engine.cache_events import (
@@ -74,7 +74,9 @@ class BlockManager:
     blocks for a chain of hashes, held for the caller.
 
     ``events``, when set, hears every change of the cached set (``cache_events``), on the
-    caller's thread: a block stored, a cached block evicted, the cache cleared.
+    caller's thread: a block stored, a cached block evicted, the cache cleared. ``on_evict``, when
+    set, is called with a cached block and its hash just before the block is handed out for other
+    KV (the KV tiers copy it down then: ``kv_tiers``).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
@@ -87,6 +89,7 @@ class BlockManager:
         self._cached: dict[BlockHash, int] = {}
         self._hash_of: dict[int, BlockHash] = {}
         self.events: EventSink | None = None
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -116,6 +119,8 @@ class BlockManager:
         block, _ = self._evictable.popitem(last=False)  # least recently freed cached block
         block_hash = self._hash_of.pop(block)
         del self._cached[block_hash]
+        if self.on_evict is not None:
+            self.on_evict(block, block_hash)
         if self.events is not None:
             self.events(BlockRemoved((block_hash,)))
         return block

@@ -24,6 +24,7 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     token_ids: tuple[int, ...]
     block_size: int
+    medium: str | None = None  # None: the KV pool; else the tier (common/engine/kv_tiers.py: "CPU", "DISK")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class BlockRemoved:
     """Cached blocks whose KV is gone (evicted for another allocation)."""
 
     block_hashes: tuple[BlockHash, ...]
+    medium: str | None = None  # as BlockStored's
 
 
 @dataclass(frozen=True)

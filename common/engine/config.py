@@ -93,6 +93,24 @@ class EngineConfig(BaseModel):
         "sequences are preempted to make room for a client below it"
     )
 
+    kv_host_bytes: int = Field(
+        0, ge=0, le=1 << 44, description="KV tiers: bytes of host memory (pinned on CUDA) that keep prefix blocks "
+        "the KV cache evicts, least recently used out first; 0 = no host tier. On CPU the cache already is host "
+        "memory, so leave it 0 there and use --kv-disk-dir (README: KV tiers)"
+    )
+    kv_disk_dir: str | None = Field(
+        None, description="KV tiers: a directory that keeps evicted prefix blocks as files (named by their hash "
+        "chain under a digest of model and KV layout, so nodes of one model can share it); unset = no file tier"
+    )
+    kv_disk_bytes: int = Field(
+        10 << 30, ge=1 << 20, le=1 << 50, description="KV tiers: the most bytes of block files this node keeps "
+        "in --kv-disk-dir, least recently used deleted first"
+    )
+    kv_offload_on_finish: bool = Field(
+        False, description="KV tiers: also copy a finished prompt's cached blocks down to the tiers at once (a "
+        "prefill node: the next turn finds them even after the pool evicted them unseen); needs a tier"
+    )
+
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
@@ -106,6 +124,17 @@ class EngineConfig(BaseModel):
                                           ("--fused-ops on", self.fused_ops == "on")) if given]
         if self.batch_invariant and named:
             raise ValueError(f"--batch-invariant runs its own attention and the PyTorch ops; drop {' and '.join(named)}")
+        return self
+
+    @model_validator(mode="after")
+    def _kv_tiers(self) -> EngineConfig:
+        tiers = self.kv_host_bytes > 0 or self.kv_disk_dir is not None
+        if tiers and not self.enable_prefix_caching:
+            raise ValueError("--kv-host-bytes / --kv-disk-dir keep prefix-cache blocks: they need prefix caching on")
+        if tiers and self.tensor_parallel_size > 1:
+            raise ValueError("--kv-host-bytes / --kv-disk-dir: KV tiers run with --tensor-parallel-size 1 only (yet)")
+        if self.kv_offload_on_finish and not tiers:
+            raise ValueError("--kv-offload-on-finish needs a tier: --kv-host-bytes or --kv-disk-dir")
         return self
 
     def resolved_device(self) -> torch.device:

@@ -30,6 +30,8 @@ from common.engine.config import CPU_KV_CACHE_GB, EngineConfig
 from common.engine.cuda_graph import graph_memory
 from common.engine.gpu_memory import DEFAULT_GPU_MEMORY_UTILIZATION, activation_reserve, kv_cache_budget
 from common.engine.kv_connector import KVConnector, KVConnectorMetadata, no_connector
+from common.engine.kv_file_tier import FileTier
+from common.engine.kv_tiers import KVTiers
 from common.engine.model_runner import ModelRunner
 from common.engine.outputs import KV_TRANSFER_FAILED, RequestOutput
 from common.engine.parallel import RANK_MAIN, load_model_on_ranks
@@ -89,11 +91,31 @@ class LLMEngine:
             fair_share=config.fair_share == "on",
             max_tokens_in_flight_per_client=config.max_tokens_in_flight_per_client,
         )
+        self.kv_tiers = self._build_tiers()
+        if self.kv_tiers is not None:
+            self.scheduler.tiers = self.kv_tiers
+            self.block_manager.on_evict = self.kv_tiers.offload
         self._requests: dict[str, Sequence] = {}
         self._finished_unreported: list[Sequence] = []  # aborted between steps
         self._ids = itertools.count()
         self.last_step_num_tokens = 0  # tokens computed by the latest step (0: it only polled)
         self.step_meter = StepMeter()  # prefill tokens/s and step records (the local-prefill stall bound)
+
+    def _build_tiers(self) -> KVTiers | None:
+        """The KV tiers the flags ask for (``kv_tiers``); None when none is. A file tier whose
+        directory is unusable stays off with a warning and its error counted."""
+        cfg = self.config
+        if cfg.kv_host_bytes <= 0 and cfg.kv_disk_dir is None:
+            return None
+        file_tier = None
+        if cfg.kv_disk_dir is not None:
+            layout = self.kv_layout
+            shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+            # the chain's root names model, layout and block size: nodes of one model share the folder
+            file_tier = FileTier(cfg.kv_disk_dir, self.scheduler.cache_root.hex(), cfg.kv_disk_bytes, shape,
+                                 layout.torch_dtype)
+            file_tier.start()
+        return KVTiers(self.kv_caches, cfg.kv_host_bytes, file_tier, cfg.kv_offload_on_finish)
 
     def _default_num_blocks(self, model: torch.nn.Module) -> int:
         per_block = self.kv_layout.bytes_per_block_per_layer() * self.kv_layout.num_layers
@@ -148,6 +170,18 @@ class LLMEngine:
         return (self.scheduler.has_schedulable_work() or bool(self._finished_unreported)
                 or self.connector.scheduler.has_pending())
 
+    def is_idle(self) -> bool:
+        """Nothing held: no request queued, running, parked for KV or held for a send."""
+        return not (self._requests or self.has_schedulable_work() or self.has_pending_transfers())
+
+    def set_connector(self, connector: KVConnector) -> None:
+        """Swap both connector halves (a daemon's role flip); only while :meth:`is_idle`, on the
+        engine thread: the scheduler, the KV cache and the compiled graphs stay."""
+        if not self.is_idle():
+            raise RuntimeError("the connector can only be swapped while the engine holds no request")
+        self.connector, self.kv_worker = connector, connector.worker
+        self.scheduler.connector = connector.scheduler
+
     def has_pending_transfers(self) -> bool:
         """Sequences parked for remote KV or held for a send: ``step`` must keep polling the connector."""
         return self.scheduler.has_pending_transfers()
@@ -165,6 +199,7 @@ class LLMEngine:
             pending_prefill_tokens=sum(q.num_uncomputed_tokens for q in (*s.waiting, *s.running) if q.is_prefill),
             num_decoding=sum(1 for q in s.running if not q.is_prefill),
             max_local_prefill_stall_ms=self.config.max_local_prefill_stall_ms,
+            kv_tiers=self.kv_tiers.stats() if self.kv_tiers is not None else None,
         )
 
     # ---- the loop -----------------------------------------------------------------------

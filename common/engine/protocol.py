@@ -23,6 +23,7 @@ class EngineStats:
     pending_prefill_tokens: int = 0  # prompt tokens queued or mid-prefill, not yet computed
     num_decoding: int = 0  # running sequences past their prompt
     max_local_prefill_stall_ms: float | None = None  # the node's bound on a decode step's wait for a prefill
+    kv_tiers: dict[str, dict[str, float]] | None = None  # per KV tier ("host", "disk"): KVTiers.stats()
 
     @property
     def kv_cache_usage(self) -> float:

@@ -29,6 +29,12 @@ their KV is computed (or landed), so later requests and recomputes can reuse the
 request's ``cache_salt`` roots its hash chain apart, so it shares blocks only with the
 same salt (on a decode node too: it asks the peer for every block its salt has not cached).
 
+KV tiers (``kv_tiers``, when the engine has them): a sequence whose pool lookup stops short asks
+the tiers for its next blocks and gets fresh blocks for what they hold. Host-tier blocks are copied
+in at once; while the file tier reads, the sequence waits in ``loading`` (holding its blocks, no
+running slot), and returns to the front of ``waiting`` with the leading blocks that loaded whole
+marked computed and cached; the blocks after a failed one are freed and their tokens computed.
+
 Fair share (``fairness``, on unless ``fair_share=False``): admission takes the next sequence
 from ``waiting`` by client, the least-served client first (FIFO within a client), and a client
 over its cap of tokens in flight yields its newest running sequences to one under it. With one
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.engine.block_hash import BlockHash, extend_hashes, root_hash, salted_root
 from common.engine.block_manager import BlockManager
@@ -48,6 +55,9 @@ from common.engine.kv_connector import (EMPTY_METADATA, FinishedTransfers, KVCon
                                         KVConnectorScheduler)
 from common.engine.outputs import FinishReason
 from common.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from common.engine.kv_tiers import KVTiers
 
 
 @dataclass
@@ -111,6 +121,8 @@ class Scheduler:
         self.block_copies: list[tuple[int, int]] = []  # (from, to): a forked choice's prompt tail block
         self.fairness = FairShare(max_tokens_in_flight_per_client, enabled=fair_share)
         self._newcomers_ran = False  # the last step was fair share's newcomers' alone
+        self.tiers: KVTiers | None = None  # the engine's KV tiers, when configured
+        self.loading: dict[str, Sequence] = {}  # waiting for their prefix's KV from the file tier
 
     # ---- queues -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -121,19 +133,21 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def has_pending_transfers(self) -> bool:
-        return bool(self.parked or self.blocks_lent)
+        return bool(self.parked or self.blocks_lent or self.loading)
 
     def find(self, request_id: str) -> Sequence | None:
         for seq in (*self.running, *self.waiting):
             if seq.request_id == request_id:
                 return seq
-        return self.parked.get(request_id)
+        return self.parked.get(request_id) or self.loading.get(request_id)
 
     # ---- scheduling ---------------------------------------------------------------
     def schedule(self, stall_token_cap: int | None = None) -> ScheduledBatch:
         """The step's batch. ``stall_token_cap``: the most prompt tokens the step may carry when
         it also decodes (a local prefill is chunked so no decode waits longer than its bound)."""
         batch = ScheduledBatch()
+        if self.tiers is not None:
+            self._poll_tiers()
         for seq in self.running:  # KV computed by the last step is complete: share it
             self._cache_full_blocks(seq)
         self._make_room()
@@ -216,6 +230,8 @@ class Scheduler:
                     return
                 continue
             took = self._take_cached_prefix(seq, seq.num_tokens)
+            if took and self._load_from_tiers(seq):
+                continue
             n = seq.num_uncomputed_tokens
             if n > budget and self.enable_chunked_prefill:
                 n = budget
@@ -392,12 +408,18 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.LOADING_KV:
+            del self.loading[seq.request_id]
+            self.tiers.cancel(seq.request_id)  # type: ignore[union-attr]
         else:
             self.parked.pop(seq.request_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
         self.fairness.left(seq)
+        if self.tiers is not None and self.tiers.offload_on_finish:
+            for block, block_hash in zip(seq.block_table[:seq.num_cached_blocks], seq.block_hashes):
+                self.tiers.offload(block, block_hash)
         if self.connector.request_finished(seq) and seq.block_table:
             self.blocks_lent[seq.request_id] = seq
         else:
@@ -416,6 +438,57 @@ class Scheduler:
         seq.num_cached_blocks = len(seq.block_table)
         seq.num_computed_tokens = seq.num_cached_blocks * bm.block_size
         return True
+
+    # ---- KV tiers (common/engine/kv_tiers.py) ---------------------------------------------
+    def _load_from_tiers(self, seq: Sequence) -> bool:
+        """After a pool lookup: the prefix blocks after the pooled ones that the tiers hold, into
+        fresh blocks. True when ``seq`` now waits in ``loading`` for the file tier."""
+        bm, tiers = self.block_manager, self.tiers
+        if tiers is None or seq.tiers_checked:
+            return False
+        first = len(seq.block_table)
+        hashes = seq.block_hashes[first:(seq.num_tokens - 1) // bm.block_size]
+        mediums = tiers.lookup(hashes) if hashes else []
+        if not mediums or not bm.can_allocate(len(mediums)):
+            return False
+        blocks = bm.allocate(len(mediums))
+        seq.block_table.extend(blocks)
+        seq.tiers_checked = True
+        filled = tiers.start_load(seq.request_id, hashes, mediums, blocks)
+        if filled is not None:
+            self._tier_loaded(seq, filled)
+            return False
+        self._leave_waiting(seq)
+        seq.status = SequenceStatus.LOADING_KV
+        self.loading[seq.request_id] = seq
+        return True
+
+    def _tier_loaded(self, seq: Sequence, filled: int) -> None:
+        """``filled`` blocks after the pooled prefix hold their KV: computed and cached from now;
+        the blocks after them (a load cut short) are freed, and their tokens computed."""
+        keep = seq.num_cached_blocks + filled
+        self.block_manager.free(seq.block_table[keep:])
+        del seq.block_table[keep:]
+        seq.num_computed_tokens = keep * self.block_manager.block_size
+        self._cache_full_blocks(seq)
+
+    def _poll_tiers(self) -> None:
+        """Tier changes out as KV events; sequences whose file load finished back to ``waiting``."""
+        tiers, bm = self.tiers, self.block_manager
+        assert tiers is not None
+        for rid, filled in tiers.poll():
+            seq = self.loading.pop(rid, None)
+            if seq is None:
+                continue
+            self._tier_loaded(seq, filled)
+            self._count_lookup(seq, seq.num_tokens)
+            if not seq.num_preemptions:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        for event in tiers.take_events():
+            if bm.events is not None:
+                bm.events(event)
 
     def _root(self, seq: Sequence) -> BlockHash:
         """Where ``seq``'s hash chain starts: its ``cache_salt`` keeps it apart from other salts."""

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued; prefill (or a preempted recompute) not finished
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # holds blocks, KV arriving from a peer
+    LOADING_KV = "loading_kv"  # holds blocks, KV of its prefix being read from a tier (kv_tiers)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -43,6 +44,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None
     external_kv_checked: bool = False  # asked the connector once; a recompute never asks again
+    tiers_checked: bool = False  # loaded from the KV tiers once (kv_tiers): a failed load is not retried
     num_preemptions: int = 0
     num_emitted_tokens: int = 0  # output tokens already handed out in a RequestOutput
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when asked

@@ -1,0 +1,241 @@
+"""KV tiers behind the prefix cache: where a cached block goes when the KV pool evicts it, and how
+it comes back (issue 35; docs/ARCHITECTURE.md, "KV tiers").
+
+Down: the block manager calls :meth:`KVTiers.offload` for each cached block it evicts, before the
+block is handed out again (and the scheduler does for a finished prompt's blocks under
+``--kv-offload-on-finish``). The block's KV, every layer's K and V, is copied off the pool at once
+(on CUDA into pinned host memory, queued on the compute stream so it precedes any later write to
+the block) into the host tier (``--kv-host-bytes``, an LRU by bytes) or, without one, straight to
+the file tier's writer (``kv_file_tier``). A block the host tier evicts goes down to the file tier.
+
+Up: a request whose prefix misses the pool asks :meth:`lookup` for its next blocks, in chain order,
+each from the highest tier holding it, up to the first no tier holds. The scheduler allocates fresh
+blocks for them and calls :meth:`start_load`: host-tier blocks are copied in at once (memory to
+memory); file-tier blocks are read by the loader thread while the request waits in the scheduler
+(``loading``); :meth:`poll` (the engine thread, each schedule) copies what was read into the
+blocks and says how many leading blocks each finished load filled. A block after the first one
+that failed (missing, damaged, an I/O error) is never used: the scheduler frees it and computes
+those tokens. :meth:`cancel` (an abort) forgets a load; whatever the loader then reads is dropped.
+
+Only the engine thread calls this class; the file tier's threads never touch the KV pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from common.engine.cache_events import BlockRemoved, BlockStored, CacheEvent
+from common.engine.kv_file_tier import FileTier
+
+logger = logging.getLogger(__name__)
+
+MEDIUM_HOST = "CPU"  # vLLM's name for its CPU offload tier, in KV events' ``medium``
+MEDIUM_DISK = "DISK"
+
+
+class HostTier:
+    """Blocks' KV in host memory (pinned on CUDA), at most ``max_bytes``, least recently used out first."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._blocks: OrderedDict[bytes, tuple[torch.Tensor, object]] = OrderedDict()  # hash -> (kv, ready event)
+        self.bytes = 0
+        self.hits = 0
+        self.load_seconds = self.store_seconds = 0.0
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._blocks
+
+    @property
+    def blocks(self) -> int:
+        return len(self._blocks)
+
+    def put(self, block_hash: bytes, kv: torch.Tensor, ready: object) -> list[tuple[bytes, torch.Tensor, object]]:
+        """Keep ``kv``; returns what was evicted for room (for the tier below)."""
+        self._blocks[block_hash] = (kv, ready)
+        self.bytes += kv.nbytes
+        evicted = []
+        while self.bytes > self.max_bytes and self._blocks:
+            old_hash, (old, old_ready) = self._blocks.popitem(last=False)
+            self.bytes -= old.nbytes
+            evicted.append((old_hash, old, old_ready))
+        return evicted
+
+    def get(self, block_hash: bytes) -> torch.Tensor:
+        self._blocks.move_to_end(block_hash)
+        self.hits += 1
+        return self._blocks[block_hash][0]
+
+
+@dataclass
+class _Load:
+    """One request's load: its blocks, and which tier each comes from."""
+
+    blocks: list[int]
+    mediums: list[str]
+    disk_positions: list[int] = field(default_factory=list)  # indices of ``blocks`` the file tier fills
+
+
+class KVTiers:
+    """The host and file tiers of one engine's KV pool (either may be off)."""
+
+    def __init__(self, kv_caches: list[torch.Tensor], host_bytes: int, file_tier: FileTier | None,
+                 offload_on_finish: bool = False) -> None:
+        self.kv_caches = kv_caches
+        self.device = kv_caches[0].device
+        self.block_shape = (len(kv_caches), *kv_caches[0][:, 0].shape)
+        self.host = HostTier(host_bytes) if host_bytes > 0 else None
+        self.file = file_tier
+        self.offload_on_finish = offload_on_finish
+        self._loads: dict[str, _Load] = {}
+        self._events: list[CacheEvent] = []
+        self.queried = {MEDIUM_HOST: 0, MEDIUM_DISK: 0}  # blocks asked of each tier
+        self.found = {MEDIUM_HOST: 0, MEDIUM_DISK: 0}  # of those, blocks it had
+        self.lost = 0  # blocks a load could not fill (recomputed)
+
+    @property
+    def enabled(self) -> bool:
+        return self.host is not None or (self.file is not None and self.file.enabled)
+
+    @property
+    def pending_loads(self) -> int:
+        """Loads started and neither polled nor cancelled (0 when idle: nothing leaks)."""
+        return len(self._loads)
+
+    # ---- down ------------------------------------------------------------------------------
+    def offload(self, block: int, block_hash: bytes) -> None:
+        """Copy pool block ``block`` (cached as ``block_hash``) down, unless a tier already has it."""
+        if block_hash in (self.host or ()) or (self.file is not None and self.file.knows(block_hash)):
+            return
+        if self.host is None and (self.file is None or not self.file.enabled):
+            return
+        started = time.perf_counter()
+        kv, ready = self._snapshot(block)
+        if self.host is None:
+            self.file.put(block_hash, kv, ready)  # type: ignore[union-attr]
+            return
+        evicted = self.host.put(block_hash, kv, ready)
+        self.host.store_seconds += time.perf_counter() - started
+        self._events.append(BlockStored((block_hash,), None, (), 0, medium=MEDIUM_HOST))
+        for old_hash, old, old_ready in evicted:
+            self._events.append(BlockRemoved((old_hash,), medium=MEDIUM_HOST))
+            if self.file is not None and not self.file.knows(old_hash):
+                self.file.put(old_hash, old, old_ready)
+
+    def _snapshot(self, block: int) -> tuple[torch.Tensor, object]:
+        """Block ``block``'s KV as a host tensor ``[layers, 2, block_size, kv_heads, head_dim]``; on
+        CUDA also the event that marks the copy done (queued on the current stream: any later
+        write to the block runs after it)."""
+        stacked = torch.stack([cache[:, block] for cache in self.kv_caches])
+        if self.device.type == "cpu":
+            return stacked, None
+        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+        host.copy_(stacked, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
+
+    # ---- up --------------------------------------------------------------------------------
+    def lookup(self, hashes: list[bytes]) -> list[str]:
+        """The tier of each leading block of ``hashes`` some tier holds (highest first), up to the first none does."""
+        mediums = []
+        for block_hash in hashes:
+            medium = None
+            if self.host is not None:
+                self.queried[MEDIUM_HOST] += 1
+                if block_hash in self.host:
+                    medium = MEDIUM_HOST
+            if medium is None and self.file is not None and self.file.enabled:
+                self.queried[MEDIUM_DISK] += 1
+                if self.file.contains(block_hash):
+                    medium = MEDIUM_DISK
+            if medium is None:
+                break
+            self.found[medium] += 1
+            mediums.append(medium)
+        return mediums
+
+    def start_load(self, job: str, hashes: list[bytes], mediums: list[str], blocks: list[int]) -> int | None:
+        """Fill ``blocks`` with ``hashes``' KV (``mediums`` from :meth:`lookup`). None while the file
+        tier still reads (:meth:`poll` reports the job); else how many leading blocks are filled
+        (host blocks only: copied now; a host block evicted since the lookup ends the run)."""
+        load = _Load(list(blocks), list(mediums))
+        started = time.perf_counter()
+        for i, (block_hash, medium, block) in enumerate(zip(hashes, mediums, blocks)):
+            if medium == MEDIUM_DISK:
+                load.disk_positions.append(i)
+            elif block_hash in self.host:  # type: ignore[operator]
+                self._copy_in(block, self.host.get(block_hash))  # type: ignore[union-attr]
+            else:  # evicted by the allocation of these very blocks
+                del load.blocks[i:]
+                break
+        if self.host is not None:
+            self.host.load_seconds += time.perf_counter() - started
+        if not load.disk_positions:
+            self.lost += len(blocks) - len(load.blocks)
+            return len(load.blocks)
+        self._loads[job] = load
+        self.file.load(job, [hashes[i] for i in load.disk_positions])  # type: ignore[union-attr]
+        return None
+
+    def poll(self) -> list[tuple[str, int]]:
+        """Finished file loads: (job, leading blocks filled). The rest of each job's blocks hold nothing usable."""
+        if self.file is None:
+            return []
+        for stored, block_hash in self.file.take_changes():
+            self._events.append(BlockStored((block_hash,), None, (), 0, medium=MEDIUM_DISK) if stored
+                                else BlockRemoved((block_hash,), medium=MEDIUM_DISK))
+        done = []
+        for job, tensors in self.file.take_loaded():
+            load = self._loads.pop(job, None)
+            if load is None:
+                continue  # cancelled: what was read is dropped
+            for position, kv in zip(load.disk_positions, tensors):
+                self._copy_in(load.blocks[position], kv)
+            cut = load.disk_positions[len(tensors)] if len(tensors) < len(load.disk_positions) else len(load.blocks)
+            self.lost += len(load.mediums) - cut
+            done.append((job, cut))
+        return done
+
+    def cancel(self, job: str) -> None:
+        """Forget ``job`` (its request was aborted); its blocks are the caller's to free now."""
+        if self._loads.pop(job, None) is not None and self.file is not None:
+            self.file.cancel(job)
+
+    def _copy_in(self, block: int, kv: torch.Tensor) -> None:
+        for layer, cache in enumerate(self.kv_caches):
+            cache[:, block].copy_(kv[layer], non_blocking=True)
+
+    # ---- reporting ---------------------------------------------------------------------------
+    def take_events(self) -> list[CacheEvent]:
+        """Blocks that entered or left a tier since the last call (KV events with their ``medium``)."""
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per tier: bytes, blocks, hits, misses, load/store seconds, errors, dropped stores; and the
+        measured load rate in bytes/s (what the proxy weighs a tier hit by)."""
+        out = {}
+        if self.host is not None:
+            h = self.host
+            out["host"] = {"bytes": h.bytes, "blocks": h.blocks, "hits": h.hits,
+                           "misses": self.queried[MEDIUM_HOST] - self.found[MEDIUM_HOST],
+                           "load_seconds": h.load_seconds, "store_seconds": h.store_seconds, "errors": 0,
+                           "dropped": 0}
+        if self.file is not None:
+            f = self.file
+            out["disk"] = {"bytes": f.bytes, "blocks": f.blocks, "hits": f.hits,
+                           "misses": self.queried[MEDIUM_DISK] - self.found[MEDIUM_DISK] + f.load_errors,
+                           "load_seconds": f.load_seconds, "store_seconds": f.store_seconds,
+                           "errors": f.load_errors + f.store_errors, "dropped": f.dropped,
+                           "load_bytes_per_s": f.loaded_bytes / f.load_seconds if f.load_seconds else 0.0}
+        return out
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
