@@ -149,6 +149,13 @@ class FileTier:
                 self.bytes += size
         self._trim()
 
+    def drain(self, timeout: float) -> bool:
+        """Wait until every queued store is written (or failed); False if ``timeout`` s passed first."""
+        deadline = time.monotonic() + timeout
+        while self._writes.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return not self._writes.unfinished_tasks
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop the threads (queued stores are written first, within ``timeout``)."""
         if not self.enabled:
@@ -218,26 +225,31 @@ class FileTier:
 
     def _write_loop(self) -> None:
         while (item := self._writes.get()) is not None:
-            block_hash, kv, ready = item
-            started = time.perf_counter()
             try:
-                if ready is not None:
-                    ready.synchronize()  # type: ignore[attr-defined]
-                size = self._write(block_hash, encode_block(kv))
-            except OSError as exc:
-                self.store_errors += 1
-                logger.warning("KV file tier: could not store a block in %s (%s); it will be recomputed",
-                               self.dir, exc)
-                continue
-            self.store_seconds += time.perf_counter() - started
-            self.stores += 1
-            with self._lock:
-                if block_hash in self._files:
-                    self.bytes -= self._files.pop(block_hash)
-                self._files[block_hash] = size
-                self.bytes += size
-            self._changes.append((True, block_hash))
-            self._trim()
+                self._store(*item)
+            finally:
+                self._writes.task_done()
+
+    def _store(self, block_hash: bytes, kv: torch.Tensor, ready: object) -> None:
+        started = time.perf_counter()
+        try:
+            if ready is not None:
+                ready.synchronize()  # type: ignore[attr-defined]
+            size = self._write(block_hash, encode_block(kv))
+        except OSError as exc:
+            self.store_errors += 1
+            logger.warning("KV file tier: could not store a block in %s (%s); it will be recomputed",
+                           self.dir, exc)
+            return
+        self.store_seconds += time.perf_counter() - started
+        self.stores += 1
+        with self._lock:
+            if block_hash in self._files:
+                self.bytes -= self._files.pop(block_hash)
+            self._files[block_hash] = size
+            self.bytes += size
+        self._changes.append((True, block_hash))
+        self._trim()
 
     def _write(self, block_hash: bytes, data: bytes) -> int:
         """Write-then-rename: the final name appears only with every byte on disk."""

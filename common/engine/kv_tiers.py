@@ -73,6 +73,17 @@ class HostTier:
 
 
 @dataclass
+class Found:
+    """What :meth:`KVTiers.lookup` found: each leading block's tier and, for the host tier, its KV."""
+
+    mediums: list[str]
+    host_kv: list[torch.Tensor | None]
+
+    def __len__(self) -> int:
+        return len(self.mediums)
+
+
+@dataclass
 class _Load:
     """One request's load: its blocks, and which tier each comes from."""
 
@@ -141,9 +152,11 @@ class KVTiers:
         return host, ready
 
     # ---- up --------------------------------------------------------------------------------
-    def lookup(self, hashes: list[bytes]) -> list[str]:
-        """The tier of each leading block of ``hashes`` some tier holds (highest first), up to the first none does."""
-        mediums = []
+    def lookup(self, hashes: list[bytes]) -> Found:
+        """Where each leading block of ``hashes`` is (highest tier first), up to the first no tier holds.
+        Host-tier blocks are taken by reference now: allocating the blocks to load them into may
+        evict pool blocks into the host tier, and those would push these out."""
+        found = Found([], [])
         for block_hash in hashes:
             medium = None
             if self.host is not None:
@@ -157,27 +170,24 @@ class KVTiers:
             if medium is None:
                 break
             self.found[medium] += 1
-            mediums.append(medium)
-        return mediums
+            found.mediums.append(medium)
+            found.host_kv.append(self.host.get(block_hash) if medium == MEDIUM_HOST else None)  # type: ignore[union-attr]
+        return found
 
-    def start_load(self, job: str, hashes: list[bytes], mediums: list[str], blocks: list[int]) -> int | None:
-        """Fill ``blocks`` with ``hashes``' KV (``mediums`` from :meth:`lookup`). None while the file
+    def start_load(self, job: str, hashes: list[bytes], found: Found, blocks: list[int]) -> int | None:
+        """Fill ``blocks`` with ``hashes``' KV (``found`` by :meth:`lookup`). None while the file
         tier still reads (:meth:`poll` reports the job); else how many leading blocks are filled
-        (host blocks only: copied now; a host block evicted since the lookup ends the run)."""
-        load = _Load(list(blocks), list(mediums))
+        (host blocks only: copied now)."""
+        load = _Load(list(blocks), list(found.mediums))
         started = time.perf_counter()
-        for i, (block_hash, medium, block) in enumerate(zip(hashes, mediums, blocks)):
-            if medium == MEDIUM_DISK:
+        for i, (kv, block) in enumerate(zip(found.host_kv, blocks)):
+            if kv is None:
                 load.disk_positions.append(i)
-            elif block_hash in self.host:  # type: ignore[operator]
-                self._copy_in(block, self.host.get(block_hash))  # type: ignore[union-attr]
-            else:  # evicted by the allocation of these very blocks
-                del load.blocks[i:]
-                break
+            else:
+                self._copy_in(block, kv)
         if self.host is not None:
             self.host.load_seconds += time.perf_counter() - started
         if not load.disk_positions:
-            self.lost += len(blocks) - len(load.blocks)
             return len(load.blocks)
         self._loads[job] = load
         self.file.load(job, [hashes[i] for i in load.disk_positions])  # type: ignore[union-attr]

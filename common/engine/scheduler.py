@@ -448,13 +448,13 @@ class Scheduler:
             return False
         first = len(seq.block_table)
         hashes = seq.block_hashes[first:(seq.num_tokens - 1) // bm.block_size]
-        mediums = tiers.lookup(hashes) if hashes else []
-        if not mediums or not bm.can_allocate(len(mediums)):
+        found = tiers.lookup(hashes) if hashes else None
+        if not found or not bm.can_allocate(len(found)):
             return False
-        blocks = bm.allocate(len(mediums))
+        blocks = bm.allocate(len(found))
         seq.block_table.extend(blocks)
         seq.tiers_checked = True
-        filled = tiers.start_load(seq.request_id, hashes, mediums, blocks)
+        filled = tiers.start_load(seq.request_id, hashes, found, blocks)
         if filled is not None:
             self._tier_loaded(seq, filled)
             return False

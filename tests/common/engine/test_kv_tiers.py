@@ -1,0 +1,180 @@
+"""KV tiers behind the prefix cache (common/engine/kv_tiers.py, kv_file_tier.py), in one process:
+an evicted prefix comes back from a file (or host memory) with the same answer and fewer tokens
+computed; a second engine reads the first one's directory; damaged files, a full disk and an
+unusable directory cost recompute only; aborted loads leave nothing behind."""
+
+from __future__ import annotations
+
+import errno
+import random
+import time
+
+import pytest
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.kv_file_tier import BadBlockFile, FileTier, decode_block, encode_block
+from common.engine.kv_tiers import Found, KVTiers
+from common.engine.llm_engine import LLMEngine
+from common.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+POOL = dict(device="cpu", num_kv_blocks=16, block_size=16)  # 256 tokens: two 100-token prompts evict a third's
+
+
+def prompts(n: int, length: int = 100, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(length)] for _ in range(n)]
+
+
+def ask(e: LLMEngine, prompt: list[int], rid: str, timeout: float = 30.0) -> tuple[list[int], int]:
+    """One request alone: its tokens and its usage's cached tokens."""
+    e.add_request(rid, prompt, GREEDY)
+    tokens, cached = [], 0
+    deadline = time.monotonic() + timeout
+    while e.has_unfinished_requests():
+        assert time.monotonic() < deadline, "request did not finish"
+        for out in e.step():
+            tokens += out.new_token_ids
+            cached = out.num_cached_tokens
+    return tokens, cached
+
+
+def written(e: LLMEngine) -> None:
+    assert e.kv_tiers.file.drain(10.0)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Each prompt's answer from an engine without tiers."""
+    e = LLMEngine(EngineConfig(**POOL))
+    return {tuple(p): ask(e, p, f"ref-{i}")[0] for i, p in enumerate(prompts(4))}
+
+
+def test_block_file_round_trip_and_damage():
+    kv = torch.randn(2, 2, 4, 1, 8)
+    data = encode_block(kv)
+    assert torch.equal(decode_block(data, tuple(kv.shape), kv.dtype), kv)
+    flipped = bytearray(data)
+    flipped[-1] ^= 1
+    for bad in (bytes(flipped), data[:-3], b"junk", data[:len(data) // 2]):
+        with pytest.raises(BadBlockFile):
+            decode_block(bad, tuple(kv.shape), kv.dtype)
+    with pytest.raises(BadBlockFile):
+        decode_block(data, (2, 2, 4, 2, 4), kv.dtype)  # same bytes, another layout
+
+
+def test_evicted_prefix_comes_back_from_disk_and_a_second_engine_shares_it(tmp_path, reference):
+    a = LLMEngine(EngineConfig(**POOL, kv_disk_dir=str(tmp_path)))
+    ps = prompts(4)
+    for i, p in enumerate(ps):  # each one evicts an earlier one's blocks: they go to files
+        assert ask(a, p, f"a{i}") == (reference[tuple(p)], 0)
+    written(a)
+    tokens, cached = ask(a, ps[0], "again")
+    assert tokens == reference[tuple(ps[0])] and cached == 96  # 6 full blocks of 99 tokens
+    disk = a.kv_tiers.stats()["disk"]
+    assert disk["hits"] >= 6 and disk["errors"] == 0 and disk["blocks"] > 0
+    written(a)
+    b = LLMEngine(EngineConfig(**POOL, kv_disk_dir=str(tmp_path)))  # another node, the same directory
+    assert ask(b, ps[1], "b") == (reference[tuple(ps[1])], 96)
+    assert b.kv_tiers.stats()["disk"]["hits"] == 6
+    assert b.block_manager.num_free_blocks == b.block_manager.num_blocks
+
+
+def test_damaged_files_are_recomputed_and_counted(tmp_path, reference):
+    a = LLMEngine(EngineConfig(**POOL, kv_disk_dir=str(tmp_path)))
+    ps = prompts(4)
+    for i, p in enumerate(ps):
+        ask(a, p, f"a{i}")
+    written(a)
+    files = sorted((tmp_path / a.scheduler.cache_root.hex()).glob("*.kv"))
+    assert files
+    for f in files:  # one flipped byte each: the checksum catches it
+        data = bytearray(f.read_bytes())
+        data[-5] ^= 0xFF
+        f.write_bytes(bytes(data))
+    b = LLMEngine(EngineConfig(**POOL, kv_disk_dir=str(tmp_path)))
+    tokens, cached = ask(b, ps[0], "b")
+    assert tokens == reference[tuple(ps[0])] and cached == 0
+    assert b.kv_tiers.stats()["disk"]["errors"] >= 1
+    assert b.block_manager.num_free_blocks == b.block_manager.num_blocks
+
+
+def test_full_disk_and_unusable_directory_serve_without_the_tier(tmp_path, monkeypatch, reference):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    e = LLMEngine(EngineConfig(**POOL, kv_disk_dir=str(not_a_dir / "kv")))
+    assert not e.kv_tiers.enabled and e.kv_tiers.stats()["disk"]["errors"] == 1
+    p = prompts(1)[0]
+    assert ask(e, p, "x") == (reference[tuple(p)], 0)
+
+    def full(self, block_hash, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(FileTier, "_write", full)
+    f = LLMEngine(EngineConfig(**POOL, kv_disk_dir=str(tmp_path / "kv")))
+    ps = prompts(4)
+    for i, p in enumerate(ps + ps[:1]):
+        assert ask(f, p, f"f{i}")[0] == reference[tuple(p)]
+    written(f)
+    disk = f.kv_tiers.stats()["disk"]
+    assert disk["errors"] > 0 and disk["blocks"] == 0 and disk["hits"] == 0
+
+
+def test_host_tier_on_cpu_and_demotion_to_disk(tmp_path, reference):
+    block_bytes = 4 * 2 * 16 * 2 * 64 * 4  # layers x K,V x block x kv heads x head dim x float32
+    e = LLMEngine(EngineConfig(**POOL, kv_host_bytes=8 * block_bytes, kv_disk_dir=str(tmp_path)))
+    ps = prompts(4)
+    for i, p in enumerate(ps):
+        ask(e, p, f"e{i}")
+    written(e)
+    stats = e.kv_tiers.stats()
+    assert stats["host"]["blocks"] == 8 and stats["host"]["bytes"] == 8 * block_bytes
+    assert stats["disk"]["blocks"] > 0  # what the host tier evicted went down
+    for i, p in enumerate(ps[:2]):
+        assert ask(e, p, f"again{i}") == (reference[tuple(p)], 96)
+    stats = e.kv_tiers.stats()
+    assert stats["host"]["hits"] > 0 and stats["disk"]["hits"] > 0
+
+
+def test_ten_thousand_cancelled_loads_leak_nothing(tmp_path):
+    caches = [torch.zeros(2, 4, 16, 2, 8) for _ in range(2)]
+    file_tier = FileTier(str(tmp_path), "ns", 1 << 30, (2, 2, 16, 2, 8), torch.float32)
+    assert file_tier.start()
+    tiers = KVTiers(caches, 0, file_tier)
+    kv = torch.randn(2, 2, 16, 2, 8)
+    file_tier.put(b"h" * 16, kv)
+    assert file_tier.drain(10.0)
+    for i in range(10_000):
+        assert tiers.start_load(f"r{i}", [b"h" * 16], Found(["DISK"], [None]), [i % 4]) is None
+        tiers.cancel(f"r{i}")
+        if i % 1000 == 0:
+            tiers.poll()
+    deadline = time.monotonic() + 30
+    while (file_tier.pending_loads or file_tier._loaded) and time.monotonic() < deadline:
+        tiers.poll()
+        time.sleep(0.005)
+    assert tiers.poll() == [] and tiers.pending_loads == 0
+    assert not file_tier._cancelled and not file_tier._loaded and file_tier.pending_loads == 0
+    assert tiers.start_load("last", [b"h" * 16], Found(["DISK"], [None]), [3]) is None  # the tier still serves
+    deadline = time.monotonic() + 10
+    while not (done := tiers.poll()) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert done == [("last", 1)] and torch.equal(caches[1][:, 3], kv[1])
+    file_tier.close()
+
+
+def test_requests_aborted_while_loading_free_their_blocks(tmp_path):
+    e = LLMEngine(EngineConfig(**POOL, kv_disk_dir=str(tmp_path)))
+    ps = prompts(4)
+    for i, p in enumerate(ps):
+        ask(e, p, f"a{i}")
+    written(e)
+    for round_ in range(20):
+        e.add_request(f"x{round_}", ps[0], GREEDY)  # aborted loads cache nothing: it loads every time
+        e.step()  # admitted: its prefix's blocks allocated, the file tier reading
+        assert f"x{round_}" in e.scheduler.loading
+        e.abort_request(f"x{round_}")
+        e.step()
+    assert not e.scheduler.loading and e.kv_tiers.pending_loads == 0
+    assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
