@@ -210,6 +210,16 @@ def kv_events_sealer(key: ClusterKey | None) -> Sealer:
     return Sealer(key, _KV_EVENTS)
 
 
+ADMIN_ROLE = "admin"  # the role word of a signed admin call (a daemon's POST /admin/role), never a node's
+
+
+def admin_headers(key: ClusterKey, body: bytes) -> dict[str, str]:
+    """The headers that authenticate an admin call (``POST /admin/role``, common/node/role_routes.py)
+    with exactly ``body``: a fresh id signed for the ``admin`` role, accepted once."""
+    request_id = f"admin-{secrets.token_hex(16)}"
+    return {"X-Request-Id": request_id, SIGNATURE_HEADER: key.sign_id(request_id, ADMIN_ROLE, body)}
+
+
 def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 

@@ -134,6 +134,10 @@ class NodeConfig(HttpServerOptions, EngineConfig):
     )
     kv_lease_s: float = Field(30.0, gt=0, le=86400, description="How long prefill holds KV nobody asked for",
                               json_schema_extra=DAEMONS)
+    drain_timeout_s: float = Field(
+        30.0, ge=0, le=3600, description="A role flip (POST /admin/role) waits at most this long for the "
+        "requests the node holds (prompts, KV awaiting a pull, streams) to finish; then it ends the rest, "
+        "which the proxy runs again on other nodes. 0: end them at once", json_schema_extra=DAEMONS)
     accept_unsigned_kv_transfer_params: bool = Field(
         False, description="With a cluster key, serve a request that uses kv_transfer_params though no proxy "
         "signed its id (vLLM Router, llm-d and vLLM's NIXL proxy sign nothing; the params themselves are still "

@@ -99,6 +99,11 @@ class ProxyHeartbeats:
             sizes.update(beat.member_tp_sizes)
         return sizes
 
+    def nudge(self) -> None:
+        """Beat every proxy now (a role flip's state changed: common/node/role_flip.py)."""
+        for beat in list(self._beats.values()):
+            beat.nudge()
+
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         """Heartbeat the IP literals at once; resolve the names (if any) on a thread of their own."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +59,11 @@ def adaptive_figures(stats: EngineStats) -> dict:
     figures = {"prefill_tokens_per_s": stats.prefill_tokens_per_s and round(stats.prefill_tokens_per_s, 1),
                "pending_prefill_tokens": stats.pending_prefill_tokens, "num_decoding": stats.num_decoding,
                "max_local_prefill_stall_ms": stats.max_local_prefill_stall_ms}
+    rates = {medium: round(min(stats.kv_tiers[tier]["load_bytes_per_s"], 1e11), 1)
+             for tier, medium in (("host", "CPU"), ("disk", "DISK"))
+             if stats.kv_tiers and stats.kv_tiers.get(tier, {}).get("load_bytes_per_s")}
+    if rates:
+        figures["kv_tier_load_bytes_per_s"] = rates
     return {k: v for k, v in figures.items() if v is not None}
 
 
@@ -128,8 +134,19 @@ class RegistrationMessage:
     max_local_prefill_stall_ms: _RATE | None = None  # decode: its bound on a decode step's wait for a prefill
     kv_bytes_per_token: _RATE | None = None  # a prompt token's KV, all layers (the KV layout's)
     kv_transfer_bytes_per_s: _RATE | None = None  # decode: measured P->D rate, first byte to DONE (EWMA)
+    # KV tiers (common/engine/kv_tiers.py): each tier's measured load rate, by its KV events' medium
+    kv_tier_load_bytes_per_s: dict[Literal["CPU", "DISK"], _RATE] | None = None
     goodbye: Annotated[bool, Field(strict=True)] | None = None  # True: stopping; stop routing here now
     kv_events: KVEventsInfo | None = None  # its prefix cache's events, for exact prefix routing
+    # a role flip (common/node/role_flip.py): the role's epoch, +1 per flip (None: 0, never flipped),
+    # and whether the node serves its role now; draining or fenced, nothing is routed to it
+    role_epoch: Annotated[int, Field(strict=True, ge=0, le=2**62)] | None = None
+    role_state: Literal["serving", "draining", "fenced"] | None = None
+
+    @property
+    def routable(self) -> bool:
+        """May the router send it requests of its role (not draining for a flip, not fenced)?"""
+        return self.role_state in (None, "serving")
 
     @property
     def load(self) -> int:
@@ -241,6 +258,8 @@ class Heartbeater:
         self._info = info
         self._sealer = registry_sealer(key)
         self._stop = threading.Event()
+        self._now = threading.Event()  # nudge(): beat now, not at the next interval
+        self._wake_w: socket.socket | None = None  # ends the heartbeat thread's wait (nudge)
         self._thread: threading.Thread | None = None
         self.beats_sent = 0
         # the prefill KV addresses the registry last named (decode nodes); None: no answer yet,
@@ -261,6 +280,16 @@ class Heartbeater:
         if self._thread is not None:
             self._thread.join(timeout=max(2.0, self.interval_s))
             self._thread = None
+
+    def nudge(self) -> None:
+        """Send a beat now (the node's role or state changed: the proxy must know at once)."""
+        self._now.set()
+        wake = self._wake_w
+        if wake is not None:
+            try:
+                wake.send(b"\0")
+            except OSError:  # full (a byte is already there) or closed (stopping): either is enough
+                pass
 
     def _message(self, goodbye: bool = False) -> list[bytes]:
         data = dict(self._info())
@@ -284,6 +313,12 @@ class Heartbeater:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(100, min(1000, int(self.interval_s * 500))))
         sock.setsockopt(zmq.IPV6, int(self.proxy_address.startswith("[")))
         sock.connect(zmq_endpoint(self.proxy_address))
+        wake_r, self._wake_w = socket.socketpair()  # nudge() writes a byte: the wait below ends at once
+        wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(wake_r.fileno(), zmq.POLLIN)
         linger = 0
         try:
             while not self._stop.is_set():
@@ -291,14 +326,21 @@ class Heartbeater:
                 # completed, or the proxy just restarted) is tried again soon, not an interval later
                 dropped = self._beat(sock) == "dropped"
                 deadline = time.monotonic() + (min(self.interval_s, RETRY_S) if dropped else self.interval_s)
-                while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
-                    if sock.poll(max(1, int(min(left, 0.2) * 1000))):  # the registry's answer
+                while not (self._stop.is_set() or self._now.is_set()) and (left := deadline - time.monotonic()) > 0:
+                    ready = dict(poller.poll(max(1, int(min(left, 0.2) * 1000))))
+                    if sock in ready:  # the registry's answer
                         self._read_members(sock)
+                    if wake_r.fileno() in ready:
+                        wake_r.recv(64)
+                self._now.clear()
             # a graceful stop says goodbye, so the proxy stops routing here now, not at eviction
             linger = 500 if self._beat(sock, goodbye=True) == "sent" else 0
         finally:
             sock.close(linger=linger)
             ctx.term()
+            self._wake_w, wake_w = None, self._wake_w
+            wake_r.close()
+            wake_w.close()
 
     def _read_members(self, sock: zmq.Socket) -> None:
         while True:

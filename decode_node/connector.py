@@ -66,9 +66,10 @@ def prefill_addr(seq: Sequence) -> str | None:
 class ConsumerScheduler(KVConnectorScheduler):
     """Decides which requests load which blocks from which peer; holds no KV endpoint."""
 
-    def __init__(self) -> None:
+    def __init__(self, overrides: collections.Counter[str] | None = None) -> None:
         super().__init__()
-        self.overrides: collections.Counter[str] = collections.Counter()  # reason -> remote tags computed here
+        # reason -> remote tags computed here (one counter across a node's role flips)
+        self.overrides: collections.Counter[str] = collections.Counter() if overrides is None else overrides
         self.table = ConsumerTable()  # until bind: then the KV endpoint's (one table a side)
         # tensor parallelism: another rank may still write into a request's blocks (tp_ranks)
         self.still_landing: Callable[[str], bool] = lambda request_id: False
@@ -146,8 +147,8 @@ class ConsumerScheduler(KVConnectorScheduler):
 class ConsumerConnector(KVConnector):
     """Both halves; the daemon binds the worker to its KV endpoint once that exists."""
 
-    def __init__(self) -> None:
-        super().__init__(ConsumerScheduler(), ConsumerWorker())
+    def __init__(self, overrides: collections.Counter[str] | None = None) -> None:
+        super().__init__(ConsumerScheduler(overrides), ConsumerWorker())
 
     def bind(self, transfer: KVEndpoint, kv_caches: list[torch.Tensor]) -> None:
         """The worker gets the KV endpoint; the scheduler side reads the engine's table."""

@@ -32,42 +32,57 @@ A request's life here, as queues (SGLang's picture):
 
 from __future__ import annotations
 
+import collections
+
 from fastapi import FastAPI
 from prometheus_client import Counter
 
 from common.config import NodeConfig
 from common.metrics import PREFIX, NodeMetrics
-from common.node.daemon import Daemon, started_daemon
-from common.node.node import serve_http
-from decode_node.connector import ConsumerConnector, ConsumerScheduler
+from common.node.daemon import Daemon
+from common.node.daemon_roles import serve_daemon
+from decode_node.connector import ConsumerConnector
 from decode_node.release import ReleaseRefusedKV
 
 
 def serve(config: NodeConfig) -> None:
-    """``pdserve decode``: a decode daemon until SIGTERM / SIGINT."""
-    connector = ConsumerConnector()
-    with started_daemon(config, connector) as daemon:
-        app = daemon.build_app()
+    """``pdserve decode``: a decode daemon until SIGTERM / SIGINT (a role flip makes it a prefill one)."""
+    from prefill_node.daemon import PrefillRole  # the role a flip turns it into
+
+    serve_daemon(config, {"decode": DecodeRole(), "prefill": PrefillRole(config)})
+
+
+class DecodeRole:
+    """What the decode role adds to a daemon (common.node.daemon_roles.DaemonRole); its override
+    counts run on across the node's flips."""
+
+    def __init__(self) -> None:
+        self.overrides: collections.Counter[str] = collections.Counter()
+
+    def connector(self) -> ConsumerConnector:
+        return ConsumerConnector(self.overrides)
+
+    def prepare(self, daemon: Daemon) -> None:
+        return None
+
+    def install(self, app: FastAPI, daemon: Daemon) -> None:
         add_release_on_refusal(app, daemon)
-        add_override_counter(daemon.metrics, connector)
-        daemon.require_signed_ids(app)
-        serve_http(app, daemon.engine, config)
+        add_override_counter(daemon.metrics, self.overrides)
 
 
 def add_release_on_refusal(app: FastAPI, daemon: Daemon) -> None:
-    assert daemon.transfer is not None
-    consumer = daemon.transfer.consumer
-
     def release(request_id: str, prefill_addr: str) -> None:
+        if daemon.config.role != "decode" or daemon.transfer is None:
+            return  # a node flipped to prefill pulled nothing: there is no KV to drop
         # keyless, the id is unverified and may name any address: a connection is opened only to a
         # prefill node --kv-peers or the registry named; to any other, only one already open is used
         connect = daemon.key is not None or daemon.vouched_prefill(prefill_addr)
-        consumer.release_remote(request_id, prefill_addr, connect=connect)
+        daemon.transfer.consumer.release_remote(request_id, prefill_addr, connect=connect)
 
     app.add_middleware(ReleaseRefusedKV, release=release)
 
 
-def add_override_counter(metrics: NodeMetrics, connector: ConsumerConnector) -> None:
+def add_override_counter(metrics: NodeMetrics, overrides: collections.Counter[str]) -> None:
     """``pdserve:decode_prefill_overrides_total{role, reason}``: requests tagged for a remote
     prefill that this node computed itself (see decode_node.connector), brought up to date at scrape."""
     counter = Counter(PREFIX + "decode_prefill_overrides", "Requests tagged for a remote prefill that the "
@@ -79,8 +94,7 @@ def add_override_counter(metrics: NodeMetrics, connector: ConsumerConnector) -> 
     exported: dict[str, int] = {}
 
     def export() -> None:
-        assert isinstance(connector.scheduler, ConsumerScheduler)
-        for reason, total in list(connector.scheduler.overrides.items()):
+        for reason, total in list(overrides.items()):
             if total > exported.get(reason, 0):
                 counter.labels(metrics.role, reason).inc(total - exported.get(reason, 0))
                 exported[reason] = total

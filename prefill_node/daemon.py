@@ -25,22 +25,37 @@ proxy tries another prefill node), so ids that nobody will ever pull cannot pin 
 
 from __future__ import annotations
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 
 from common.config import NodeConfig
-from common.node.daemon import Daemon, started_daemon
-from common.node.node import serve_http
+from common.node.daemon import Daemon
+from common.node.daemon_roles import serve_daemon
 from common.serving.context import PreparedRequest
 from common.serving.errors import OpenAIError
 from prefill_node.connector import ProducerConnector
 
 
 def serve(config: NodeConfig) -> None:
-    """``pdserve prefill``: a prefill daemon until SIGTERM / SIGINT."""
-    with started_daemon(config, ProducerConnector()) as daemon:
-        app = daemon.build_app(prepare_request=PrefillAdmission(daemon, config.max_unclaimed_kv_share))
-        daemon.require_signed_ids(app)
-        serve_http(app, daemon.engine, config)
+    """``pdserve prefill``: a prefill daemon until SIGTERM / SIGINT (a role flip makes it a decode one)."""
+    from decode_node.daemon import DecodeRole  # the role a flip turns it into
+
+    serve_daemon(config, {"prefill": PrefillRole(config), "decode": DecodeRole()})
+
+
+class PrefillRole:
+    """What the prefill role adds to a daemon (common.node.daemon_roles.DaemonRole)."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.max_unclaimed_share = config.max_unclaimed_kv_share
+
+    def connector(self) -> ProducerConnector:
+        return ProducerConnector()
+
+    def prepare(self, daemon: Daemon) -> PrefillAdmission:
+        return PrefillAdmission(daemon, self.max_unclaimed_share)
+
+    def install(self, app: FastAPI, daemon: Daemon) -> None:
+        pass
 
 
 class PrefillAdmission:
@@ -48,7 +63,7 @@ class PrefillAdmission:
 
     def __init__(self, daemon: Daemon, max_unclaimed_share: float) -> None:
         assert daemon.transfer is not None
-        self.producer = daemon.transfer.producer
+        self.daemon = daemon  # its KV endpoint's producer half is read at each request: a flip builds a new one
         self.block_size = daemon.transfer.layout.block_size
         total = daemon.engine.stats().num_total_blocks
         self.limit_blocks = max(1, int(total * max_unclaimed_share))
@@ -65,7 +80,8 @@ class PrefillAdmission:
 
     def _reserve(self, prepared: PreparedRequest) -> None:
         need = -(-len(prepared.prompts[0]) // self.block_size)
-        if not self.producer.reserve_unclaimed(prepared.request_id, need, self.limit_blocks):
+        assert self.daemon.transfer is not None
+        if not self.daemon.transfer.producer.reserve_unclaimed(prepared.request_id, need, self.limit_blocks):
             raise OpenAIError(
                 f"this prefill node already holds its limit of KV that no decode node has asked for "
                 f"({self.limit_blocks} blocks, --max-unclaimed-kv-share); retry later or on another node",

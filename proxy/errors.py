@@ -153,10 +153,11 @@ def node_code(exc: BaseException) -> str | None:
 
 
 def is_retryable(exc: BaseException) -> bool:
-    """A prefill refusal worth trying elsewhere: unreachable node or 503."""
+    """A prefill refusal worth trying elsewhere: unreachable node, 503, or 409 (the node changed role
+    since the proxy routed to it, or is draining for a flip: common/node/role_flip.py)."""
     if getattr(exc, "role", None) != "prefill":
         return False
-    return isinstance(exc, UpstreamUnreachable) or (isinstance(exc, UpstreamError) and exc.status == 503)
+    return isinstance(exc, UpstreamUnreachable) or (isinstance(exc, UpstreamError) and exc.status in (409, 503))
 
 
 def _completed(body: bytes, status: int, code: str) -> bytes | None:

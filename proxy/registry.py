@@ -131,6 +131,15 @@ class ServiceRegistry:
                     logger.info("node said goodbye: %s %s", msg.type, msg.http_address)
                 return None
             if old is None:
+                other = self._nodes.get(("D" if msg.type == "P" else "P", msg.http_address))
+                if other is not None and not other.static:
+                    # the same node in its other role: a role flip (common/node/role_flip.py) moves it at
+                    # once; a beat from before the flip (a lower epoch) is refused
+                    if (msg.role_epoch or 0) <= (other.info.role_epoch or 0):
+                        return "stale_role_epoch"
+                    del self._nodes[other.key]
+                    logger.info("node changed role: %s -> %s %s (role epoch %d)", other.info.type, msg.type,
+                                msg.http_address, msg.role_epoch or 0)
                 if len(self._nodes) >= self.max_nodes:
                     return "full"
                 self._nodes[key] = Node(msg, now, static)
@@ -138,7 +147,10 @@ class ServiceRegistry:
                 logger.info("node registered: %s %s kv=%s model=%s", msg.type, msg.http_address,
                             msg.zmq_address, msg.model)
                 return None
-            regrouped = (msg.model, msg.kv_fingerprint) != old.group
+            regrouped = (msg.model, msg.kv_fingerprint) != old.group or msg.routable != old.info.routable
+            if msg.routable != old.info.routable:
+                logger.info("node %s %s is %s (role epoch %d)", msg.type, msg.http_address,
+                            msg.role_state or "serving", msg.role_epoch or 0)
             old.info, old.last_seen, old.static = msg, now, static or old.static
             if regrouped:
                 self._groups = None
@@ -180,11 +192,14 @@ class ServiceRegistry:
         return reported + max(0.0, self._clock() - node.last_seen) if reported else 0.0
 
     def groups(self) -> tuple[Group, ...]:
-        """Nodes by (model, fingerprint); the same snapshot until membership changes."""
+        """Routable nodes by (model, fingerprint); the same snapshot until membership or a node's
+        routability (``RegistrationMessage.routable``) changes."""
         with self._lock:
             if self._groups is None:
                 by_key: dict[GroupKey, tuple[list[Node], list[Node]]] = {}
-                for n in sorted(self._nodes.values(), key=lambda n: n.info.http_address):
+                # a node draining for a role flip, or fenced after one failed, takes no new request
+                routable = (n for n in self._nodes.values() if n.info.routable)
+                for n in sorted(routable, key=lambda n: n.info.http_address):
                     by_key.setdefault(n.group, ([], []))[0 if n.info.type == "P" else 1].append(n)
                 self._groups = tuple(Group(m, fp, tuple(p), tuple(d)) for (m, fp), (p, d) in by_key.items())
             return self._groups
@@ -321,8 +336,9 @@ class ServiceRegistry:
                 self._log(sender, f"registration rejected ({reason})")
 
     def _remember(self, sender: bytes, msg: RegistrationMessage) -> None:
+        for table in self._member_senders.values():  # a node that changed role is told only its new role's peers
+            table.pop(sender, None)
         senders = self._member_senders[msg.type]
-        senders.pop(sender, None)
         if not msg.goodbye:
             senders[sender] = msg
             while len(senders) > self.max_nodes:

@@ -7,6 +7,9 @@ from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 KV_TRANSFER_FAILED = "kv_transfer_failed"  # RequestOutput.error_code: the prompt's KV never came
+# RequestOutput.error_code: the node stopped serving the request (a role flip's drain ran out of
+# time, common/node/role_flip.py); any other node may serve it, so it is a 503
+NODE_DRAINING = "node_draining"
 
 
 @dataclass

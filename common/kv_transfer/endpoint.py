@@ -51,22 +51,52 @@ class KVEndpoint:
         self.config = config or TransferConfig()
         self.stats = stats or TransferStats()
         host, _ = split_address(zmq_address)
-        self._producer = self._consumer = None
-        if role != "decode":
-            # peers reach the pair's store here: the bind host may be 0.0.0.0, which they cannot dial
-            self._producer = KVProducer(layout, self.config, self.stats, advertise_host or host, device, transport)
-        if role != "prefill":
-            self._consumer = KVConsumer(layout, self.config, self.stats, transport, vocab_size)
+        # peers reach the pair's store here: the bind host may be 0.0.0.0, which they cannot dial
+        self._host, self._device, self._transport = advertise_host or host, device, transport
+        self._vocab_size = vocab_size
+        self._on_progress = on_progress
+        self._producer = self._new_half("prefill") if role != "decode" else None
+        self._consumer = self._new_half("decode") if role != "prefill" else None
         self.control = ControlPlane(zmq_address, self._on_router, self._on_dealer, key=key,
                                     idle_s=self.config.peer_idle_s, max_peers=self.config.max_peers)
         self.address = self.control.address
         for half in self._halves():
-            half.control = self.control
-            if on_progress is not None:
-                half.on_progress = on_progress
+            self._attach(half)
         self.control.on_tick = self._tick  # the pairs' pings, deadlines and idleness
-        if self._consumer is not None:
-            self._consumer.address = f"{advertise_host or host}:{split_address(self.address)[1]}"
+
+    def _new_half(self, role: str):
+        """A role's half: the producer (prefill) or the consumer (decode), not attached yet."""
+        if role == "prefill":
+            return KVProducer(self.layout, self.config, self.stats, self._host, self._device, self._transport)
+        return KVConsumer(self.layout, self.config, self.stats, self._transport, self._vocab_size)
+
+    def _attach(self, half: KVProducer | KVConsumer) -> None:
+        half.control = self.control
+        if self._on_progress is not None:
+            half.on_progress = self._on_progress
+        if isinstance(half, KVConsumer):
+            half.address = f"{self._host}:{split_address(self.address)[1]}"
+
+    def switch_role(self, role: str) -> None:
+        """A daemon's role flip (common/node/role_flip.py): close this endpoint's half (its pairs)
+        and build the other role's on the same control plane, so the KV address and the cluster
+        key stay. Not from the I/O thread; the halves are swapped on it, between two messages."""
+        if self.role == "both" or role not in ("prefill", "decode"):
+            raise ValueError(f"a {self.role} endpoint cannot switch to {role!r}")
+        if role == self.role:
+            return
+        for half in self._halves():
+            half.close()
+        new = self._new_half(role)
+        self._attach(new)
+
+        def swap() -> None:
+            self._producer, self._consumer = (new, None) if role == "prefill" else (None, new)
+
+        if not self.control.run_and_wait(swap, self.config.timeout_s):
+            raise TimeoutError(f"the KV endpoint's I/O thread did not take the {role} half within "
+                               f"{self.config.timeout_s} s")
+        self.role = role
 
     @property
     def producer(self) -> KVProducer:

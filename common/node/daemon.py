@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from common.engine.kv_connector import KVConnector
     from common.kv_layout import KVLayout
     from common.node.kv_event_publisher import KVEventPublisher
+    from common.node.role_flip import RoleFlipper
     from common.kv_transfer.tp_routes import RankRoutes
     from common.kv_transfer.tp_slices import SlicedWorker
     from common.kv_transfer.config import TransferConfig
@@ -101,6 +102,8 @@ class Daemon:
         self.routes: RankRoutes | None = None  # decode: loads from a prefill node of another TP size
         self.sliced: SlicedWorker | None = None  # prefill with --kv-ranks: this rank's KV ranks
         self.kv_events: KVEventPublisher | None = None  # its prefix cache's changes, for the proxies' routing
+        self.flipper: RoleFlipper | None = None  # its role, epoch and state (common/node/role_flip.py)
+        self._caches: list[torch.Tensor] = []  # this rank's KV cache (views), bound to each role's connector
 
     # ---- start ----------------------------------------------------------------------
     def start(self, connector: TransferConnector) -> None:
@@ -127,8 +130,8 @@ class Daemon:
         warn_if_open(f"the {cfg.role} daemon (HTTP and KV endpoint)", cfg.host, self.key,
                      "get completions past the proxy's API key, make this node connect to any address, "
                      "and pull or drop other requests' KV")
-        connector.bind(self.transfer, caches)
-        self._start_ranks(connector)
+        self._caches = caches
+        self._wire_role(connector)
         self._kv_pairs = Gauge(PREFIX + "kv_pairs", "Live KV data-plane pairs by transport (cuda_ipc, nccl, tcp, "
                                "gloo)", ["role", "transport"], registry=metrics.registry)
         for reason in REASONS:  # a fresh node exports zeros, not nothing
@@ -143,12 +146,37 @@ class Daemon:
             self.heartbeater = ProxyHeartbeats(cfg.proxy_entries, self._registration, cfg.heartbeat_interval_s,
                                                cfg.proxy_resolve_interval_s, key=self.key)
             self.heartbeater.start()
-        if cfg.role == "decode":
+
+    def _wire_role(self, connector: TransferConnector) -> None:
+        """The role's connector bound to the KV endpoint and the cache, and the endpoint's half told
+        whom it may pair with: at start, and at a role flip (``switch_role``)."""
+        assert self.transfer is not None
+        connector.bind(self.transfer, self._caches)
+        self._start_ranks(connector)
+        if self.config.role == "decode":
             self.transfer.consumer.known_peer = self.known_prefill
         else:
             self.transfer.producer.is_member = self.member_decode
         if hasattr(connector, "scheduler") and hasattr(connector.scheduler, "peer_tp_size"):
             connector.scheduler.peer_tp_size = self.prefill_tp_size  # type: ignore[attr-defined]
+
+    def switch_role(self, role: str, connector: KVConnector) -> None:
+        """A role flip's swap (common/node/role_flip.py), on the engine thread while it holds no
+        request: the KV endpoint's other half, ``connector`` wired to it, the engine given it."""
+        assert self.transfer is not None
+        if self.routes is not None:  # a decode node's routes to prefill nodes of other TP sizes
+            self.routes.close()
+            self.routes = None
+        self.transfer.switch_role(role)
+        self.config = self.config.model_copy(update={"role": role})
+        self.metrics.role = role
+        self._wire_role(connector)  # type: ignore[arg-type]
+        self.engine.engine.set_connector(connector)
+
+    def nudge(self) -> None:
+        """Heartbeat every proxy now: the role or its state changed."""
+        if self.heartbeater is not None:
+            self.heartbeater.nudge()
 
     def _start_kv_events(self) -> KVEventPublisher:
         """The publisher of the block manager's events (common/node/kv_event_publisher.py), bound
@@ -208,7 +236,7 @@ class Daemon:
         if cfg.kv_rank_count > 1:
             logger.info("KV ranks 1..%d at %s:%d..%d (%d per tensor-parallel rank)", cfg.kv_rank_count - 1,
                         cfg.host, port + 1, port + cfg.kv_rank_count - 1, k)
-        worker = llm.kv_worker
+        worker = connector.worker  # type: ignore[attr-defined]  # the engine's, or at a flip the new role's
         if k > 1:  # this rank's other KV ranks (tp_slices)
             worker = self.sliced = kv_rank_workers(worker, k, port, llm.runner.kv_layout, llm.kv_caches, opener)
         if cfg.role == "decode":
@@ -252,8 +280,9 @@ class Daemon:
         """With a cluster key, only ids the proxy signed reach the routes. Call it after every other
         middleware: added last, it runs first, so nothing runs for an unsigned id."""
         if self.key is not None:
-            app.add_middleware(SignedIdsOnly, key=self.key, role=self.config.role, kv_addr=self.config.kv_addr,
-                               max_bytes=self.config.max_request_bytes,
+            # the role read at each request: it changes at a flip (common/node/role_flip.py)
+            app.add_middleware(SignedIdsOnly, key=self.key, role=lambda: self.config.role,
+                               kv_addr=self.config.kv_addr, max_bytes=self.config.max_request_bytes,
                                unsigned_kv_params=self.config.accept_unsigned_kv_transfer_params)
 
     def known_prefill(self, kv_addr: str) -> bool:
@@ -296,7 +325,8 @@ class Daemon:
         return kv_addr in self.config.kv_peer_list or (members is not None and kv_addr in members)
 
     def ready(self) -> bool:
-        return self.transfer is not None and (self.heartbeater is None or self.heartbeater.beats_sent > 0)
+        serving = self.flipper is None or self.flipper.state == "serving"
+        return serving and self.transfer is not None and (self.heartbeater is None or self.heartbeater.beats_sent > 0)
 
     def _registration(self) -> dict:
         from common.registry_client import adaptive_figures, transfer_figures
@@ -322,6 +352,7 @@ class Daemon:
             **adaptive_figures(s),
             **transfer_figures(engine.kv_layout, self.transfer.stats.recv_bytes_per_s if self.transfer else None),
             **(self.kv_events.heartbeat(engine.engine.scheduler.cache_root) if self.kv_events else {}),
+            **({"role_epoch": self.flipper.epoch, "role_state": self.flipper.state} if self.flipper else {}),
         }
 
     def _export_transfer_stats(self, metrics: NodeMetrics) -> None:

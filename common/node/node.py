@@ -47,12 +47,15 @@ DESCRIPTIONS = {
 
 def serve(config: NodeConfig) -> None:
     """``pdserve serve``: a colocated node until SIGTERM / SIGINT."""
+    from common.node.role_routes import refuse_role_flips
+
     start_logging(config)
     check_machine(config)
     config = with_model(config)
     engine = start_engine(config)
     try:
         app = node_app(engine, config, NodeMetrics(config.role, config.tensor_parallel_size))
+        refuse_role_flips(app)
         serve_http(app, engine, config)
     finally:
         engine.shutdown()

@@ -8,7 +8,8 @@ node is no good at another). Anything else gets a 403 with an OpenAI error body 
 the body is read, the id is parsed, a block is allocated or a socket is opened. Then the
 body is read (at most ``max_bytes``) and must have the digest the signature names (403
 otherwise): a signed id cannot carry another body. The proxy's ``--api-key`` cannot be
-bypassed by calling a daemon directly. GETs (health, readiness, metrics, models) stay open.
+bypassed by calling a daemon directly. GETs (health, readiness, metrics, models) stay open; ``/admin/``
+routes check a signature made for the ``admin`` role themselves (common/node/role_routes.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -26,19 +28,27 @@ from common.serving.limits import DEFAULT_MAX_REQUEST_BYTES, error_response_mess
 
 logger = logging.getLogger(__name__)
 _ID, _SIG = b"x-request-id", SIGNATURE_HEADER.lower().encode()
+ADMIN_PATH_PREFIX = "/admin/"
 
 
 class SignedIdsOnly:
     """Refuses POSTs whose request id the cluster's proxy did not sign (403)."""
 
-    def __init__(self, app: ASGIApp, key: ClusterKey, role: str, kv_addr: str,
+    def __init__(self, app: ASGIApp, key: ClusterKey, role: str | Callable[[], str], kv_addr: str,
                  max_bytes: int = DEFAULT_MAX_REQUEST_BYTES, unsigned_kv_params: bool = False) -> None:
-        self.app, self.key, self.role, self.kv_addr, self.max_bytes = app, key, role, kv_addr, max_bytes
+        self.app, self.key, self.kv_addr, self.max_bytes = app, key, kv_addr, max_bytes
+        # the node's role now: a callable on a daemon whose role may flip (common/node/role_flip.py)
+        self._role = role if callable(role) else (lambda: role)
         self.unsigned_kv_params = unsigned_kv_params  # --accept-unsigned-kv-transfer-params
         self._seen = ReplayWindow(2 * ID_TTL_S)  # covers a signature's whole life, clock skew included
 
+    @property
+    def role(self) -> str:
+        return self._role()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
+        # admin routes check their own signature, made for the admin role (common/node/role_routes.py)
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"].startswith(ADMIN_PATH_PREFIX):
             await self.app(scope, receive, send)
             return
         request_id, signature = _headers(scope)

@@ -89,6 +89,12 @@ class ServingContext:
             cfg.role, cfg.kv_addr, ClusterKey.optional(cfg.cluster_key_file) if daemon else None,
             getattr(self.engine, "kv_layout", None) if daemon else None, cfg.kv_lease_s, cfg.kv_rank_count)
 
+    def set_role(self, config: NodeConfig) -> None:
+        """A daemon's role flip (common/node/role_flip.py): ``config`` names the new role, whose
+        rules apply from the next request on."""
+        self.config = config
+        self.kv_params.role = config.role
+
     @property
     def max_prompt_chars(self) -> int:
         """No prompt longer than this can fit: every token covers at most ``max_token_chars``."""

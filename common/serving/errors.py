@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.engine.outputs import NODE_DRAINING
 from common.metrics import NodeMetrics
 from common.request_id import parse_tags
 
@@ -130,10 +131,13 @@ def error_kind(status: int) -> str | None:
 def engine_error(message: str | None, param: str | None = None, code: str | None = None) -> OpenAIError:
     """The engine ended a request with an error: a 400 naming ``param`` when the request is at fault
     (its response_format could not be followed), else a 502 (the node's: another node may serve it),
-    whose ``code`` says where it came from (``kv_transfer_failed``: the prefill end), else ``engine_error``."""
+    whose ``code`` says where it came from (``kv_transfer_failed``: the prefill end), else ``engine_error``;
+    a 503 when the node stopped serving it (``node_draining``: a role flip's drain ran out)."""
     if param is not None:
         return OpenAIError(message or "the request cannot be served", status=400, param=param,
                            code="response_format_failed")
+    if code == NODE_DRAINING:
+        return OpenAIError(message or "the node stopped serving the request", status=503, code=code)
     return OpenAIError(message or "the engine failed the request", status=502, code=code or "engine_error")
 
 
