@@ -31,6 +31,7 @@ from proxy.legs import Legs
 from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCards
 from proxy.pairing import PairingWatch
+from proxy.planner_loop import start_planner
 from proxy.registry import ServiceRegistry
 from proxy.relay import Dispatcher
 from proxy.relay_routes import ErrorHandler, RelayRoutes, serve_relay_first
@@ -81,12 +82,15 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
             legs = Legs(transport, config, metrics, unreachable=router.unreachable)
             app.state.dispatcher = Dispatcher(legs, router, config, metrics, exact)
             app.state.model_cards = ModelCards(registry)
+            planning = start_planner(config, registry, metrics.registry, app.state.dispatcher.disagg)
             try:
                 yield
             finally:
-                watching.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watching
+                for task in (watching, planning):
+                    if task is not None:
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await task
                 if subscriber is not None:
                     subscriber.stop()
                 registry.stop()

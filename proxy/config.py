@@ -10,9 +10,10 @@ from pydantic import Field, field_validator
 from common.cluster_auth import check_key_file
 from common.registry_client import RegistrationMessage
 from common.config import PROXY_HTTP_PORT, PROXY_REGISTRY_PORT, HttpServerOptions
+from proxy.planner import PlannerOptions
 
 
-class ProxyConfig(HttpServerOptions):
+class ProxyConfig(HttpServerOptions, PlannerOptions):
     """Everything the proxy process reads at start."""
 
     model_config = {"extra": "forbid"}

@@ -192,6 +192,15 @@ class Arrivals:
         return max(len(self._times.live(key)), 1) / ARRIVALS_WINDOW_S
 
 
+def transfer_s(tokens: float, compute_p: float, prefill: RegistrationMessage, decode: RegistrationMessage) -> float:
+    """What moving ``tokens`` of KV from P to D adds after P's ``compute_p`` (layers travel while P
+    computes the next); 0 until D has measured a transfer (the hand-off's measured cost holds it)."""
+    bytes_per_token = decode.kv_bytes_per_token or prefill.kv_bytes_per_token
+    if not (bytes_per_token and decode.kv_transfer_bytes_per_s):
+        return 0.0
+    return max(tokens * bytes_per_token / decode.kv_transfer_bytes_per_s - compute_p, 0.0)
+
+
 class DisaggPolicy:
     """Decides per request; learns each path's fixed cost from the TTFTs it is told about."""
 
@@ -231,10 +240,7 @@ class DisaggPolicy:
                                            (prefill.pending_prefill_tokens or 0) / rate_p)
         since_d = self._unreported.refresh(("D", decode.http_address), decode,
                                            (decode.pending_prefill_tokens or 0) / rate_d)
-        bytes_per_token = decode.kv_bytes_per_token or prefill.kv_bytes_per_token
-        transfer = 0.0  # not measured yet: the hand-off's measured cost holds it
-        if bytes_per_token and decode.kv_transfer_bytes_per_s:
-            transfer = max(uncached_d * bytes_per_token / decode.kv_transfer_bytes_per_s - compute_p, 0.0)
+        transfer = transfer_s(uncached_d, compute_p, prefill, decode)
         before_handoff = self._unreported.queue_s(since_p) + compute_p + transfer
         est_remote = before_handoff + self._remote_cost.get((prefill.http_address, decode.http_address))
         compute_d = uncached_d / rate_d
@@ -252,6 +258,10 @@ class DisaggPolicy:
         if est_local + stall > est_remote:
             return Decision("remote", "busy_decode", compute_s=before_handoff, prefill_s=compute_p, **figures)
         return Decision("local", "cheaper_local", compute_s=compute_local, prefill_s=compute_d, **figures)
+
+    def handoff_s(self, prefill: RegistrationMessage, decode: RegistrationMessage) -> float:
+        """The pair's measured hand-off (prefill leg, PULL, DONE, first decode step), else its prior."""
+        return self._remote_cost.get((prefill.http_address, decode.http_address))
 
     def _decoding(self, decode: RegistrationMessage, since: _SinceHeartbeat) -> int:
         """The requests decoding on ``decode`` now, or about to (their prefill under way)."""

@@ -35,10 +35,11 @@ over but the giver cannot spare a node. This module decides only; it does no I/O
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 Role = Literal["P", "D"]
 ROLE_NAMES = {"P": "prefill", "D": "decode"}
@@ -93,6 +94,23 @@ class PlannerOptions(BaseModel):
         120.0, gt=0, le=3600, description="Longest the planner waits for a node's POST /admin/role (its drain "
         "included) or for the hook."
     )
+
+    @field_validator("planner_hook")
+    @classmethod
+    def _hook(cls, value: str | None) -> str | None:
+        if value and not value.startswith(("http://", "https://")):
+            try:
+                if not shlex.split(value):
+                    raise ValueError("--planner-hook names no command")
+            except ValueError as exc:
+                raise ValueError(f"--planner-hook is neither an http(s):// URL nor a command line: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _hook_for_hook_action(self) -> PlannerOptions:
+        if self.planner_action == "hook" and not self.planner_hook:
+            raise ValueError("--planner-action hook needs --planner-hook (a URL or a command)")
+        return self
 
 
 @dataclass(frozen=True)
