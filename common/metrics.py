@@ -18,6 +18,14 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # Buckets in seconds: sub-millisecond CPU steps up to minute-long requests.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TIER_COUNTERS = {  # KVTiers.stats() keys exported as counters (pdserve:kv_tier_<key>_total{role, tier})
+    "hits": "KV blocks loaded back from a KV tier",
+    "misses": "KV blocks a prefix lookup asked a KV tier for and it did not have (or could not load)",
+    "load_seconds": "Seconds spent loading KV blocks from a KV tier",
+    "store_seconds": "Seconds spent storing KV blocks in a KV tier",
+    "errors": "KV tier faults (unusable directory, full disk, damaged file, I/O error): each one recomputed",
+    "dropped": "KV blocks not stored because the tier's write queue was full",
+}
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -71,6 +79,14 @@ class NodeMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the cache")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens whose KV the prefix cache had")
         self._cache_counts = {"queries": 0, "hits": 0}  # engine totals already exported
+        # KV tiers (common/engine/kv_tiers.py), per tier ("host", "disk"): present only on a node with tiers
+        self.kv_tier_bytes = Gauge(PREFIX + "kv_tier_bytes", "Bytes of KV blocks a KV tier holds", ["role", "tier"],
+                                   registry=self.registry)
+        self.kv_tier_blocks = Gauge(PREFIX + "kv_tier_blocks", "KV blocks a KV tier holds", ["role", "tier"],
+                                    registry=self.registry)
+        self.kv_tier_totals = {name: Counter(PREFIX + "kv_tier_" + name, doc, ["role", "tier"], registry=self.registry)
+                               for name, doc in TIER_COUNTERS.items()}
+        self._tier_counts: dict[tuple[str, str], float] = {}
         self.kv_transfer_seconds = histogram(
             "kv_transfer_seconds", "Duration of one request's KV transfer", _LATENCY_BUCKETS
         )
@@ -111,6 +127,18 @@ class NodeMetrics:
             if total > self._cache_counts[name]:  # the engine keeps totals: export the increase
                 counter.labels(self.role).inc(total - self._cache_counts[name])
                 self._cache_counts[name] = total
+
+        if stats.kv_tiers:
+            self._export_tiers(stats.kv_tiers)
+
+    def _export_tiers(self, tiers: dict[str, dict[str, float]]) -> None:
+        for tier, figures in tiers.items():
+            self.kv_tier_bytes.labels(self.role, tier).set(figures["bytes"])
+            self.kv_tier_blocks.labels(self.role, tier).set(figures["blocks"])
+            for name, counter in self.kv_tier_totals.items():
+                total, seen = figures.get(name, 0), self._tier_counts.get((tier, name), 0)
+                counter.labels(self.role, tier).inc(max(total - seen, 0))
+                self._tier_counts[(tier, name)] = max(total, seen)
 
     def render(self) -> bytes:
         """The Prometheus text exposition (gauges refreshed first)."""

@@ -16,6 +16,7 @@ wakes every ``POLL_INTERVAL_S`` (leases and deadlines are enforced by polling).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -138,7 +139,10 @@ class AsyncLLMEngine:
         self._post(("abort", request_id))
 
     def stats(self) -> EngineStats:
-        return self._stats  # a snapshot the engine thread refreshes every step
+        """A snapshot the engine thread refreshes every step; the KV tiers' figures read now (their
+        threads write files while the engine idles)."""
+        tiers = self.engine.kv_tiers
+        return self._stats if tiers is None else dataclasses.replace(self._stats, kv_tiers=tiers.stats())
 
     @property
     def dead_reason(self) -> str | None:

@@ -190,7 +190,7 @@ class LLMEngine:
         s = self.scheduler
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting) + len(s.parked),
+            num_waiting=len(s.waiting) + len(s.parked) + len(s.loading),
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.block_manager.num_blocks,
             prefix_cache_queries=s.prefix_cache_queries,

@@ -13,7 +13,7 @@ from common.engine.sampling_params import SamplingParams
 @dataclass
 class EngineStats:
     num_running: int
-    num_waiting: int  # includes requests parked waiting for remote KV
+    num_waiting: int  # includes requests parked waiting for remote KV, or for a KV tier load
     num_free_blocks: int
     num_total_blocks: int
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, ever
