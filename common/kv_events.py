@@ -11,7 +11,9 @@ array, the class name first and then its fields in order::
     ["AllBlocksCleared"]
 
 Block hashes are our 16-byte chain hashes (vLLM's ``ExternalBlockHash`` is ``bytes | int``);
-``lora_id``, ``medium`` and ``lora_name`` are always nil. ``lora_name`` is the field vLLM added
+``lora_id`` and ``lora_name`` are always nil. ``medium`` says where the block is: nil for the KV
+pool on the device (vLLM writes "GPU", which a decoder reads the same), "CPU" or "DISK" for a
+KV tier behind it (common/engine/kv_tiers.py; vLLM's offloading connector names its CPU tier "CPU"). ``lora_name`` is the field vLLM added
 last without a default: its decoders read the seven, older ones (six fields) ignore a trailing
 one as msgspec's ``array_like`` does, and fields added since have defaults.
 
@@ -48,14 +50,20 @@ class EventFormatError(ValueError):
     """A batch or frame that is not KV events in our layout."""
 
 
+DEVICE_MEDIUMS = (None, "GPU", "cuda", "gpu")  # the KV pool itself
+TIER_MEDIUMS = ("CPU", "DISK")
+
+
 @dataclass(frozen=True)
 class Stored:
     block_hashes: tuple[bytes, ...]
+    medium: str | None = None  # None: the device pool; else one of TIER_MEDIUMS
 
 
 @dataclass(frozen=True)
 class Removed:
     block_hashes: tuple[bytes, ...]
+    medium: str | None = None
 
 
 @dataclass(frozen=True)
@@ -71,9 +79,9 @@ def encode_event(event: object) -> list:
     kind = type(event).__name__
     if kind == "BlockStored":
         return [kind, list(event.block_hashes), event.parent_block_hash, list(event.token_ids),  # type: ignore[attr-defined]
-                event.block_size, None, None, None]  # type: ignore[attr-defined]
+                event.block_size, None, event.medium, None]  # type: ignore[attr-defined]
     if kind == "BlockRemoved":
-        return [kind, list(event.block_hashes), None]  # type: ignore[attr-defined]
+        return [kind, list(event.block_hashes), event.medium]  # type: ignore[attr-defined]
     if kind == "AllBlocksCleared":
         return [kind]
     raise TypeError(f"not a cache event: {kind}")
@@ -116,8 +124,20 @@ def _event(raw: object) -> WireEvent:
         hashes = raw[1]
         if not isinstance(hashes, list) or not all(isinstance(h, bytes) and h for h in hashes):
             raise EventFormatError(f"{tag}: block_hashes must be a list of non-empty byte strings")
-        return Stored(tuple(hashes)) if tag == "BlockStored" else Removed(tuple(hashes))
+        medium = _medium(raw[6] if tag == "BlockStored" and len(raw) > 6 else raw[2] if tag == "BlockRemoved"
+                         and len(raw) > 2 else None)
+        return Stored(tuple(hashes), medium) if tag == "BlockStored" else Removed(tuple(hashes), medium)
     raise EventFormatError(f"unknown event {tag[:40]!r}")
+
+
+def _medium(raw: object) -> str | None:
+    """None for the device pool, else the medium named (another engine's own names pass: the index
+    keeps only TIER_MEDIUMS); EventFormatError for a non-string."""
+    if raw in DEVICE_MEDIUMS:
+        return None
+    if not isinstance(raw, str) or len(raw) > 32:
+        raise EventFormatError("medium must be nil or a short string")
+    return raw
 
 
 def seq_bytes(seq: int) -> bytes:

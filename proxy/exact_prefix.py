@@ -11,6 +11,12 @@ block size) and its block size come in each node's heartbeat (``kv_events.root``
 ``block_size``), and the request's ``cache_salt`` salts it as the engine does, so the hashes here
 are the node's own. A prompt given as token ids needs no tokenizer.
 
+Blocks a node keeps in a KV tier behind its pool (host memory, files; the events' ``medium``) count
+at what they save: a tier hit of ``t`` tokens counts ``t x max(0, 1 - load / compute)``, ``load``
+the tier's measured load time for a token's KV (``kv_bytes_per_token / kv_tier_load_bytes_per_s``
+from its heartbeat) and ``compute`` the node's measured prefill time for a token. A node that has
+not measured either yet gets nothing for its tier blocks: they are never counted as pool hits.
+
 What can go wrong costs speed, never an answer: tokens that differ from the node's (another
 tokenizer, a chat request the proxy renders differently -- one with tools is not tried) match
 nothing, and the request goes by load; the node computes what it lacks. Without ``--tokenizer``
@@ -94,6 +100,7 @@ class ExactPrefix:
         salt = getattr(prompt, "cache_salt", None)
         out = dict.fromkeys(keys, 0)
         chains: dict[tuple[str, int], list[NodeKey]] = {}
+        by_key = dict(zip(keys, nodes))
         for node, key in zip(nodes, keys):
             if node.kv_events is not None and node.block_size and self.index.is_fresh(key):
                 chains.setdefault((node.kv_events.root, node.block_size), []).append(key)
@@ -103,4 +110,27 @@ class ExactPrefix:
                           len(tokens) // block_size)
             for key, blocks in self.index.leading(members, hashes).items():
                 out[key] = blocks * block_size
+                worth = tier_worth(by_key[key])
+                if worth:
+                    out[key] += round(self._tier_blocks(key, hashes[blocks:], worth) * block_size)
         return out
+
+    def _tier_blocks(self, key: NodeKey, hashes: list[bytes], worth: dict[str, float]) -> float:
+        """The blocks after the pool's run that ``key``'s tiers hold, in order, each weighted by its tier's worth."""
+        held = {medium: index.held(key, hashes) for medium, index in self.index.tiers().items() if medium in worth}
+        total = 0.0
+        for i in range(len(hashes)):
+            medium = next((m for m, flags in held.items() if flags[i]), None)
+            if medium is None:
+                break
+            total += worth[medium]
+        return total
+
+
+def tier_worth(node: RegistrationMessage) -> dict[str, float]:
+    """Per tier medium, the share of a token's prefill a hit in it saves ``node`` (0..1), from its heartbeat."""
+    rates, per_s, per_token = node.kv_tier_load_bytes_per_s, node.prefill_tokens_per_s, node.kv_bytes_per_token
+    if not rates or not per_s or not per_token:
+        return {}
+    compute = 1.0 / per_s
+    return {medium: max(0.0, 1.0 - per_token / rate / compute) for medium, rate in rates.items()}

@@ -19,6 +19,11 @@ per 30 nodes a hash is shared by. The default 1,000,000 blocks is therefore ~160
 ``--kv-index-max-blocks`` sets it (the bound: tests/proxy/test_kv_index.py::
 test_bound_evicts_least_recently_used).
 
+Blocks a node keeps in a KV tier behind its pool (host memory, files: common/engine/kv_tiers.py)
+arrive as events with a ``medium``; each tier medium has an index of its own (:meth:`KVIndex.tier`,
+bounded alike), cleared and forgotten with the node's pool index and fresh when it is. A tier hit
+is worth less than a pool hit (the node must load it): proxy/exact_prefix.py weighs it.
+
 A node is *fresh* while its events are known complete: its subscriber (``proxy/kv_subscriber.py``)
 applied every batch up to what the node last published, recently. Only a fresh node's blocks
 count; any other node is cache-unknown (its count is 0). One lock: the subscriber thread writes,
@@ -30,6 +35,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+from common.kv_events import TIER_MEDIUMS
 
 NodeKey = tuple[str, str]  # (type, http_address), the registry's key
 DEFAULT_MAX_BLOCKS = 1_000_000
@@ -46,6 +53,7 @@ class KVIndex:
         self._fresh: set[NodeKey] = set()
         self._lock = threading.Lock()
         self.evicted = 0  # hashes forgotten for room
+        self._tiers: dict[str, KVIndex] = {}  # medium -> the index of the blocks nodes hold in that tier
 
     def __len__(self) -> int:
         """Entries kept (some may hold only retired bits until touched or evicted)."""
@@ -55,6 +63,22 @@ class KVIndex:
         """The nodes indexed now."""
         with self._lock:
             return set(self._number)
+
+    def tier(self, medium: str) -> KVIndex | None:
+        """The index of KV tier ``medium`` (made on first use); None for a medium not weighed."""
+        if medium not in TIER_MEDIUMS:
+            return None
+        index = self._tiers.get(medium)
+        if index is None:
+            index = KVIndex(self.max_blocks, self.max_nodes)
+            with self._lock:
+                index._fresh = set(self._fresh)
+                self._tiers[medium] = index
+        return index
+
+    def tiers(self) -> dict[str, KVIndex]:
+        """The tier indexes made so far, by medium."""
+        return dict(self._tiers)
 
     # ---- the subscriber's side ------------------------------------------------------------
     def stored(self, node: NodeKey, hashes: Sequence[bytes], chunk: int = 4096) -> None:
@@ -104,6 +128,8 @@ class KVIndex:
             if node in self._number:
                 self._retire(node)
                 self._bit(node)
+        for index in list(self._tiers.values()):  # a snapshot follows for the pool only: tier blocks under-count
+            index.cleared(node)
 
     def forget(self, node: NodeKey) -> None:
         """The node left: its blocks, its number and its freshness go."""
@@ -111,6 +137,8 @@ class KVIndex:
             self._fresh.discard(node)
             if node in self._number:
                 self._retire(node)
+        for index in list(self._tiers.values()):
+            index.forget(node)
 
     def set_fresh(self, node: NodeKey, fresh: bool) -> None:
         with self._lock:
@@ -118,6 +146,8 @@ class KVIndex:
                 self._fresh.add(node)
             else:
                 self._fresh.discard(node)
+        for index in list(self._tiers.values()):
+            index.set_fresh(node, fresh)
 
     # ---- the router's side ----------------------------------------------------------------
     def is_fresh(self, node: NodeKey) -> bool:
@@ -148,6 +178,15 @@ class KVIndex:
                     else:
                         del live[n]
             return counts
+
+    def held(self, node: NodeKey, hashes: Sequence[bytes]) -> list[bool]:
+        """For each of ``hashes``, whether fresh ``node`` holds it (all False when it is not fresh)."""
+        with self._lock:
+            number = self._number.get(node)
+            if number is None or node not in self._fresh:
+                return [False] * len(hashes)
+            bit = 1 << number
+            return [bool(self._holders.get(h, 0) & bit) for h in hashes]
 
     # ---- inside the lock --------------------------------------------------------------------
     def _bit(self, node: NodeKey, create: bool = True) -> int:

@@ -270,7 +270,12 @@ class KVEventSubscriber:
 
     def _apply(self, feed: _Feed, seq: int, events: list[WireEvent]) -> None:
         for event in events:
-            if isinstance(event, Stored):
+            if isinstance(event, (Stored, Removed)) and event.medium is not None:
+                index = self.index.tier(event.medium)  # a KV tier's block (common/engine/kv_tiers.py)
+                if index is None:
+                    continue  # a medium we do not weigh: never counted
+                (index.stored if isinstance(event, Stored) else index.removed)(feed.key, event.block_hashes)
+            elif isinstance(event, Stored):
                 self.index.stored(feed.key, event.block_hashes)
             elif isinstance(event, Removed):
                 self.index.removed(feed.key, event.block_hashes)

@@ -126,3 +126,28 @@ def test_disagg_auto_uses_the_exact_counts() -> None:
     index.set_fresh(D1, False)
     policy.sent(policy.decide(p, d, prompt), p, d, prompt)  # the text memory now says D has it: not used
     assert (policy.decide(p, d, prompt).path, policy.decide(p, d, prompt).reason) == ("remote", "stall_bound")
+
+
+def test_tier_blocks_count_at_their_measured_load_cost() -> None:
+    """A node's blocks in a KV tier (events with a medium) count after its pool's run, weighted by
+    1 - load time / prefill time per token from its heartbeat; without those figures, not at all."""
+    index, tokens = KVIndex(), list(range(100, 124))  # 6 blocks of 4
+    index.set_fresh(D1, True)
+    hashes = chain(tokens)
+    index.stored(D1, hashes[:2])
+    index.tier("DISK").stored(D1, hashes[2:4])
+    index.tier("CPU").stored(D1, hashes[4:5])
+    assert index.tier("OTHER") is None  # a medium we cannot weigh is never indexed
+    prompt = PromptText("text", None, tokens)
+    unmeasured = node(D1)
+    assert ExactPrefix(index).cached_tokens([unmeasured], prompt) == {D1: 8}
+    # prefill 1,000 tokens/s (1 ms a token); a token's KV is 1,000 bytes: DISK at 4 MB/s loads it in
+    # 0.25 ms (worth 0.75 of a token), CPU at 1 GB/s in 1 us (worth 0.999)
+    measured = RegistrationMessage(**{**unmeasured.__dict__, "prefill_tokens_per_s": 1000.0,
+                                      "kv_bytes_per_token": 1000.0,
+                                      "kv_tier_load_bytes_per_s": {"DISK": 4e6, "CPU": 1e9}})
+    assert ExactPrefix(index).cached_tokens([measured], prompt) == {D1: 8 + round((2 * 0.75 + 0.999) * 4)}
+    slow = RegistrationMessage(**{**measured.__dict__, "kv_tier_load_bytes_per_s": {"DISK": 1e5}})
+    assert ExactPrefix(index).cached_tokens([slow], prompt) == {D1: 8}  # loading costs more than computing
+    index.cleared(D1)
+    assert ExactPrefix(index).cached_tokens([measured], prompt) == {D1: 0}

@@ -229,3 +229,17 @@ def test_a_fixed_port_binds_there_and_the_replay_next_to_it_and_a_taken_one_fail
         clash.stop()
     finally:
         pub.stop()
+
+
+def test_tier_events_carry_their_medium_and_pool_events_stay_nil() -> None:
+    """A KV tier's blocks (common/engine/kv_tiers.py) name their medium in vLLM's field; the pool's
+    keep nil (the wire unchanged without tiers), and vLLM's "GPU" reads as the pool."""
+    from common.kv_events import Removed, Stored, encode_batch, encode_event
+
+    h = b"h" * 16
+    events = [encode_event(BlockStored((h,), None, (), 16)), encode_event(BlockStored((h,), None, (), 0, medium="DISK")),
+              encode_event(BlockRemoved((h,), medium="CPU")), ["BlockStored", [h], None, [], 16, None, "GPU", None]]
+    assert events[0][6] is None and events[1][6] == "DISK" and events[2][2] == "CPU"
+    assert decode_batch(encode_batch(events)) == [Stored((h,)), Stored((h,), "DISK"), Removed((h,), "CPU"), Stored((h,))]
+    with pytest.raises(EventFormatError):
+        decode_batch(encode_batch([["BlockRemoved", [h], 7]]))
