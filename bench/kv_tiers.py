@@ -1,0 +1,192 @@
+"""KV tiers off vs on: a multi-turn chat trace whose working set is many times the prefill node's pool.
+
+Starts a proxy, one prefill and one decode daemon (real processes, embedded model, CPU, loopback;
+P->D, ``--disagg-policy always``) twice: once without tiers, once with a file tier on the prefill
+node (``--kv-disk-dir`` in a temp dir, ``--kv-offload-on-finish``). The prefill node's pool is made
+small (``--pool-blocks``); each of ``--conversations`` conversations has a system prompt of its own
+(``--system-tokens``; its first block differs, so no two conversations share a block) and runs
+``--turns`` turns, each resending the whole history. The turns go in waves (every conversation's
+turn 1, then every conversation's turn 2, ...), ``--concurrency`` at a time, so between two turns
+of one conversation the others have pushed its blocks out of the pool: what the second turn
+finds is what the tiers kept (with tiers off: nothing but what the pool still holds).
+
+What it reuses, said plainly: every turn >= 2 resends a prefix that was computed before; the
+trace measures whether that prefix comes back from a tier or is computed again. The node's
+prefill on the tiny embedded model is cheap, so the TTFT ratio here is far below what a real
+model's (quadratic, GPU-bound) prefill gives; the hit rates and the answers are the point.
+
+Prints: hit rate by tier (prefill node: pool hits and file-tier hits over prompt tokens looked
+up), TTFT p50/p99 of turns >= 2, ITL p50/p99 (each request's mean gap between tokens: streamed
+chunks arrive several per read, so single gaps say little), output tokens/s,
+KV bytes moved P->D, and whether every answer is identical with tiers on and off.
+
+    python bench/kv_tiers.py [--conversations 16] [--turns 4] [--system-tokens 1200] [--pool-blocks 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from bench.prefix_cache import QUESTIONS, system_prompt, wait_registered  # noqa: E402
+from common.model.embedded import EMBEDDED_MODEL_NAME  # noqa: E402
+from helpers.cluster import Proc, labelled, metric, start  # noqa: E402
+from helpers.stats import pct  # noqa: E402
+
+HTTP = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=32, max_keepalive_connections=32))
+BLOCK_SIZE = 16
+
+
+@dataclass
+class RunResult:
+    ttft_ms: list[float] = field(default_factory=list)  # turns >= 2
+    itl_ms: list[float] = field(default_factory=list)  # per request: (last token - first) / (tokens - 1)
+    answers: dict[tuple[int, int], str] = field(default_factory=dict)
+    output_tokens: int = 0
+    seconds: float = 0.0
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+def chat_turn(url: str, messages: list[dict], max_tokens: int) -> tuple[float, float, str, int]:
+    """(seconds to the first token, to the last, the answer, its tokens) of one streamed turn."""
+    body = {"model": EMBEDDED_MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    stamps, text, tokens = [], "", 0
+    with HTTP.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            for choice in event.get("choices", []):
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece:
+                    stamps.append(time.perf_counter() - t0)
+                    text += piece
+    if not stamps:
+        raise RuntimeError("no token")
+    return stamps[0], stamps[-1], text, tokens
+
+
+COUNTERS = {  # prefill node's figures (the decode node's KV bytes separately)
+    "queries": "pdserve:prefix_cache_queries_total",
+    "hits": "pdserve:prefix_cache_hits_total",
+}
+
+
+def prefill_counters(url: str) -> dict[str, float]:
+    out = {k: metric(url, name) for k, name in COUNTERS.items()}
+    out["disk_blocks"] = labelled(url, "pdserve:kv_tier_hits_total", tier="disk")
+    out["disk_errors"] = labelled(url, "pdserve:kv_tier_errors_total", tier="disk")
+    out["disk_dropped"] = labelled(url, "pdserve:kv_tier_dropped_total", tier="disk")
+    return out
+
+
+def run(tiers: bool, args: argparse.Namespace, systems: list[str]) -> RunResult:
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-kv-tiers-"))
+    proxy = start("proxy", tmp, "--disagg-policy", "always", wait=False)
+    common = ["--model", "embedded", "--proxy", f"127.0.0.1:{proxy.kv_port}", "--heartbeat-interval-s", "0.5",
+              "--block-size", str(BLOCK_SIZE)]
+    prefill_args = [*common, "--num-kv-blocks", str(args.pool_blocks)]
+    if tiers:
+        prefill_args += ["--kv-disk-dir", str(tmp / "kv"), "--kv-offload-on-finish"]
+    procs: list[Proc] = [proxy]
+    try:
+        prefill = start("prefill", tmp, *prefill_args, name="prefill", wait=False)
+        decode = start("decode", tmp, *common, name="decode", wait=False)
+        procs += [prefill, decode]
+        for proc in (prefill, decode, proxy):
+            proc.wait_ready()
+        wait_registered(proxy, 1)
+        chat_turn(proxy.url, [{"role": "user", "content": "warm up"}], 2)  # the pair, first-call costs
+        before, kv_before = prefill_counters(prefill.url), metric(decode.url, "pdserve:kv_transfer_bytes_total")
+        result = RunResult()
+        histories = [[{"role": "system", "content": s}] for s in systems]
+        started = time.perf_counter()
+        for turn in range(args.turns):  # a wave: every conversation's turn, --concurrency at a time
+            def one(i: int, turn: int = turn) -> None:
+                messages = histories[i]
+                messages.append({"role": "user", "content": QUESTIONS[(i + turn) % len(QUESTIONS)]})
+                ttft, last, answer, tokens = chat_turn(proxy.url, messages, args.max_tokens)
+                if turn:
+                    result.ttft_ms.append(ttft * 1000)
+                if tokens > 1:  # chunks can arrive several per read: a request's mean gap, not each gap
+                    result.itl_ms.append((last - ttft) * 1000 / (tokens - 1))
+                result.answers[(i, turn)] = answer
+                result.output_tokens += tokens
+                messages.append({"role": "assistant", "content": answer})
+
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                list(pool.map(one, range(args.conversations)))
+        result.seconds = time.perf_counter() - started
+        after = prefill_counters(prefill.url)
+        result.counters = {k: after[k] - before[k] for k in after}
+        result.counters["kv_bytes"] = metric(decode.url, "pdserve:kv_transfer_bytes_total") - kv_before
+        return result
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def report(on: RunResult, off: RunResult, args: argparse.Namespace, working_tokens: int) -> None:
+    pool_tokens = args.pool_blocks * BLOCK_SIZE
+    print(f"\nMulti-turn chat: {args.conversations} conversations x {args.turns} turns in waves, "
+          f"{args.concurrency} at a time; {args.system_tokens}-token system prompt of its own each, "
+          f"{args.max_tokens} tokens per answer; working set ~{working_tokens:,} tokens = "
+          f"{working_tokens / pool_tokens:.1f}x the prefill pool ({args.pool_blocks} blocks x {BLOCK_SIZE}); "
+          "proxy + prefill + decode (P->D), embedded model, CPU fp32, loopback\n")
+    print("| tiers | pool hit rate | file-tier hit rate | TTFT p50 ms (turns>=2) | TTFT p99 ms | ITL p50 ms "
+          "| ITL p99 ms | output tok/s | KV bytes P->D | tier errors / dropped stores |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, r in (("off", off), ("on (file tier)", on)):
+        c = r.counters
+        queries = max(c["queries"], 1)
+        disk_tokens = c["disk_blocks"] * BLOCK_SIZE
+        print(f"| {name} | {(c['hits'] - disk_tokens) / queries:.1%} | {disk_tokens / queries:.1%} "
+              f"| {statistics.median(r.ttft_ms):.1f} | {pct(r.ttft_ms, 0.99):.1f} | {statistics.median(r.itl_ms):.2f} "
+              f"| {pct(r.itl_ms, 0.99):.2f} | {r.output_tokens / r.seconds:.1f} | {c['kv_bytes'] / 1e6:,.1f} MB "
+              f"| {c['disk_errors']:.0f} / {c['disk_dropped']:.0f} |")
+    same = sum(on.answers[k] == off.answers.get(k) for k in on.answers)
+    ratio = statistics.median(off.ttft_ms) / statistics.median(on.ttft_ms)
+    itl = statistics.median(on.itl_ms) / statistics.median(off.itl_ms) - 1
+    print(f"\nTTFT p50 of turns >= 2, off / on: {ratio:.2f}x; ITL p50 change with tiers: {itl:+.1%}; "
+          f"answers identical: {same}/{len(on.answers)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system-tokens", type=int, default=1200)
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
+    parser.add_argument("--pool-blocks", type=int, default=256, help="the prefill node's --num-kv-blocks")
+    parser.add_argument("--concurrency", type=int, default=2)
+    args = parser.parse_args()
+    base = system_prompt(args.system_tokens)
+    systems = [f"Conversation {i}. {base}" for i in range(args.conversations)]
+    working = args.conversations * (args.system_tokens + args.turns * (args.max_tokens + 20))
+    off = run(False, args, systems)
+    on = run(True, args, systems)
+    report(on, off, args, working)
+
+
+if __name__ == "__main__":
+    main()
