@@ -4,7 +4,7 @@ Every ``--planner-interval-s``, for each group of nodes that can pair (registry.
 nodes only, a draining one is left out):
 1. look: each node's last heartbeat (queue, prefill rate, decodes), and its /metrics (GETs are
    open on the daemons) read for what it did since the last look: prompt tokens and requests
-   finished (the prefill role's load), inter-token gaps (the decode role's step time at the
+   finished (the prefill role's load; prompt tokens the prefix cache had are no load), inter-token gaps (the decode role's step time at the
    decodes its heartbeats report). A node is cold for ``--planner-warmup-s`` after it first
    appears in a role (a role epoch of its own): its rate and its gaps are left out.
 2. decide: :meth:`Planner.decide`; the transfer and hand-off of a mean prompt are the adaptive
@@ -52,7 +52,7 @@ class _Counters:
     at: float
     gap_sum: float = 0.0
     gaps: float = 0.0
-    prompt_tokens: float = 0.0
+    prompt_tokens: float = 0.0  # computed ones: the prefix cache's hits taken off
     requests: float = 0.0
     decoding: int = 0
 
@@ -68,6 +68,8 @@ def parse_counters(text: str, at: float, decoding: int) -> _Counters:
                 counters.gaps += sample.value
             elif sample.name == "pdserve:prompt_tokens_total":
                 counters.prompt_tokens += sample.value
+            elif sample.name == "pdserve:prefix_cache_hits_total":
+                counters.prompt_tokens -= sample.value
             elif sample.name == "pdserve:request_success_total":
                 counters.requests += sample.value
     return counters
@@ -126,6 +128,7 @@ class PlannerLoop:
                 continue
             planner = self._planners.setdefault(key, Planner(self.options))
             decision = planner.decide(load, time.monotonic())
+            logger.debug("planner (%s) look: %s -> %s", group.model, load, decision)
             self.export(group, decision)
             if decision.action in ("flip", "hook"):
                 await self.act(planner, group, decision)
@@ -151,10 +154,10 @@ class PlannerLoop:
             new = parse_counters(text, now, node.info.num_decoding or 0)
             old = self._counters.get(node_key)
             self._counters[node_key] = new
-            if old is None or new.gaps < old.gaps or new.prompt_tokens < old.prompt_tokens:
+            if old is None or new.gaps < old.gaps or new.requests < old.requests:
                 continue  # a first look, or a restarted node: nothing to subtract from
             if node.info.type == "P":  # load counts from every node, warm or not
-                tokens += new.prompt_tokens - old.prompt_tokens
+                tokens += max(new.prompt_tokens - old.prompt_tokens, 0.0)
                 requests += new.requests - old.requests
                 seconds = max(seconds, new.at - old.at)
             elif warm and new.gaps - old.gaps >= MIN_GAPS:
@@ -283,6 +286,8 @@ def start_planner(config: ProxyConfig, registry: ServiceRegistry, metrics_regist
     """The planner's task when ``--planner`` is not off (cancel it to stop)."""
     if config.planner == "off":
         return None
+    # httpx logs every request at INFO: a line per node per look would bury the proxy's own log
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     loop = PlannerLoop(config, registry, PlannerMetrics(metrics_registry), disagg,
                        ClusterKey.optional(config.cluster_key_file))
     return asyncio.ensure_future(loop.run())
