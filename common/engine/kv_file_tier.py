@@ -102,7 +102,7 @@ class FileTier:
         self._threads: list[threading.Thread] = []
         self.bytes = 0  # writer / loader threads, under the lock
         self.dropped = 0  # engine thread
-        self.hits = self.load_errors = 0  # loader thread
+        self.blocks_read = self.load_errors = 0  # loader thread
         self.load_seconds = self.loaded_bytes = 0.0  # loader thread
         self.stores = self.store_errors = 0  # writer thread
         self.store_seconds = 0.0  # writer thread
@@ -291,7 +291,7 @@ class FileTier:
                 if kv is None:
                     break
                 tensors.append(kv)
-            self.hits += len(tensors)
+            self.blocks_read += len(tensors)
             self.load_seconds += time.perf_counter() - started
             self._loaded.append((job, tensors))
             self.on_loaded()

@@ -46,7 +46,7 @@ class HostTier:
         self._blocks: OrderedDict[bytes, tuple[torch.Tensor, object]] = OrderedDict()  # hash -> (kv, ready event)
         self.bytes = 0
         self.hits = 0
-        self.load_seconds = self.store_seconds = 0.0
+        self.load_seconds = self.store_seconds = self.loaded_bytes = 0.0
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._blocks
@@ -69,7 +69,9 @@ class HostTier:
     def get(self, block_hash: bytes) -> torch.Tensor:
         self._blocks.move_to_end(block_hash)
         self.hits += 1
-        return self._blocks[block_hash][0]
+        kv = self._blocks[block_hash][0]
+        self.loaded_bytes += kv.nbytes
+        return kv
 
 
 @dataclass
@@ -108,6 +110,7 @@ class KVTiers:
         self.queried = {MEDIUM_HOST: 0, MEDIUM_DISK: 0}  # blocks asked of each tier
         self.found = {MEDIUM_HOST: 0, MEDIUM_DISK: 0}  # of those, blocks it had
         self.lost = 0  # blocks a load could not fill (recomputed)
+        self.disk_hits = 0  # file-tier blocks copied into the pool for a request (read for a cancelled one: not)
 
     @property
     def enabled(self) -> bool:
@@ -207,6 +210,7 @@ class KVTiers:
                 continue  # cancelled: what was read is dropped
             for position, kv in zip(load.disk_positions, tensors):
                 self._copy_in(load.blocks[position], kv)
+            self.disk_hits += len(tensors)
             cut = load.disk_positions[len(tensors)] if len(tensors) < len(load.disk_positions) else len(load.blocks)
             self.lost += len(load.mediums) - cut
             done.append((job, cut))
@@ -236,10 +240,10 @@ class KVTiers:
             out["host"] = {"bytes": h.bytes, "blocks": h.blocks, "hits": h.hits,
                            "misses": self.queried[MEDIUM_HOST] - self.found[MEDIUM_HOST],
                            "load_seconds": h.load_seconds, "store_seconds": h.store_seconds, "errors": 0,
-                           "dropped": 0}
+                           "dropped": 0, "load_bytes_per_s": h.loaded_bytes / h.load_seconds if h.load_seconds else 0.0}
         if self.file is not None:
             f = self.file
-            out["disk"] = {"bytes": f.bytes, "blocks": f.blocks, "hits": f.hits,
+            out["disk"] = {"bytes": f.bytes, "blocks": f.blocks, "hits": self.disk_hits,
                            "misses": self.queried[MEDIUM_DISK] - self.found[MEDIUM_DISK] + f.load_errors,
                            "load_seconds": f.load_seconds, "store_seconds": f.store_seconds,
                            "errors": f.load_errors + f.store_errors, "dropped": f.dropped,
