@@ -60,6 +60,10 @@ class UpOptions:
     timeout: float = 120.0
     prefill_tp: int = 1  # --tensor-parallel-size of each daemon: one divides the other (tp_mismatch)
     decode_tp: int = 1
+    # daemons of each role (node i at its role's ports + i; KV ports kv-port + i x its KV ranks): more
+    # than one pair gives --planner nodes to move between the roles
+    prefill_nodes: int = 1
+    decode_nodes: int = 1
     # appended to each process's own flags (pass_through.py checks them first)
     proxy_args: tuple[str, ...] = ()
     prefill_args: tuple[str, ...] = ()
@@ -122,30 +126,35 @@ KV_PARAMS_ON_LOOPBACK = ("--accept-unsigned-kv-transfer-params",)
 
 
 def process_specs(options: UpOptions, model_args: tuple[str, ...]) -> list[ProcessSpec]:
-    """The proxy, prefill and decode command lines, in start order."""
+    """The proxy, prefill and decode command lines, in start order (``prefill``, ``prefill-1``, ...)."""
     registry = f"{LOOPBACK}:{options.registry_port}"
-    return [
+    specs = [
         ProcessSpec(
             "proxy", "proxy", options.proxy_port,
             (options.proxy_port, options.registry_port),
             ("--host", LOOPBACK, "--port", str(options.proxy_port),
              "--registry-port", str(options.registry_port), *options.proxy_args),
         ),
-        ProcessSpec(
-            "prefill", "prefill_node", options.prefill_port,
-            (options.prefill_port, *kv_ports(options.prefill_kv_port, options.prefill_kv_ranks)),
-            ("--port", str(options.prefill_port), "--kv-port", str(options.prefill_kv_port),
+    ]
+    for i in range(options.prefill_nodes):
+        port, kv_port = options.prefill_port + i, options.prefill_kv_port + i * options.prefill_kv_ranks
+        specs.append(ProcessSpec(
+            f"prefill-{i}" if i else "prefill", "prefill_node", port,
+            (port, *kv_ports(kv_port, options.prefill_kv_ranks)),
+            ("--port", str(port), "--kv-port", str(kv_port),
              "--tensor-parallel-size", str(options.prefill_tp), "--kv-ranks", str(options.prefill_kv_ranks),
              "--proxy", registry, *model_args, *KV_PARAMS_ON_LOOPBACK, *options.prefill_args),
-        ),
-        ProcessSpec(
-            "decode", "decode_node", options.decode_port,
-            (options.decode_port, *kv_ports(options.decode_kv_port, options.decode_tp)),
-            ("--port", str(options.decode_port), "--kv-port", str(options.decode_kv_port),
+        ))
+    for i in range(options.decode_nodes):
+        port, kv_port = options.decode_port + i, options.decode_kv_port + i * options.decode_tp
+        specs.append(ProcessSpec(
+            f"decode-{i}" if i else "decode", "decode_node", port,
+            (port, *kv_ports(kv_port, options.decode_tp)),
+            ("--port", str(port), "--kv-port", str(kv_port),
              "--tensor-parallel-size", str(options.decode_tp), "--proxy", registry, *model_args,
              *KV_PARAMS_ON_LOOPBACK, *options.decode_args),
-        ),
-    ]
+        ))
+    return specs
 
 
 # ---------------------------------------------------------------------------- checks
@@ -247,9 +256,9 @@ def model_args(options: UpOptions) -> tuple[str, ...]:
     return ("--model", str(model_dir), "--served-model-name", name)
 
 
-def memory_args(tp: int = 1) -> tuple[str, ...]:
-    """Both daemons land on the first GPU when there is one (rank r of each on cuda:r with
-    tensor parallelism): each gets half the default share of every device it uses."""
+def memory_args(tp: int = 1, daemons: int = 2) -> tuple[str, ...]:
+    """Every daemon lands on the first GPU when there is one (rank r of each on cuda:r with
+    tensor parallelism): each gets its share (1 / ``daemons``) of the default of every device it uses."""
     import torch  # lazy: `pdserve down` and the CPU path need no torch here
 
     from common.engine.gpu_memory import split_share
@@ -259,7 +268,7 @@ def memory_args(tp: int = 1) -> tuple[str, ...]:
     if torch.cuda.device_count() < tp:
         raise LaunchError(f"--tensor-parallel-size {tp} needs {tp} CUDA devices (one per rank); "
                           f"this machine has {torch.cuda.device_count()}")
-    return ("--gpu-memory-utilization", str(split_share(2)))
+    return ("--gpu-memory-utilization", str(split_share(daemons)))
 
 
 def up(options: UpOptions) -> dict:
@@ -277,7 +286,8 @@ def up(options: UpOptions) -> dict:
     check_can_start(run_dir, process_specs(options, ()))
     key_args = ("--cluster-key-file", str(ClusterKey.generate(run_dir / CLUSTER_KEY_FILE).resolve()))
     specs = [replace(s, args=(*s.args, *key_args))
-             for s in process_specs(options, model_args(options) + memory_args(options.prefill_tp))]
+             for s in process_specs(options, model_args(options)
+                                    + memory_args(options.prefill_tp, options.prefill_nodes + options.decode_nodes))]
     entries: list[dict] = []
     procs: list[subprocess.Popen] = []
     try:

