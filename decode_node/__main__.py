@@ -1,4 +1,5 @@
-"""``python -m decode_node`` / ``pdserve decode``: a decode daemon (same flags)."""
+"""``python -m decode_node``: a decode daemon of this role only (``pdserve decode``, pdserve/daemon.py, is
+the same daemon able to flip to prefill in place; same flags)."""
 
 from __future__ import annotations
 

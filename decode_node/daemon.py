@@ -46,10 +46,9 @@ from decode_node.release import ReleaseRefusedKV
 
 
 def serve(config: NodeConfig) -> None:
-    """``pdserve decode``: a decode daemon until SIGTERM / SIGINT (a role flip makes it a prefill one)."""
-    from prefill_node.daemon import PrefillRole  # the role a flip turns it into
-
-    serve_daemon(config, {"decode": DecodeRole(), "prefill": PrefillRole(config)})
+    """``python -m decode_node``: a decode daemon until SIGTERM / SIGINT. It carries no other role
+    (roles import no other role); ``pdserve decode`` (pdserve/daemon.py) can flip to prefill."""
+    serve_daemon(config, {"decode": DecodeRole()})
 
 
 class DecodeRole:

@@ -17,8 +17,8 @@ from importlib.metadata import PackageNotFoundError, version
 # command -> (module, what it starts); each module's ``main(argv)`` parses its own flags.
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("common.node.node", "a colocated node (prefill and decode in one process): the baseline"),
-    "prefill": ("prefill_node.__main__", "a prefill daemon"),
-    "decode": ("decode_node.__main__", "a decode daemon"),
+    "prefill": ("pdserve.daemon", "a prefill daemon (flips to decode in place: POST /admin/role)"),
+    "decode": ("pdserve.daemon", "a decode daemon (flips to prefill in place: POST /admin/role)"),
     "proxy": ("proxy.__main__", "the proxy: OpenAI front, registry, P/D pairing"),
     "up": ("pdserve.launcher_cli", "proxy + prefill + decode on loopback with the default model"),
     "down": ("pdserve.launcher_cli", "stop what 'pdserve up' started"),
@@ -50,6 +50,8 @@ def _entry(command: str) -> Callable[[list[str]], int | None]:
         sys.exit(f"pdserve {command}: not available in this build ({module_name} is missing)")
     if command == "serve":
         return lambda rest: module.main(rest, role="both")
+    if module_name == "pdserve.daemon":
+        return lambda rest: module.main(rest, role=command)
     if module_name == "pdserve.launcher_cli":
         return lambda rest: module.main([command, *rest])
     return module.main

@@ -1,4 +1,5 @@
-"""``python -m prefill_node`` / ``pdserve prefill``: a prefill daemon (same flags)."""
+"""``python -m prefill_node``: a prefill daemon of this role only (``pdserve prefill``, pdserve/daemon.py, is
+the same daemon able to flip to decode in place; same flags)."""
 
 from __future__ import annotations
 

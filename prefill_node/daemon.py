@@ -36,10 +36,9 @@ from prefill_node.connector import ProducerConnector
 
 
 def serve(config: NodeConfig) -> None:
-    """``pdserve prefill``: a prefill daemon until SIGTERM / SIGINT (a role flip makes it a decode one)."""
-    from decode_node.daemon import DecodeRole  # the role a flip turns it into
-
-    serve_daemon(config, {"prefill": PrefillRole(config), "decode": DecodeRole()})
+    """``python -m prefill_node``: a prefill daemon until SIGTERM / SIGINT. It carries no other role
+    (roles import no other role); ``pdserve prefill`` (pdserve/daemon.py) can flip to decode."""
+    serve_daemon(config, {"prefill": PrefillRole(config)})
 
 
 class PrefillRole:

@@ -7,6 +7,9 @@ that runs out of time ends the rest and the proxy migrates them; the admin call 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -14,7 +17,8 @@ import httpx
 import pytest
 
 from common.cluster_auth import ClusterKey, admin_headers
-from helpers.cluster import Proc, labelled, metric, start, stop_all
+from helpers.cluster import ROOT, Proc, labelled, metric, start, stop_all
+from helpers.ports import free_port
 from helpers.waiting import wait_for
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "A B C D E F G", "In the beginning there was"]
@@ -30,10 +34,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     try:
         proxy = procs["proxy"] = start("proxy", tmp, *keyed, "--migration-limit", "3", wait=False)
         node = (*keyed, "--proxy", f"127.0.0.1:{proxy.kv_port}", "--heartbeat-interval-s", "0.5")
-        procs["p1"] = start("prefill", tmp, *node, name="p1", wait=False)
-        procs["p2"] = start("prefill", tmp, *node, name="p2", wait=False)
+        procs["p1"] = _start_daemon("prefill", tmp, *node, name="p1")
+        procs["p2"] = _start_daemon("prefill", tmp, *node, name="p2")
         # the only node whose drain runs out at once: a long stream on it is migrated at its flip
-        procs["d1"] = start("decode", tmp, *node, "--drain-timeout-s", "0.2", name="d1", wait=False)
+        procs["d1"] = _start_daemon("decode", tmp, *node, "--drain-timeout-s", "0.2", name="d1")
         procs["both"] = start("both", tmp, name="both", wait=False)
         for proc in procs.values():
             proc.wait_ready()
@@ -41,6 +45,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         yield procs, ClusterKey.load(key_file), tmp
     finally:
         stop_all(procs.values())
+
+
+def _start_daemon(role: str, tmp: Path, *args: str, name: str) -> Proc:
+    """``pdserve prefill|decode`` (pdserve/daemon.py: the daemon that carries both roles; ``python -m
+    prefill_node``, which helpers.cluster.start runs, carries its own only), not waited for."""
+    port, kv_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "pdserve.cli", role, "--port", str(port), "--kv-port", str(kv_port), *args]
+    log = tmp / f"{name}.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    with open(log, "wb") as out:
+        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                 start_new_session=True)
+    return Proc(name, popen, port, log, kv_port, list(args), cmd)
 
 
 def _until(predicate, timeout: float, what: str) -> None:

@@ -203,6 +203,10 @@ class RoleFlipper:
                                   "yet: restart the node in the other role", "role_flip_unsupported", "role")
             if role == self.role and self.state == "serving":
                 return True
+            if role not in self.connectors:
+                raise FlipRefused(f"this daemon carries only the {self.role} role (started as python -m "
+                                  f"{self.role}_node); start it with `pdserve {self.role}` to flip it in place",
+                                  "role_flip_unsupported", "role")
             self.state = "draining"
         self.metrics.show(self.role, self.epoch, self.state)
         return False
