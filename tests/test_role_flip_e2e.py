@@ -7,9 +7,6 @@ that runs out of time ends the rest and the proxy migrates them; the admin call 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -17,8 +14,8 @@ import httpx
 import pytest
 
 from common.cluster_auth import ClusterKey, admin_headers
-from helpers.cluster import ROOT, Proc, labelled, metric, start, stop_all
-from helpers.ports import free_port
+from helpers.cluster import Proc, labelled, metric, start, stop_all
+from helpers.flippable import flip, role_epoch, start_flippable
 from helpers.waiting import wait_for
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "A B C D E F G", "In the beginning there was"]
@@ -34,10 +31,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     try:
         proxy = procs["proxy"] = start("proxy", tmp, *keyed, "--migration-limit", "3", wait=False)
         node = (*keyed, "--proxy", f"127.0.0.1:{proxy.kv_port}", "--heartbeat-interval-s", "0.5")
-        procs["p1"] = _start_daemon("prefill", tmp, *node, name="p1")
-        procs["p2"] = _start_daemon("prefill", tmp, *node, name="p2")
+        procs["p1"] = start_flippable("prefill", tmp, *node, name="p1")
+        procs["p2"] = start_flippable("prefill", tmp, *node, name="p2")
         # the only node whose drain runs out at once: a long stream on it is migrated at its flip
-        procs["d1"] = _start_daemon("decode", tmp, *node, "--drain-timeout-s", "0.2", name="d1")
+        procs["d1"] = start_flippable("decode", tmp, *node, "--drain-timeout-s", "0.2", name="d1")
         procs["both"] = start("both", tmp, name="both", wait=False)
         for proc in procs.values():
             proc.wait_ready()
@@ -45,19 +42,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         yield procs, ClusterKey.load(key_file), tmp
     finally:
         stop_all(procs.values())
-
-
-def _start_daemon(role: str, tmp: Path, *args: str, name: str) -> Proc:
-    """``pdserve prefill|decode`` (pdserve/daemon.py: the daemon that carries both roles; ``python -m
-    prefill_node``, which helpers.cluster.start runs, carries its own only), not waited for."""
-    port, kv_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", role, "--port", str(port), "--kv-port", str(kv_port), *args]
-    log = tmp / f"{name}.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    with open(log, "wb") as out:
-        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                 start_new_session=True)
-    return Proc(name, popen, port, log, kv_port, list(args), cmd)
 
 
 def _until(predicate, timeout: float, what: str) -> None:
@@ -68,18 +52,8 @@ def _registered(proxy: Proc) -> dict:
     return httpx.get(proxy.url + "/ready", timeout=5).json().get("nodes", {})
 
 
-def _flip(node: Proc, key: ClusterKey, role: str, epoch: int) -> httpx.Response:
-    body = json.dumps({"role": role, "epoch": epoch}).encode()
-    headers = {**admin_headers(key, body), "Content-Type": "application/json"}
-    return httpx.post(node.url + "/admin/role", content=body, headers=headers, timeout=60)
-
-
-def _epoch(node: Proc) -> int:
-    return int(metric(node.url, "pdserve:node_role_epoch"))
-
-
 def _flip_ok(node: Proc, key: ClusterKey, role: str) -> dict:
-    r = _flip(node, key, role, _epoch(node))
+    r = flip(node, key, role)
     assert r.status_code == 200, r.text
     assert r.json()["role"] == role
     return r.json()
@@ -168,15 +142,15 @@ def test_flip_each_way_under_load_loses_nothing(cluster, reference) -> None:
 def test_stale_epoch_is_refused(cluster) -> None:
     procs, key, _ = cluster
     p1 = procs["p1"]
-    epoch = _epoch(p1)
-    r = _flip(p1, key, "decode", epoch + 5)
+    epoch = role_epoch(p1)
+    r = flip(p1, key, "decode", epoch + 5)
     assert r.status_code == 409
     body = r.json()
     assert body["error"]["code"] == "stale_role_epoch"
     assert (body["role"], body["epoch"], body["state"]) == ("prefill", epoch, "serving")
     assert f"role epoch {epoch}" in body["error"]["message"]
-    assert _epoch(p1) == epoch  # nothing changed
-    r = _flip(p1, key, "prefill", epoch)  # the role it has: nothing to do
+    assert role_epoch(p1) == epoch  # nothing changed
+    r = flip(p1, key, "prefill", epoch)  # the role it has: nothing to do
     assert r.status_code == 200 and r.json()["epoch"] == epoch
 
 
@@ -212,7 +186,7 @@ def test_a_leg_for_a_stale_role_is_retried_elsewhere(cluster, reference) -> None
         assert "is now a decode node" in p2.log.read_text()
     finally:
         stop_all([as_decode, as_prefill])
-        if _epoch(p2) % 2:  # started as prefill: an odd epoch is decode
+        if role_epoch(p2) % 2:  # started as prefill: an odd epoch is decode
             _flip_ok(p2, key, "prefill")
 
 
@@ -244,7 +218,7 @@ def test_a_drain_that_runs_out_migrates_the_rest(cluster) -> None:
 def test_the_admin_call_needs_the_cluster_key_and_a_good_body(cluster, tmp_path: Path) -> None:
     procs, key, _ = cluster
     p1, both = procs["p1"], procs["both"]
-    epoch = _epoch(p1)
+    epoch = role_epoch(p1)
     body = json.dumps({"role": "decode", "epoch": epoch}).encode()
     url = p1.url + "/admin/role"
     r = httpx.post(url, content=body, timeout=10)
@@ -266,6 +240,6 @@ def test_the_admin_call_needs_the_cluster_key_and_a_good_body(cluster, tmp_path:
         r = httpx.post(url, content=bad, headers=admin_headers(key, bad), timeout=10)
         assert r.status_code == 400, (bad, r.text)
         assert r.json()["error"]["code"] == "invalid_role_request" and r.json()["error"]["param"] == param
-    assert _epoch(p1) == epoch
+    assert role_epoch(p1) == epoch
     r = httpx.post(both.url + "/admin/role", json={"role": "decode", "epoch": 0}, timeout=10)
     assert r.status_code == 409 and r.json()["error"]["code"] == "role_flip_unsupported"
