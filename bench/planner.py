@@ -49,6 +49,7 @@ from adaptive import corpus  # noqa: E402
 from common.defaults import DEFAULT_CACHE_DIR, EMBEDDED_MODEL_SPEC  # noqa: E402
 from common.model.sources import resolve_model  # noqa: E402
 from helpers.cluster import Proc, labelled, start, stop_all  # noqa: E402
+from helpers.flippable import start_daemon  # noqa: E402
 from helpers.stats import pct  # noqa: E402
 
 PLANNER_DEFAULTS = ("--planner-interval-s", "1", "--planner-hysteresis", "2", "--planner-warmup-s", "3",
@@ -123,8 +124,9 @@ def start_cluster(tmp: Path, prefills: int, decodes: int, proxy_args: tuple[str,
     try:
         node = ("--proxy", f"127.0.0.1:{procs[0].kv_port}", "--heartbeat-interval-s", "0.5", "--drain-timeout-s",
                 "10", *model_args)
-        procs += [start("prefill", tmp, *node, name=f"p{i}", wait=False) for i in range(prefills)]
-        procs += [start("decode", tmp, *node, name=f"d{i}", wait=False) for i in range(decodes)]
+        # pdserve prefill|decode (they can flip) for every configuration: the fixed ratios run the same daemons
+        procs += [start_daemon("prefill", tmp, *node, name=f"p{i}", wait=False) for i in range(prefills)]
+        procs += [start_daemon("decode", tmp, *node, name=f"d{i}", wait=False) for i in range(decodes)]
         for proc in procs[1:]:
             proc.wait_ready(timeout=300)
         procs[0].wait_ready(timeout=60)
@@ -242,6 +244,8 @@ def main() -> None:
     parser.add_argument("--planner-arg", action="append", default=[], help="more proxy flags for the planner run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--log-dir", type=Path, default=None, help="keep every process's log here (default: "
+                        "a temporary directory, removed)")
     args = parser.parse_args()
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
@@ -252,9 +256,11 @@ def main() -> None:
     work = Workload(corpus(model_dir), served, uuid.uuid4().hex, args)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-planner-") as tmp:
+        logs = args.log_dir or Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
         for name in configs:
             print(f"running {name} ...", file=sys.stderr, flush=True)
-            results[name] = run_config(name, args, work, Path(tmp))
+            results[name] = run_config(name, args, work, logs)
     report(results, args)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -64,6 +64,9 @@ class UpOptions:
     # than one pair gives --planner nodes to move between the roles
     prefill_nodes: int = 1
     decode_nodes: int = 1
+    # run the daemons as ``pdserve prefill|decode`` (pdserve/daemon.py: they can flip their role in place,
+    # what --planner on asks of them) instead of ``python -m prefill_node|decode_node`` (one role each)
+    flippable: bool = False
     # appended to each process's own flags (pass_through.py checks them first)
     proxy_args: tuple[str, ...] = ()
     prefill_args: tuple[str, ...] = ()
@@ -138,19 +141,21 @@ def process_specs(options: UpOptions, model_args: tuple[str, ...]) -> list[Proce
     ]
     for i in range(options.prefill_nodes):
         port, kv_port = options.prefill_port + i, options.prefill_kv_port + i * options.prefill_kv_ranks
+        module, role = ("pdserve.cli", ("prefill",)) if options.flippable else ("prefill_node", ())
         specs.append(ProcessSpec(
-            f"prefill-{i}" if i else "prefill", "prefill_node", port,
+            f"prefill-{i}" if i else "prefill", module, port,
             (port, *kv_ports(kv_port, options.prefill_kv_ranks)),
-            ("--port", str(port), "--kv-port", str(kv_port),
+            (*role, "--port", str(port), "--kv-port", str(kv_port),
              "--tensor-parallel-size", str(options.prefill_tp), "--kv-ranks", str(options.prefill_kv_ranks),
              "--proxy", registry, *model_args, *KV_PARAMS_ON_LOOPBACK, *options.prefill_args),
         ))
     for i in range(options.decode_nodes):
         port, kv_port = options.decode_port + i, options.decode_kv_port + i * options.decode_tp
+        module, role = ("pdserve.cli", ("decode",)) if options.flippable else ("decode_node", ())
         specs.append(ProcessSpec(
-            f"decode-{i}" if i else "decode", "decode_node", port,
+            f"decode-{i}" if i else "decode", module, port,
             (port, *kv_ports(kv_port, options.decode_tp)),
-            ("--port", str(port), "--kv-port", str(kv_port),
+            (*role, "--port", str(port), "--kv-port", str(kv_port),
              "--tensor-parallel-size", str(options.decode_tp), "--proxy", registry, *model_args,
              *KV_PARAMS_ON_LOOPBACK, *options.decode_args),
         ))

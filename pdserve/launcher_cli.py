@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     options = UpOptions(
         run_dir=args.run_dir, model=args.model, timeout=args.timeout,
         prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_nodes=args.prefill_nodes, decode_nodes=args.decode_nodes,
+        flippable=args.planner == "on",
         proxy_args=extra["proxy"], prefill_args=invariant + extra["prefill"], decode_args=invariant + extra["decode"],
         **{name: getattr(args, name) for name in PORT_FLAGS},
     )

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import httpx
-
 from helpers.ports import free_port_run, free_ports
+
+from common.cluster_auth import ClusterKey, admin_headers
 from pdserve import launcher, launcher_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +41,10 @@ def test_planner_flags_go_to_the_proxy_before_its_pass_through(monkeypatch):
     code = launcher_cli.main(["up", "--planner", "on", "--slo-ttft-ms", "500", "--slo-itl-ms", "40",
                               "--decode-nodes", "2", "--proxy-arg=--planner-interval-s=1"])
     options = seen["options"]
-    assert code == 1 and options.decode_nodes == 2 and options.prefill_nodes == 1
+    assert code == 1 and options.decode_nodes == 2 and options.prefill_nodes == 1 and options.flippable
+    modules = [(s.module, s.args[:1]) for s in launcher.process_specs(options, ())]
+    assert modules == [("proxy", ("--host",)), ("pdserve.cli", ("prefill",)), ("pdserve.cli", ("decode",)),
+                       ("pdserve.cli", ("decode",))]  # pdserve prefill|decode: the daemons that can flip
     assert options.proxy_args == ("--planner", "on", "--slo-ttft-ms", "500.0", "--slo-itl-ms", "40.0",
                                   "--planner-interval-s=1")
 
@@ -75,5 +79,10 @@ def test_up_with_the_planner_on_three_daemons(tmp_path):
         assert reply.status_code == 200
         text = httpx.get(f"{url}/metrics", timeout=5).text
         assert "pdserve:planner_predicted_ttft_seconds" in text
+        # the daemons can flip (pdserve decode): the planner's call, signed with up's cluster key
+        body = json.dumps({"role": "prefill", "epoch": 0}).encode()
+        headers = {"content-type": "application/json", **admin_headers(ClusterKey.load(run_dir / "cluster.key"), body)}
+        flip = httpx.post(f"http://127.0.0.1:{decode_ports + 1}/admin/role", content=body, headers=headers, timeout=60)
+        assert flip.status_code == 200 and flip.json()["role"] == "prefill", flip.text
     finally:
         launcher.down(run_dir, quiet=True)

@@ -1,5 +1,5 @@
 """The planner against real processes (issue 36): a proxy with ``--planner on`` in front of one
-prefill and two decode daemons (the embedded tiny model). Long prompts arrive: the prefill node's
+prefill and two decode daemons (``pdserve prefill|decode``, which can flip; the embedded tiny model). Long prompts arrive: the prefill node's
 queue passes the TTFT SLO while the decode nodes idle, so a decode node is flipped to prefill.
 Then the long prompts stop and chat with long answers comes: the one decode node left passes the
 ITL SLO while one prefill node carries the short prompts, so a prefill node goes back to decode.
@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from helpers.cluster import labelled, start, stop_all
+from helpers.flippable import start_daemon
 
 # short intervals: a look every 0.3 s, two looks to agree, 1 s cold and 1 s between actions
 PLANNER = ("--planner", "on", "--planner-interval-s", "0.3", "--planner-hysteresis", "2",
@@ -30,8 +31,8 @@ def cluster(tmp_path_factory):
     try:
         registry = f"127.0.0.1:{procs[0].kv_port}"
         node = ("--proxy", registry, "--heartbeat-interval-s", "0.3", "--drain-timeout-s", "10")
-        procs.append(start("prefill", tmp, *node, name="p0", wait=False))
-        procs += [start("decode", tmp, *node, name=f"d{i}", wait=False) for i in range(2)]
+        procs.append(start_daemon("prefill", tmp, *node, name="p0", wait=False))
+        procs += [start_daemon("decode", tmp, *node, name=f"d{i}", wait=False) for i in range(2)]
         for proc in procs[1:]:
             proc.wait_ready()
         procs[0].wait_ready(timeout=60)
