@@ -49,7 +49,7 @@ from adaptive import corpus  # noqa: E402
 from common.defaults import DEFAULT_CACHE_DIR, EMBEDDED_MODEL_SPEC  # noqa: E402
 from common.model.sources import resolve_model  # noqa: E402
 from helpers.cluster import Proc, labelled, start, stop_all  # noqa: E402
-from helpers.flippable import start_daemon  # noqa: E402
+from helpers.flippable import start_flippable  # noqa: E402
 from helpers.stats import pct  # noqa: E402
 
 PLANNER_DEFAULTS = ("--planner-interval-s", "1", "--planner-hysteresis", "2", "--planner-warmup-s", "3",
@@ -125,8 +125,8 @@ def start_cluster(tmp: Path, prefills: int, decodes: int, proxy_args: tuple[str,
         node = ("--proxy", f"127.0.0.1:{procs[0].kv_port}", "--heartbeat-interval-s", "0.5", "--drain-timeout-s",
                 "10", *model_args)
         # pdserve prefill|decode (they can flip) for every configuration: the fixed ratios run the same daemons
-        procs += [start_daemon("prefill", tmp, *node, name=f"p{i}", wait=False) for i in range(prefills)]
-        procs += [start_daemon("decode", tmp, *node, name=f"d{i}", wait=False) for i in range(decodes)]
+        procs += [start_flippable("prefill", tmp, *node, name=f"p{i}") for i in range(prefills)]
+        procs += [start_flippable("decode", tmp, *node, name=f"d{i}") for i in range(decodes)]
         for proc in procs[1:]:
             proc.wait_ready(timeout=300)
         procs[0].wait_ready(timeout=60)

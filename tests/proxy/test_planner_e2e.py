@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from helpers.cluster import labelled, start, stop_all
-from helpers.flippable import start_daemon
+from helpers.flippable import start_flippable
 
 # short intervals: a look every 0.3 s, two looks to agree, 1 s cold and 1 s between actions
 PLANNER = ("--planner", "on", "--planner-interval-s", "0.3", "--planner-hysteresis", "2",
@@ -31,8 +31,8 @@ def cluster(tmp_path_factory):
     try:
         registry = f"127.0.0.1:{procs[0].kv_port}"
         node = ("--proxy", registry, "--heartbeat-interval-s", "0.3", "--drain-timeout-s", "10")
-        procs.append(start_daemon("prefill", tmp, *node, name="p0", wait=False))
-        procs += [start_daemon("decode", tmp, *node, name=f"d{i}", wait=False) for i in range(2)]
+        procs.append(start_flippable("prefill", tmp, *node, name="p0"))
+        procs += [start_flippable("decode", tmp, *node, name=f"d{i}") for i in range(2)]
         for proc in procs[1:]:
             proc.wait_ready()
         procs[0].wait_ready(timeout=60)
