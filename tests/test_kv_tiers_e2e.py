@@ -19,7 +19,7 @@ import pytest
 from helpers.cluster import Proc, labelled, start, stop_all, wait_idle
 from helpers.waiting import wait_until
 
-POOL = ("--num-kv-blocks", "16", "--block-size", "16")
+POOL = ("--num-kv-blocks", "16", "--block-size", "16", "--kv-tier-load", "always")  # the tiny model's prefill beats a load
 PROMPTS = [[random.Random(i).randrange(3, 256) for _ in range(100)] for i in range(6)]
 
 

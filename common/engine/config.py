@@ -106,6 +106,11 @@ class EngineConfig(BaseModel):
         10 << 30, ge=1 << 20, le=1 << 50, description="KV tiers: the most bytes of block files this node keeps "
         "in --kv-disk-dir, least recently used deleted first"
     )
+    kv_tier_load: Literal["auto", "always"] = Field(
+        "auto", description="KV tiers: auto = load a prefix from the file tier only while its measured load time "
+        "per block is below the measured prefill time of a block's tokens (else compute them; one lookup in 16 "
+        "loads anyway to measure again); always = load whatever the tiers hold"
+    )
     kv_offload_on_finish: bool = Field(
         False, description="KV tiers: also copy a finished prompt's cached blocks down to the tiers at once (a "
         "prefill node: the next turn finds them even after the pool evicted them unseen); needs a tier"

@@ -17,6 +17,11 @@ blocks and says how many leading blocks each finished load filled. A block after
 that failed (missing, damaged, an I/O error) is never used: the scheduler frees it and computes
 those tokens. :meth:`cancel` (an abort) forgets a load; whatever the loader then reads is dropped.
 
+A file load is taken only while it pays: its measured wall time per block (asked to polled, an
+EWMA) below the engine's measured prefill time for a block's tokens; a load slower than recompute
+would only add to the request's TTFT. One lookup in ``EXPLORE_EVERY`` loads anyway, to measure
+again (``--kv-tier-load always``: every time). The same rate, as bytes/s, goes to the proxy in heartbeats.
+
 Only the engine thread calls this class; the file tier's threads never touch the KV pool.
 """
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 MEDIUM_HOST = "CPU"  # vLLM's name for its CPU offload tier, in KV events' ``medium``
 MEDIUM_DISK = "DISK"
+EXPLORE_EVERY = 16  # a file tier measured slower than prefill is still tried once in this many lookups
+_EWMA = 0.2
 
 
 class HostTier:
@@ -76,10 +84,11 @@ class HostTier:
 
 @dataclass
 class Found:
-    """What :meth:`KVTiers.lookup` found: each leading block's tier and, for the host tier, its KV."""
+    """What :meth:`KVTiers.lookup` found: each leading block's tier and, when it is in memory (the host
+    tier, or queued for the file tier's writer), its KV; None: to be read from its file."""
 
     mediums: list[str]
-    host_kv: list[torch.Tensor | None]
+    kv: list[torch.Tensor | None]
 
     def __len__(self) -> int:
         return len(self.mediums)
@@ -92,19 +101,25 @@ class _Load:
     blocks: list[int]
     mediums: list[str]
     disk_positions: list[int] = field(default_factory=list)  # indices of ``blocks`` the file tier fills
+    started: float = 0.0  # time.monotonic() when the file tier was asked
 
 
 class KVTiers:
     """The host and file tiers of one engine's KV pool (either may be off)."""
 
     def __init__(self, kv_caches: list[torch.Tensor], host_bytes: int, file_tier: FileTier | None,
-                 offload_on_finish: bool = False) -> None:
+                 offload_on_finish: bool = False, always_load: bool = False) -> None:
         self.kv_caches = kv_caches
         self.device = kv_caches[0].device
         self.block_shape = (len(kv_caches), *kv_caches[0][:, 0].shape)
+        self.block_bytes = sum(cache[:, 0].nbytes for cache in kv_caches)
+        self.prefill_tokens_per_s: Callable[[], float | None] = lambda: None  # the engine's measure
+        self.disk_s_per_block: float | None = None  # EWMA of a file load's wall time (asked to polled) per block
+        self._lookups = 0
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
         self.file = file_tier
         self.offload_on_finish = offload_on_finish
+        self.always_load = always_load  # --kv-tier-load always: no measured choice
         self._loads: dict[str, _Load] = {}
         self._events: list[CacheEvent] = []
         self.queried = {MEDIUM_HOST: 0, MEDIUM_DISK: 0}  # blocks asked of each tier
@@ -160,38 +175,53 @@ class KVTiers:
         Host-tier blocks are taken by reference now: allocating the blocks to load them into may
         evict pool blocks into the host tier, and those would push these out."""
         found = Found([], [])
+        disk = self.file is not None and self.file.enabled and self._disk_pays()
         for block_hash in hashes:
             medium = None
             if self.host is not None:
                 self.queried[MEDIUM_HOST] += 1
                 if block_hash in self.host:
                     medium = MEDIUM_HOST
-            if medium is None and self.file is not None and self.file.enabled:
+            kv = self.host.get(block_hash) if medium == MEDIUM_HOST else None  # type: ignore[union-attr]
+            if medium is None and disk:
                 self.queried[MEDIUM_DISK] += 1
-                if self.file.contains(block_hash):
+                kv = self.file.queued(block_hash)  # type: ignore[union-attr]
+                if kv is not None or self.file.contains(block_hash):  # type: ignore[union-attr]
                     medium = MEDIUM_DISK
             if medium is None:
                 break
             self.found[medium] += 1
             found.mediums.append(medium)
-            found.host_kv.append(self.host.get(block_hash) if medium == MEDIUM_HOST else None)  # type: ignore[union-attr]
+            found.kv.append(kv)
         return found
+
+    def _disk_pays(self) -> bool:
+        """Loading from the file tier beats computing, as measured: a block's load (its wall time,
+        waits included) against its tokens' prefill. Unmeasured: load (and measure). One lookup in
+        EXPLORE_EVERY loads anyway, so a rate measured at a bad moment is measured again."""
+        self._lookups += 1
+        per_s = self.prefill_tokens_per_s()
+        if self.always_load or self.disk_s_per_block is None or not per_s or self._lookups % EXPLORE_EVERY == 0:
+            return True
+        return self.disk_s_per_block < self.block_shape[2] / per_s
 
     def start_load(self, job: str, hashes: list[bytes], found: Found, blocks: list[int]) -> int | None:
         """Fill ``blocks`` with ``hashes``' KV (``found`` by :meth:`lookup`). None while the file
         tier still reads (:meth:`poll` reports the job); else how many leading blocks are filled
-        (host blocks only: copied now)."""
+        (every block in memory: copied now)."""
         load = _Load(list(blocks), list(found.mediums))
         started = time.perf_counter()
-        for i, (kv, block) in enumerate(zip(found.host_kv, blocks)):
+        for i, (kv, block, medium) in enumerate(zip(found.kv, blocks, found.mediums)):
             if kv is None:
                 load.disk_positions.append(i)
-            else:
-                self._copy_in(block, kv)
+                continue
+            self._copy_in(block, kv)
+            self.disk_hits += medium == MEDIUM_DISK
         if self.host is not None:
             self.host.load_seconds += time.perf_counter() - started
         if not load.disk_positions:
             return len(load.blocks)
+        load.started = time.monotonic()
         self._loads[job] = load
         self.file.load(job, [hashes[i] for i in load.disk_positions])  # type: ignore[union-attr]
         return None
@@ -211,6 +241,10 @@ class KVTiers:
             for position, kv in zip(load.disk_positions, tensors):
                 self._copy_in(load.blocks[position], kv)
             self.disk_hits += len(tensors)
+            if tensors:
+                per_block = (time.monotonic() - load.started) / len(tensors)
+                old = self.disk_s_per_block
+                self.disk_s_per_block = per_block if old is None else old + _EWMA * (per_block - old)
             cut = load.disk_positions[len(tensors)] if len(tensors) < len(load.disk_positions) else len(load.blocks)
             self.lost += len(load.mediums) - cut
             done.append((job, cut))
@@ -247,7 +281,7 @@ class KVTiers:
                            "misses": self.queried[MEDIUM_DISK] - self.found[MEDIUM_DISK] + f.load_errors,
                            "load_seconds": f.load_seconds, "store_seconds": f.store_seconds,
                            "errors": f.load_errors + f.store_errors, "dropped": f.dropped,
-                           "load_bytes_per_s": f.loaded_bytes / f.load_seconds if f.load_seconds else 0.0}
+                           "load_bytes_per_s": self.block_bytes / self.disk_s_per_block if self.disk_s_per_block else 0.0}
         return out
 
     def close(self) -> None:

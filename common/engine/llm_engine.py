@@ -95,6 +95,7 @@ class LLMEngine:
         if self.kv_tiers is not None:
             self.scheduler.tiers = self.kv_tiers
             self.block_manager.on_evict = self.kv_tiers.offload
+            self.kv_tiers.prefill_tokens_per_s = lambda: self.step_meter.prefill_tokens_per_s
         self._requests: dict[str, Sequence] = {}
         self._finished_unreported: list[Sequence] = []  # aborted between steps
         self._ids = itertools.count()
@@ -115,7 +116,8 @@ class LLMEngine:
             file_tier = FileTier(cfg.kv_disk_dir, self.scheduler.cache_root.hex(), cfg.kv_disk_bytes, shape,
                                  layout.torch_dtype)
             file_tier.start()
-        return KVTiers(self.kv_caches, cfg.kv_host_bytes, file_tier, cfg.kv_offload_on_finish)
+        return KVTiers(self.kv_caches, cfg.kv_host_bytes, file_tier, cfg.kv_offload_on_finish,
+                       always_load=cfg.kv_tier_load == "always")
 
     def _default_num_blocks(self, model: torch.nn.Module) -> int:
         per_block = self.kv_layout.bytes_per_block_per_layer() * self.kv_layout.num_layers

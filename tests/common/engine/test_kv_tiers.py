@@ -19,7 +19,10 @@ from common.engine.llm_engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-POOL = dict(device="cpu", num_kv_blocks=16, block_size=16)  # 256 tokens: two 100-token prompts evict a third's
+# 256 tokens: two 100-token prompts evict a third's. Tiers load whatever they hold: the tiny model's
+# prefill beats a file load, which --kv-tier-load auto would measure and skip
+POOL = dict(device="cpu", num_kv_blocks=16, block_size=16)
+TIERS = dict(POOL, kv_tier_load="always")
 
 
 def prompts(n: int, length: int = 100, seed: int = 0) -> list[list[int]]:
@@ -65,7 +68,7 @@ def test_block_file_round_trip_and_damage():
 
 
 def test_evicted_prefix_comes_back_from_disk_and_a_second_engine_shares_it(tmp_path, reference):
-    a = LLMEngine(EngineConfig(**POOL, kv_disk_dir=str(tmp_path)))
+    a = LLMEngine(EngineConfig(**TIERS, kv_disk_dir=str(tmp_path)))
     ps = prompts(4)
     for i, p in enumerate(ps):  # each one evicts an earlier one's blocks: they go to files
         assert ask(a, p, f"a{i}") == (reference[tuple(p)], 0)
@@ -75,14 +78,14 @@ def test_evicted_prefix_comes_back_from_disk_and_a_second_engine_shares_it(tmp_p
     disk = a.kv_tiers.stats()["disk"]
     assert disk["hits"] >= 6 and disk["errors"] == 0 and disk["blocks"] > 0
     written(a)
-    b = LLMEngine(EngineConfig(**POOL, kv_disk_dir=str(tmp_path)))  # another node, the same directory
+    b = LLMEngine(EngineConfig(**TIERS, kv_disk_dir=str(tmp_path)))  # another node, the same directory
     assert ask(b, ps[1], "b") == (reference[tuple(ps[1])], 96)
     assert b.kv_tiers.stats()["disk"]["hits"] == 6
     assert b.block_manager.num_free_blocks == b.block_manager.num_blocks
 
 
 def test_damaged_files_are_recomputed_and_counted(tmp_path, reference):
-    a = LLMEngine(EngineConfig(**POOL, kv_disk_dir=str(tmp_path)))
+    a = LLMEngine(EngineConfig(**TIERS, kv_disk_dir=str(tmp_path)))
     ps = prompts(4)
     for i, p in enumerate(ps):
         ask(a, p, f"a{i}")
@@ -93,7 +96,7 @@ def test_damaged_files_are_recomputed_and_counted(tmp_path, reference):
         data = bytearray(f.read_bytes())
         data[-5] ^= 0xFF
         f.write_bytes(bytes(data))
-    b = LLMEngine(EngineConfig(**POOL, kv_disk_dir=str(tmp_path)))
+    b = LLMEngine(EngineConfig(**TIERS, kv_disk_dir=str(tmp_path)))
     tokens, cached = ask(b, ps[0], "b")
     assert tokens == reference[tuple(ps[0])] and cached == 0
     assert b.kv_tiers.stats()["disk"]["errors"] >= 1
@@ -103,7 +106,7 @@ def test_damaged_files_are_recomputed_and_counted(tmp_path, reference):
 def test_full_disk_and_unusable_directory_serve_without_the_tier(tmp_path, monkeypatch, reference):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
-    e = LLMEngine(EngineConfig(**POOL, kv_disk_dir=str(not_a_dir / "kv")))
+    e = LLMEngine(EngineConfig(**TIERS, kv_disk_dir=str(not_a_dir / "kv")))
     assert not e.kv_tiers.enabled and e.kv_tiers.stats()["disk"]["errors"] == 1
     p = prompts(1)[0]
     assert ask(e, p, "x") == (reference[tuple(p)], 0)
@@ -112,7 +115,7 @@ def test_full_disk_and_unusable_directory_serve_without_the_tier(tmp_path, monke
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(FileTier, "_write", full)
-    f = LLMEngine(EngineConfig(**POOL, kv_disk_dir=str(tmp_path / "kv")))
+    f = LLMEngine(EngineConfig(**TIERS, kv_disk_dir=str(tmp_path / "kv")))
     ps = prompts(4)
     for i, p in enumerate(ps + ps[:1]):
         assert ask(f, p, f"f{i}")[0] == reference[tuple(p)]
@@ -123,7 +126,7 @@ def test_full_disk_and_unusable_directory_serve_without_the_tier(tmp_path, monke
 
 def test_host_tier_on_cpu_and_demotion_to_disk(tmp_path, reference):
     block_bytes = 4 * 2 * 16 * 2 * 64 * 4  # layers x K,V x block x kv heads x head dim x float32
-    e = LLMEngine(EngineConfig(**POOL, kv_host_bytes=8 * block_bytes, kv_disk_dir=str(tmp_path)))
+    e = LLMEngine(EngineConfig(**TIERS, kv_host_bytes=8 * block_bytes, kv_disk_dir=str(tmp_path)))
     ps = prompts(4)
     for i, p in enumerate(ps):
         ask(e, p, f"e{i}")
@@ -165,7 +168,7 @@ def test_ten_thousand_cancelled_loads_leak_nothing(tmp_path):
 
 
 def test_requests_aborted_while_loading_free_their_blocks(tmp_path):
-    e = LLMEngine(EngineConfig(**POOL, kv_disk_dir=str(tmp_path)))
+    e = LLMEngine(EngineConfig(**TIERS, kv_disk_dir=str(tmp_path)))
     ps = prompts(4)
     for i, p in enumerate(ps):
         ask(e, p, f"a{i}")
@@ -178,3 +181,20 @@ def test_requests_aborted_while_loading_free_their_blocks(tmp_path):
         e.step()
     assert not e.scheduler.loading and e.kv_tiers.pending_loads == 0
     assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
+
+
+def test_a_file_tier_slower_than_prefill_is_skipped_but_measured_again(tmp_path):
+    caches = [torch.zeros(2, 4, 16, 2, 8)]
+    file_tier = FileTier(str(tmp_path), "ns", 1 << 30, (1, 2, 16, 2, 8), torch.float32)
+    assert file_tier.start()
+    tiers = KVTiers(caches, 0, file_tier)
+    file_tier.put(b"h" * 16, torch.randn(1, 2, 16, 2, 8))
+    assert file_tier.drain(10.0)
+    assert len(tiers.lookup([b"h" * 16])) == 1  # nothing measured yet: load
+    tiers.prefill_tokens_per_s = lambda: 16_000.0  # a block's 16 tokens in 1 ms
+    tiers.disk_s_per_block = 0.0005
+    assert len(tiers.lookup([b"h" * 16])) == 1
+    tiers.disk_s_per_block = 0.002  # loading costs more than computing
+    found = [len(tiers.lookup([b"h" * 16])) for _ in range(2 * 16)]
+    assert found.count(1) == 2 and found.count(0) == 30  # only the exploring lookups load
+    file_tier.close()
