@@ -139,26 +139,19 @@ def process_specs(options: UpOptions, model_args: tuple[str, ...]) -> list[Proce
              "--registry-port", str(options.registry_port), *options.proxy_args),
         ),
     ]
-    for i in range(options.prefill_nodes):
-        port, kv_port = options.prefill_port + i, options.prefill_kv_port + i * options.prefill_kv_ranks
-        module, role = ("pdserve.cli", ("prefill",)) if options.flippable else ("prefill_node", ())
-        specs.append(ProcessSpec(
-            f"prefill-{i}" if i else "prefill", module, port,
-            (port, *kv_ports(kv_port, options.prefill_kv_ranks)),
-            (*role, "--port", str(port), "--kv-port", str(kv_port),
-             "--tensor-parallel-size", str(options.prefill_tp), "--kv-ranks", str(options.prefill_kv_ranks),
-             "--proxy", registry, *model_args, *KV_PARAMS_ON_LOOPBACK, *options.prefill_args),
-        ))
-    for i in range(options.decode_nodes):
-        port, kv_port = options.decode_port + i, options.decode_kv_port + i * options.decode_tp
-        module, role = ("pdserve.cli", ("decode",)) if options.flippable else ("decode_node", ())
-        specs.append(ProcessSpec(
-            f"decode-{i}" if i else "decode", module, port,
-            (port, *kv_ports(kv_port, options.decode_tp)),
-            (*role, "--port", str(port), "--kv-port", str(kv_port),
-             "--tensor-parallel-size", str(options.decode_tp), "--proxy", registry, *model_args,
-             *KV_PARAMS_ON_LOOPBACK, *options.decode_args),
-        ))
+    roles = (("prefill", options.prefill_nodes, options.prefill_port, options.prefill_kv_port, options.prefill_kv_ranks,
+              options.prefill_tp, ("--kv-ranks", str(options.prefill_kv_ranks)), options.prefill_args),
+             ("decode", options.decode_nodes, options.decode_port, options.decode_kv_port, options.decode_tp,
+              options.decode_tp, (), options.decode_args))
+    for role, count, first_port, first_kv_port, ranks, tp, role_args, extra in roles:
+        module, command = ("pdserve.cli", (role,)) if options.flippable else (f"{role}_node", ())
+        for i in range(count):
+            port, kv_port = first_port + i, first_kv_port + i * ranks
+            specs.append(ProcessSpec(
+                f"{role}-{i}" if i else role, module, port, (port, *kv_ports(kv_port, ranks)),
+                (*command, "--port", str(port), "--kv-port", str(kv_port), "--tensor-parallel-size", str(tp),
+                 *role_args, "--proxy", registry, *model_args, *KV_PARAMS_ON_LOOPBACK, *extra),
+            ))
     return specs
 
 

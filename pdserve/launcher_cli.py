@@ -20,6 +20,7 @@ import signal
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from pdserve import launcher
@@ -43,27 +44,24 @@ def port_number(text: str) -> int:
     return port
 
 
-def tp_size(text: str) -> int:
-    try:
-        size = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 1 <= size <= MAX_TP_SIZE:
-        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_TP_SIZE} (got {size})")
-    return size
+def whole_number(high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from 1 to ``high``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not 1 <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between 1 and {high} (got {value})")
+        return value
+
+    return parse
 
 
 MAX_NODES_PER_ROLE = 16
-
-
-def node_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= MAX_NODES_PER_ROLE:
-        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_NODES_PER_ROLE} (got {value})")
-    return value
+tp_size = whole_number(MAX_TP_SIZE)
+node_count = whole_number(MAX_NODES_PER_ROLE)
 
 
 def planner_args(args: argparse.Namespace) -> tuple[str, ...]:
