@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from helpers import zygote
 from helpers.ports import free_port, free_port_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +28,7 @@ MODULES = {"both": "pdserve.cli", "prefill": "prefill_node", "decode": "decode_n
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | zygote.Forked
     port: int
     log: Path
     kv_port: int | None = None
@@ -124,8 +125,14 @@ def start(role: str, tmp: Path, *args: str, name: str | None = None, wait: bool 
     return _ready(proc) if wait else proc
 
 
-def _spawn(cmd: list[str], log: Path, mode: str) -> subprocess.Popen:
+def _spawn(cmd: list[str], log: Path, mode: str) -> subprocess.Popen | zygote.Forked:
+    """``cmd`` started as its own session, logging to ``log``: forked by the test process's zygote
+    (helpers/zygote.py: the libraries are imported once), or a plain Popen with ``PDSERVE_TEST_FORK=0``."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    open(log, mode).close()  # there (and empty unless appending) once this returns, as Popen's would be
+    forked = zygote.spawn(cmd, log, env, ROOT)
+    if forked is not None:
+        return forked
     with open(log, mode) as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
 
