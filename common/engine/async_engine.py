@@ -65,7 +65,7 @@ class AsyncLLMEngine:
         self._busy_since: float | None = None  # when the thread's current iteration with work began
         tiers = self.engine.kv_tiers
         if tiers is not None and tiers.file is not None:
-            tiers.file.on_loaded = self.wake  # a file load finished: its request can run
+            tiers.file.on_news = self.wake  # a load finished (its request can run), a file came or went (events)
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:

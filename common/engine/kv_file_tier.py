@@ -86,14 +86,15 @@ def decode_block(data: bytes | bytearray, shape: tuple[int, ...], dtype: torch.d
 class FileTier:
     """Blocks as files under ``directory/namespace``, at most ``max_bytes`` of them known to this node.
 
-    ``on_loaded``: called from the loader thread when a job finishes (wakes the engine thread)."""
+    ``on_news``: called from the loader or writer thread when a job finished or a file was written or
+    deleted (wakes the engine thread: a request can run, KV events are to be sent)."""
 
     def __init__(self, directory: str, namespace: str, max_bytes: int, block_shape: tuple[int, ...],
-                 dtype: torch.dtype, on_loaded: Callable[[], None] = lambda: None) -> None:
+                 dtype: torch.dtype, on_news: Callable[[], None] = lambda: None) -> None:
         self.dir = Path(directory) / namespace
         self.max_bytes = max_bytes
         self.block_shape, self.dtype = tuple(block_shape), dtype
-        self.on_loaded = on_loaded
+        self.on_news = on_news
         self.enabled = False
         self._files: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recent first
         self._lock = threading.Lock()  # guards _files (writer, loader and engine threads)
@@ -224,6 +225,11 @@ class FileTier:
         return out
 
     @property
+    def has_news(self) -> bool:
+        """Finished loads or file changes wait for the engine thread."""
+        return bool(self._loaded or self._changes)
+
+    @property
     def blocks(self) -> int:
         return len(self._files)
 
@@ -264,6 +270,7 @@ class FileTier:
             self.bytes += size
         self._changes.append((True, block_hash))
         self._trim()
+        self.on_news()
 
     def _write(self, block_hash: bytes, data: bytes) -> int:
         """Write-then-rename: the final name appears only with every byte on disk."""
@@ -308,7 +315,7 @@ class FileTier:
             self.blocks_read += len(tensors)
             self.load_seconds += time.perf_counter() - started
             self._loaded.append((job, tensors))
-            self.on_loaded()
+            self.on_news()
 
     def _read(self, block_hash: bytes) -> torch.Tensor | None:
         path = self._path(block_hash)

@@ -132,6 +132,11 @@ class KVTiers:
         return self.host is not None or (self.file is not None and self.file.enabled)
 
     @property
+    def has_news(self) -> bool:
+        """Something for :meth:`poll`: a finished load, or tier changes for the KV events."""
+        return bool(self._events) or (self.file is not None and self.file.has_news)
+
+    @property
     def pending_loads(self) -> int:
         """Loads started and neither polled nor cancelled (0 when idle: nothing leaks)."""
         return len(self._loads)

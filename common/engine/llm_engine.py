@@ -170,7 +170,7 @@ class LLMEngine:
     def has_schedulable_work(self) -> bool:
         """True when ``step`` would compute, report or hand the worker side something right away."""
         return (self.scheduler.has_schedulable_work() or bool(self._finished_unreported)
-                or self.connector.scheduler.has_pending())
+                or self.connector.scheduler.has_pending() or (self.kv_tiers is not None and self.kv_tiers.has_news))
 
     def is_idle(self) -> bool:
         """Nothing held: no request queued, running, parked for KV or held for a send."""

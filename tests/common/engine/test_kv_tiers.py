@@ -198,3 +198,18 @@ def test_a_file_tier_slower_than_prefill_is_skipped_but_measured_again(tmp_path)
     found = [len(tiers.lookup([b"h" * 16])) for _ in range(2 * 16)]
     assert found.count(1) == 2 and found.count(0) == 30  # only the exploring lookups load
     file_tier.close()
+
+
+def test_tier_changes_reach_the_kv_events_with_their_medium(tmp_path):
+    e = LLMEngine(EngineConfig(**TIERS, kv_disk_dir=str(tmp_path)))
+    events = []
+    e.block_manager.events = events.append
+    for i, p in enumerate(prompts(3)):
+        ask(e, p, f"e{i}")
+    written(e)
+    while e.has_schedulable_work():  # files written since the last step are news: a step sends them out
+        e.step()
+    disk = [ev for ev in events if getattr(ev, "medium", None) == "DISK"]
+    assert disk and all(type(ev).__name__ == "BlockStored" for ev in disk)
+    assert {ev.block_hashes[0] for ev in disk} == set(e.kv_tiers.file._files)
+    assert not e.has_schedulable_work()
