@@ -26,7 +26,7 @@ import logging
 import shlex
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -102,6 +102,7 @@ class PlannerLoop:
         self._itl: dict[GroupKey, deque[tuple[float, float, float]]] = {}
         self._mean_prompt: dict[GroupKey, float] = {}
         self._last: dict[GroupKey, tuple[str, str]] = {}
+        self._moved: dict[str, tuple[str, int, float]] = {}  # address -> the role and epoch a flip gave it, when
         self.client = client  # run() opens its own when None
 
     async def run(self) -> None:
@@ -123,8 +124,9 @@ class PlannerLoop:
         busy = {n.group for n in self.registry.nodes() if getattr(n.info, "role_state", None) not in (None, "serving")}
         for group in self.registry.groups():
             key = (group.model, group.kv_fingerprint)
+            group, settling = self._current(group)
             load = await self.look(group)
-            if key in busy:  # a flip is draining or failed in this group: one at a time
+            if key in busy or settling:  # a flip drains, failed, or has not re-registered yet: one at a time
                 continue
             planner = self._planners.setdefault(key, Planner(self.options))
             decision = planner.decide(load, time.monotonic())
@@ -132,6 +134,32 @@ class PlannerLoop:
             self.export(group, decision)
             if decision.action in ("flip", "hook"):
                 await self.act(planner, group, decision)
+
+    def _current(self, group: Group) -> tuple[Group, bool]:
+        """``group`` without the entries of a role a node has left (an address listed in both roles
+        keeps its higher role epoch; one this planner flipped keeps only its new role), and whether a
+        node this planner flipped is still to re-register in its new role."""
+        epoch = {}
+        for n in group.prefills + group.decodes:
+            epoch[n.info.http_address] = max(epoch.get(n.info.http_address, 0), _epoch(n))
+        now, settling = time.monotonic(), False
+        for address, (role, moved_epoch, at) in list(self._moved.items()):
+            registered = any(n.info.http_address == address and n.info.type == role and _epoch(n) >= moved_epoch
+                             for n in group.prefills + group.decodes)
+            if registered or now - at > self.options.planner_flip_timeout_s:
+                if not registered:
+                    logger.warning("planner: %s flipped to %s (epoch %d) but has not registered so within %g s",
+                                   address, ROLE_NAMES[role], moved_epoch, self.options.planner_flip_timeout_s)
+                del self._moved[address]
+            else:
+                settling = True
+
+        def live(n: Node) -> bool:
+            moved = self._moved.get(n.info.http_address)
+            return _epoch(n) == epoch[n.info.http_address] and (moved is None or n.info.type == moved[0])
+
+        return replace(group, prefills=tuple(filter(live, group.prefills)),
+                       decodes=tuple(filter(live, group.decodes))), settling
 
     # -- look ---------------------------------------------------------------------
 
@@ -143,7 +171,7 @@ class PlannerLoop:
         views, tokens, requests, seconds = [], 0.0, 0.0, 0.0
         itl = self._itl.setdefault(key, deque(maxlen=MAX_ITL_SAMPLES))
         for node, text in zip(nodes, texts):
-            epoch = getattr(node.info, "role_epoch", None) or 0
+            epoch = _epoch(node)
             node_key = (node.info.type, node.info.http_address, epoch)
             warm = now - self._first_seen.setdefault(node_key, now) >= self.options.planner_warmup_s
             views.append(NodeView(node.info.type, node.info.http_address, warm, epoch,
@@ -187,8 +215,7 @@ class PlannerLoop:
         while itl and now - itl[0][0] > ITL_SAMPLE_TTL_S:
             itl.popleft()
         if len(self._first_seen) > 4 * self.registry.max_nodes:  # nodes come and go: keep the tables bounded
-            live = {(n.info.type, n.info.http_address, getattr(n.info, "role_epoch", None) or 0)
-                    for n in self.registry.nodes()}
+            live = {(n.info.type, n.info.http_address, _epoch(n)) for n in self.registry.nodes()}
             for table in (self._first_seen, self._counters):
                 for stale in [k for k in table if k not in live]:
                     del table[stale]
@@ -242,6 +269,7 @@ class PlannerLoop:
             return "failed"
         if response.status_code == 200:
             answer = response.json()
+            self._moved[node.address] = (decision.target or "P", int(answer.get("epoch") or 0), time.monotonic())
             logger.info("planner: %s is now %s (epoch %s): flip %.3f s, drain %.3f s", node.address,
                         answer.get("role"), answer.get("epoch"), answer.get("flip_s", 0.0), answer.get("drain_s", 0.0))
             return "ok"
@@ -275,6 +303,10 @@ class PlannerLoop:
         logger.log(logging.INFO if ok else logging.WARNING, "planner: hook %s with %s: %s", hook, payload,
                    "ok" if ok else detail)
         return "ok" if ok else "failed"
+
+
+def _epoch(node: Node) -> int:
+    return getattr(node.info, "role_epoch", None) or 0
 
 
 def _ms(seconds: float | None) -> str:

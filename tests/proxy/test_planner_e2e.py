@@ -1,5 +1,5 @@
 """The planner against real processes (issue 36): a proxy with ``--planner on`` in front of one
-prefill and two decode daemons (``pdserve prefill|decode``, which can flip; the embedded tiny model). Long prompts arrive: the prefill node's
+prefill and two decode daemons (``pdserve prefill|decode``, which can flip; the embedded tiny model). Long prompts arrive (two clients): the prefill node's
 queue passes the TTFT SLO while the decode nodes idle, so a decode node is flipped to prefill.
 Then the long prompts stop and chat with long answers comes: the one decode node left passes the
 ITL SLO while one prefill node carries the short prompts, so a prefill node goes back to decode.
@@ -81,7 +81,7 @@ def wait_for_nodes(url: str, want: dict[str, int], timeout: float, log: Path) ->
 def test_flips_a_decode_node_to_prefill_for_long_prompts_and_back_for_long_answers(cluster):
     url = cluster.url
     assert nodes(url) == {"P": 1, "D": 2}
-    long_prompts = Load(url, "the quick brown fox jumps over the lazy dog " * 120, max_tokens=1, clients=4)
+    long_prompts = Load(url, "the quick brown fox jumps over the lazy dog " * 120, max_tokens=1, clients=2)
     try:
         wait_for_nodes(url, {"P": 2, "D": 1}, 20, cluster.log)
     finally:

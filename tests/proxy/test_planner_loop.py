@@ -115,15 +115,21 @@ def test_observe_exports_the_flip_and_sends_nothing(daemons):
     assert not any(d.flips for d in daemons)
 
 
-def test_on_flips_one_decode_node_then_cools_down(daemons):
-    loop, metrics = make_loop(registry_with(daemons))
+def test_on_flips_one_decode_node_and_waits_for_it_to_register_as_prefill(daemons):
+    registry = registry_with(daemons)
+    loop, metrics = make_loop(registry)
     ticks(loop, 3)
     flips = [(d, body) for d in daemons for body, _ in d.flips]
-    assert len(flips) == 1, flips  # the next looks fall in the cool-down
+    assert len(flips) == 1, flips
     daemon, body = flips[0]
     assert daemon in daemons[1:] and body == {"role": "prefill", "epoch": 0}
-    assert 'pdserve:planner_decisions_total{action="hold",from="",reason="cooldown",to="prefill"} 2.0' in exported(
+    # until the node registers as prefill, nothing is decided (its decode entry is the role it left)
+    assert 'reason="cooldown"' not in exported(metrics)
+    registry.register(heartbeat("P", daemon, role_epoch=1, prefill_tokens_per_s=1000.0, pending_prefill_tokens=6000))
+    ticks(loop, 2)  # still over, and the one decode node left is the last
+    assert 'pdserve:planner_decisions_total{action="hold",from="",reason="last_node",to="prefill"} 2.0' in exported(
         metrics)
+    assert len([b for d in daemons for b in d.flips]) == 1
     daemon.flips.clear()
 
 
