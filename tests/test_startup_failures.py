@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import zygote
 from helpers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,8 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _pdserve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": os.environ.get("HOME", "/tmp"),
             "PDSERVE_MODEL": "embedded"}
-    return subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=180, env={**base, **(env or {})})
+    return zygote.run([sys.executable, "-m", "pdserve.cli", *args], cwd=ROOT, timeout=180, env={**base, **(env or {})})
 
 
 def _error_line(proc: subprocess.CompletedProcess) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from helpers import zygote
 from helpers.ports import free_port
 from helpers.serve_process import serving
 
@@ -20,9 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pdserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
+    return zygote.run([sys.executable, "-m", "pdserve.cli", *args], timeout=timeout, cwd=ROOT)
 
 
 def test_help_lists_subcommands() -> None:

@@ -110,13 +110,11 @@ def _become(req: dict) -> None:
     import runpy
 
     os.setsid()
-    log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.close(null)
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_APPEND),
+                            (2, req["stderr"], os.O_WRONLY | os.O_APPEND)):
+        opened = os.open(path, flags)
+        os.dup2(opened, fd)
+        os.close(opened)
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
@@ -165,8 +163,9 @@ class Zygote:
     """This test process's zygote: started at the first spawn, ended when this process ends."""
 
     def __init__(self, env: dict[str, str], cwd: Path) -> None:
+        # one intra-op thread, as every node the tests start asks (OpenMP reads it when torch loads)
         self._proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      env=env, cwd=cwd, start_new_session=True)
+                                      env=dict(env, OMP_NUM_THREADS="1"), cwd=cwd, start_new_session=True)
         self._lock = threading.Lock()
         self._next_id = 0
         self._started: dict[int, int] = {}
@@ -176,13 +175,13 @@ class Zygote:
         self.alive = True
         threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
 
-    def spawn(self, cmd: list[str], log: Path, env: dict[str, str], cwd: Path) -> Forked:
+    def spawn(self, cmd: list[str], stdout: Path, stderr: Path, env: dict[str, str], cwd: Path) -> Forked:
         assert cmd[1] == "-m", cmd
         with self._lock:
             self._next_id += 1
             req_id = self._next_id
-            _send(self._proc.stdin.fileno(), {"id": req_id, "module": cmd[2], "args": cmd[3:], "log": str(log),
-                                              "env": env, "cwd": str(cwd)})
+            _send(self._proc.stdin.fileno(), {"id": req_id, "module": cmd[2], "args": cmd[3:], "stdout": str(stdout),
+                                              "stderr": str(stderr), "env": env, "cwd": str(cwd)})
             if not self._started_cv.wait_for(lambda: req_id in self._started or not self.alive, timeout=30):
                 raise RuntimeError("the test zygote did not fork in 30 s")
             if not self.alive:
@@ -215,18 +214,46 @@ _zygote: Zygote | None = None
 _zygote_pid = 0
 
 
-def spawn(cmd: list[str], log: Path, env: dict[str, str], cwd: Path) -> Forked | None:
-    """``cmd`` (``[python, "-m", module, *args]``) forked by this process's zygote, appending to
-    ``log`` (which the caller made), or None when
+def spawn(cmd: list[str], log: Path, env: dict[str, str], cwd: Path, stderr: Path | None = None) -> Forked | None:
+    """``cmd`` (``[python, "-m", module, *args]``) forked by this process's zygote, appending its
+    output to ``log`` (and its errors to ``stderr`` if given; the caller made both), or None when
     forking is off (``PDSERVE_TEST_FORK=0``) or the command is not a ``-m`` run of this Python.
-    The zygote is started with the first call's environment: its libraries read theirs (e.g.
-    ``OMP_NUM_THREADS``) at import."""
+    The zygote is started with the first call's environment and ``OMP_NUM_THREADS=1``: its libraries
+    read theirs at import, before any child's environment is set."""
     global _zygote, _zygote_pid
     if os.environ.get("PDSERVE_TEST_FORK", "1") == "0" or cmd[:2] != [sys.executable, "-m"]:
         return None
     if _zygote is None or not _zygote.alive or _zygote_pid != os.getpid():
         _zygote, _zygote_pid = Zygote(env, cwd), os.getpid()
-    return _zygote.spawn(cmd, log, env, cwd)
+    return _zygote.spawn(cmd, log, stderr or log, env, cwd)
+
+
+def run(cmd: list[str], *, cwd: Path, env: dict[str, str] | None = None, timeout: float | None = None,
+        check: bool = False) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, ...)``, the command forked by the zygote
+    when it is a ``-m`` run of this Python (``--help``, a start-up that fails: most of their time was
+    imports)."""
+    import tempfile
+
+    env = dict(os.environ if env is None else env)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        out.touch()
+        err.touch()
+        proc = spawn(cmd, out, env, cwd, stderr=err)
+        if proc is None:
+            return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=check)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        done = subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
+    if check:
+        done.check_returncode()
+    return done
 
 
 if __name__ == "__main__":

@@ -86,11 +86,11 @@ def test_python_m_proxy_serves_and_rejects_bad_flags():
     import subprocess
     import sys
 
+    from helpers import zygote
     from helpers.ports import free_port
 
     root = Path(__file__).resolve().parents[2]
-    bad = subprocess.run([sys.executable, "-m", "proxy", "--policy", "random"], capture_output=True, text=True,
-                         timeout=30, cwd=root)
+    bad = zygote.run([sys.executable, "-m", "proxy", "--policy", "random"], timeout=30, cwd=root)
     assert bad.returncode == 2 and "--policy" in bad.stderr
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "proxy", "--port", str(port), "--registry-port", "0"],

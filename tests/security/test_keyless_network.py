@@ -13,12 +13,13 @@ import sys
 
 import msgpack
 import pytest
-
-from common.config import routable_host
+from helpers import zygote
 from helpers.cluster import ROOT, start, stop_all
 from helpers.ports import free_port
 from helpers.waiting import wait_for
 from helpers.zmq_peer import raw_dealer
+
+from common.config import routable_host
 from common.node.startup import START_FAILED_EXIT_CODE
 from proxy.registry import ServiceRegistry
 
@@ -27,8 +28,8 @@ needs_address = pytest.mark.skipif(ADDRESS is None, reason="this host has no add
 
 
 def _run(module: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    return zygote.run([sys.executable, "-m", module, *args], timeout=120, cwd=ROOT,
+                      env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
 
 
 @needs_address
