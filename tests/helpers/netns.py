@@ -35,6 +35,7 @@ from pathlib import Path
 
 from common.config import ROLE_HTTP_PORTS, ROLE_KV_PORTS
 from pdserve.launcher import is_alive
+from helpers import zygote
 from helpers.cluster import MODULES, ROOT, Proc
 from proxy.config import ProxyConfig
 
@@ -185,7 +186,7 @@ class Bed:
             port, kv_port = ProxyConfig().port, ProxyConfig().registry_port
         else:
             port, kv_port = ROLE_HTTP_PORTS[role], ROLE_KV_PORTS[role]
-        cmd = ["ip", "netns", "exec", host.ns, sys.executable, "-m", MODULES[role]]
+        cmd = [sys.executable, "-m", MODULES[role]]
         if role == "both":
             cmd.append("serve")
         cmd += ["--host", "0.0.0.0", "--port", str(port)]
@@ -198,9 +199,12 @@ class Bed:
         cmd += list(args)
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         log = tmp / f"{name}.log"
-        with open(log, "wb") as out:
-            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                     start_new_session=True)
+        open(log, "wb").close()
+        popen = zygote.spawn(cmd, log, env, ROOT, netns=host.ns)  # forked into the namespace (helpers/zygote.py)
+        if popen is None:
+            with open(log, "ab") as out:
+                popen = subprocess.Popen(["ip", "netns", "exec", host.ns, *cmd], stdout=out, stderr=subprocess.STDOUT,
+                                         env=env, cwd=ROOT, start_new_session=True)
         proc = NsProc(name, popen, port, log, kv_port, list(args), host=host)
         self.procs.append(proc)
         if wait:

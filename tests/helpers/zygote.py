@@ -110,6 +110,13 @@ def _become(req: dict) -> None:
     import runpy
 
     os.setsid()
+    if req.get("netns"):  # what ``ip netns exec NS`` does for a process that only needs the network
+        import ctypes
+
+        fd = os.open(f"/var/run/netns/{req['netns']}", os.O_RDONLY)
+        if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns {req['netns']}")
+        os.close(fd)
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_APPEND),
                             (2, req["stderr"], os.O_WRONLY | os.O_APPEND)):
         opened = os.open(path, flags)
@@ -175,13 +182,15 @@ class Zygote:
         self.alive = True
         threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
 
-    def spawn(self, cmd: list[str], stdout: Path, stderr: Path, env: dict[str, str], cwd: Path) -> Forked:
+    def spawn(self, cmd: list[str], stdout: Path, stderr: Path, env: dict[str, str], cwd: Path,
+              netns: str | None = None) -> Forked:
         assert cmd[1] == "-m", cmd
         with self._lock:
             self._next_id += 1
             req_id = self._next_id
             _send(self._proc.stdin.fileno(), {"id": req_id, "module": cmd[2], "args": cmd[3:], "stdout": str(stdout),
-                                              "stderr": str(stderr), "env": env, "cwd": str(cwd)})
+                                              "stderr": str(stderr), "env": env, "cwd": str(cwd),
+                                              "netns": netns})
             if not self._started_cv.wait_for(lambda: req_id in self._started or not self.alive, timeout=30):
                 raise RuntimeError("the test zygote did not fork in 30 s")
             if not self.alive:
@@ -214,9 +223,11 @@ _zygote: Zygote | None = None
 _zygote_pid = 0
 
 
-def spawn(cmd: list[str], log: Path, env: dict[str, str], cwd: Path, stderr: Path | None = None) -> Forked | None:
+def spawn(cmd: list[str], log: Path, env: dict[str, str], cwd: Path, stderr: Path | None = None,
+          netns: str | None = None) -> Forked | None:
     """``cmd`` (``[python, "-m", module, *args]``) forked by this process's zygote, appending its
-    output to ``log`` (and its errors to ``stderr`` if given; the caller made both), or None when
+    output to ``log`` (and its errors to ``stderr`` if given; the caller made both), in network
+    namespace ``netns`` if given, or None when
     forking is off (``PDSERVE_TEST_FORK=0``) or the command is not a ``-m`` run of this Python.
     The zygote is started with the first call's environment and ``OMP_NUM_THREADS=1``: its libraries
     read theirs at import, before any child's environment is set."""
@@ -225,7 +236,7 @@ def spawn(cmd: list[str], log: Path, env: dict[str, str], cwd: Path, stderr: Pat
         return None
     if _zygote is None or not _zygote.alive or _zygote_pid != os.getpid():
         _zygote, _zygote_pid = Zygote(env, cwd), os.getpid()
-    return _zygote.spawn(cmd, log, stderr or log, env, cwd)
+    return _zygote.spawn(cmd, log, stderr or log, env, cwd, netns)
 
 
 def run(cmd: list[str], *, cwd: Path, env: dict[str, str] | None = None, timeout: float | None = None,
