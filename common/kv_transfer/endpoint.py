@@ -21,7 +21,7 @@ from common.kv_layout import KVLayout
 from common.kv_transfer.config import TransferConfig, TransferStats
 from common.kv_transfer.consumer import KVConsumer
 from common.kv_transfer.control import ControlPlane, split_address
-from common.kv_transfer.messages import Error, Message
+from common.kv_transfer.messages import Abort, Error, Message
 from common.kv_transfer.producer import KVProducer
 from common.kv_transfer.transport import check_mode
 
@@ -130,6 +130,12 @@ class KVEndpoint:
     def _on_dealer(self, address: str, msg: Message) -> None:
         if self._consumer is not None:
             self._consumer.handle(address, msg)
+
+    def release_remote(self, request_id: str, prefill_addr: str, connect: bool) -> None:
+        """Tell the producer at ``prefill_addr`` to drop ``request_id``'s KV, whatever this endpoint's
+        half: a node that refuses a decode leg it no longer serves (a role flip, common/node/role_flip.py)
+        frees the prefill node's KV now, not at its lease's end. ``connect``: as for the consumer's."""
+        self.control.send(prefill_addr, Abort(request_id=request_id), connect=connect)
 
     def pair_counts(self) -> dict[str, int]:
         """Live data-plane pairs by transport, both halves together (for /metrics)."""

@@ -142,6 +142,19 @@ class RoleFlipper:
         with self._lock:
             self.in_flight -= 1
 
+    def release_refused(self, request_id: str | None, signature: str | None) -> None:
+        """A decode leg refused here (draining, or this node is now prefill): tell its prefill node to
+        drop the KV it holds for it, which nobody will pull (the proxy runs the request on another pair),
+        so that node's own drain or cache is not held until the lease ends. With a cluster key only for
+        an id the proxy signed; keyless only to a prefill node --kv-peers or the registry vouches for."""
+        tags, daemon = parse_tags(request_id), self.daemon
+        if request_id is None or tags is None or tags.local_prefill or tags.decode_addr != daemon.config.kv_addr:
+            return
+        if daemon.key is not None and daemon.key.check_id(request_id, signature, "decode") is not None:
+            return
+        if daemon.transfer is not None and (daemon.key is not None or daemon.vouched_prefill(tags.prefill_addr)):
+            daemon.transfer.release_remote(request_id, tags.prefill_addr, connect=True)
+
     def _leg_role(self, request_id: str | None) -> str | None:
         """Which role's leg a tagged id is at this node: the slot that names this node's KV address."""
         tags = parse_tags(request_id)

@@ -36,6 +36,7 @@ from common.serving.errors import REQUEST_ID_HEADER, OpenAIError
 
 logger = logging.getLogger(__name__)
 ROLE_PATH = "/admin/role"
+_ID, _SIG = b"x-request-id", SIGNATURE_HEADER.lower().encode()
 
 
 class RoleGate:
@@ -58,11 +59,13 @@ class RoleGate:
                     return
             await self.app(scope, receive, send)
             return
-        request_id = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
+        headers = dict(scope["headers"])
+        request_id, signature = (headers[h].decode("latin-1") if h in headers else None for h in (_ID, _SIG))
         refusal = flipper.admit(request_id)
         if refusal is not None:
             status, code, message = refusal
             logger.info("refused %s (request %s): %s", scope["path"], request_id, message)
+            flipper.release_refused(request_id, signature)  # a decode leg's KV waits on a prefill node
             await _error(status, message, code, None, flipper)(scope, receive, send)
             return
         try:
