@@ -9,6 +9,8 @@ Any exception (a signal turned into one included) before that stops whatever had
 With ``--tensor-parallel-size N`` each daemon runs N processes (itself, rank 0, and N - 1
 ``common.kv_transfer.tp_rank_main`` children in its process group) and binds KV ports kv-port ..
 kv-port + N - 1; ``up`` checks all of them, and ``down`` stops the whole group.
+``--prefill-nodes`` / ``--decode-nodes`` start more daemons of a role (node i at its role's ports + i);
+with ``--planner on`` the daemons run as ``pdserve prefill|decode``, which the proxy's planner can flip.
 ``down`` is in :mod:`pdserve.run_dir`; the command line in :mod:`pdserve.launcher_cli`. Both
 are plain functions (``up(options)``, ``down(run_dir)``) so tests can call them in-process.
 """
