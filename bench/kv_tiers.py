@@ -26,7 +26,6 @@ KV bytes moved P->D, and whether every answer is identical with tiers on and off
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -44,6 +43,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from bench.prefix_cache import QUESTIONS, system_prompt, wait_registered  # noqa: E402
 from common.model.embedded import EMBEDDED_MODEL_NAME  # noqa: E402
 from helpers.cluster import Proc, labelled, metric, start  # noqa: E402
+from helpers.sse import data_events  # noqa: E402
 from helpers.stats import pct  # noqa: E402
 
 HTTP = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=32, max_keepalive_connections=32))
@@ -66,20 +66,14 @@ def chat_turn(url: str, messages: list[dict], max_tokens: int) -> tuple[float, f
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps, text, tokens = [], "", 0
-    with HTTP.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            for choice in event.get("choices", []):
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece:
-                    stamps.append(time.perf_counter() - t0)
-                    text += piece
+    for event in data_events(HTTP, url + "/v1/chat/completions", body):
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+        for choice in event.get("choices", []):
+            piece = (choice.get("delta") or {}).get("content") or ""
+            if piece:
+                stamps.append(time.perf_counter() - t0)
+                text += piece
     if not stamps:
         raise RuntimeError("no token")
     return stamps[0], stamps[-1], text, tokens
@@ -106,7 +100,7 @@ def run(tiers: bool, args: argparse.Namespace, systems: list[str]) -> RunResult:
               "--block-size", str(BLOCK_SIZE)]
     prefill_args = [*common, "--num-kv-blocks", str(args.pool_blocks)]
     if tiers:
-        prefill_args += ["--kv-disk-dir", str(tmp / "kv"), "--kv-offload-on-finish"]
+        prefill_args += ["--kv-disk-dir", str(tmp / "kv"), "--kv-offload-on-finish", "--kv-tier-load", args.kv_tier_load]
     procs: list[Proc] = [proxy]
     try:
         prefill = start("prefill", tmp, *prefill_args, name="prefill", wait=False)
@@ -156,7 +150,7 @@ def report(on: RunResult, off: RunResult, args: argparse.Namespace, working_toke
     print("| tiers | pool hit rate | file-tier hit rate | TTFT p50 ms (turns>=2) | TTFT p99 ms | ITL p50 ms "
           "| ITL p99 ms | output tok/s | KV bytes P->D | tier errors / dropped stores |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, r in (("off", off), ("on (file tier)", on)):
+    for name, r in (("off", off), (f"on (file tier, --kv-tier-load {args.kv_tier_load})", on)):
         c = r.counters
         queries = max(c["queries"], 1)
         disk_tokens = c["disk_blocks"] * BLOCK_SIZE
@@ -179,6 +173,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
     parser.add_argument("--pool-blocks", type=int, default=256, help="the prefill node's --num-kv-blocks")
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--kv-tier-load", choices=("auto", "always"), default="auto",
+                        help="the prefill node's --kv-tier-load with tiers on")
     args = parser.parse_args()
     base = system_prompt(args.system_tokens)
     systems = [f"Conversation {i}. {base}" for i in range(args.conversations)]

@@ -16,7 +16,6 @@ answer is identical between the two runs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from common.model.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model  # noqa: E402
 from common.model.tokenizer import Tokenizer  # noqa: E402
 from helpers.cluster import Proc, metric, start  # noqa: E402
+from helpers.sse import data_events  # noqa: E402
 from helpers.stats import pct  # noqa: E402
 
 QUESTIONS = ["How do I open a file?", "What does a for loop do?", "Explain the with statement.",
@@ -77,17 +77,12 @@ def chat_turn(url: str, messages: list[dict], max_tokens: int) -> tuple[float, s
             "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
     first, text = None, ""
-    with HTTP.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            for choice in json.loads(line[6:]).get("choices", []):
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece and first is None:
-                    first = time.perf_counter() - t0
-                text += piece
+    for event in data_events(HTTP, url + "/v1/chat/completions", body):
+        for choice in event.get("choices", []):
+            piece = (choice.get("delta") or {}).get("content") or ""
+            if piece and first is None:
+                first = time.perf_counter() - t0
+            text += piece
     if first is None:
         raise RuntimeError("no token")
     return first, text

@@ -21,7 +21,6 @@ calling "sent" whichever of the two probes answered first (50% = no signal).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -36,6 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from common.model.embedded import EMBEDDED_MODEL_NAME  # noqa: E402
 from helpers.cluster import start  # noqa: E402
+from helpers.sse import data_events  # noqa: E402
 from helpers.stats import pct  # noqa: E402
 
 HTTP = httpx.Client(timeout=600)  # one client, kept-alive connections: no per-request set-up in TTFT
@@ -46,17 +46,11 @@ def ttft(url: str, key: str, prompt: list[int]) -> float:
     body = {"model": EMBEDDED_MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
             "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
-    with HTTP.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"stream failed: {event['error']}")
-            if event.get("choices"):  # the first token's event (its text may be empty: a partial character)
-                return time.perf_counter() - t0
+    for event in data_events(HTTP, url + "/v1/completions", body, {"Authorization": f"Bearer {key}"}):
+        if "error" in event:
+            raise RuntimeError(f"stream failed: {event['error']}")
+        if event.get("choices"):  # the first token's event (its text may be empty: a partial character)
+            return time.perf_counter() - t0
     raise RuntimeError("no token")
 
 
