@@ -131,6 +131,13 @@ class EngineConfig(BaseModel):
             raise ValueError(f"--batch-invariant runs its own attention and the PyTorch ops; drop {' and '.join(named)}")
         return self
 
+    @field_validator("kv_disk_dir")
+    @classmethod
+    def _kv_disk_dir(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must name a directory (unset it for no file tier)")
+        return value
+
     @model_validator(mode="after")
     def _kv_tiers(self) -> EngineConfig:
         tiers = self.kv_host_bytes > 0 or self.kv_disk_dir is not None

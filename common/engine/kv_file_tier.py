@@ -44,6 +44,7 @@ MAGIC = b"PDKV1\n"
 _HEADER_LEN = struct.Struct("<I")
 WRITE_QUEUE_BLOCKS = 256  # stores queued for the writer; more are dropped (the engine never waits on a disk)
 SUFFIX = ".kv"
+WARN_EVERY_S = 10.0
 
 
 class BadBlockFile(ValueError):
@@ -105,6 +106,7 @@ class FileTier:
         self._queued: dict[bytes, torch.Tensor] = {}  # stores not yet written (engine adds, writer removes)
         self._changes: deque[tuple[bool, bytes]] = deque()  # (stored?, hash): for the KV events
         self._tmp_ids = itertools.count()
+        self._warned: dict[str, tuple[float, int]] = {}  # kind -> (when last logged, not logged since); one writer per kind
         self._threads: list[threading.Thread] = []
         self.bytes = 0  # writer / loader threads, under the lock
         self.dropped = 0  # engine thread
@@ -237,6 +239,17 @@ class FileTier:
     def pending_loads(self) -> int:
         return self._loads.qsize()
 
+    def _warn(self, kind: str, message: str, *args: object) -> None:
+        """A warning, at most one per WARN_EVERY_S of each kind (a full disk fails every store):
+        the next one says how many were not logged."""
+        now = time.monotonic()
+        last, quiet = self._warned.get(kind, (-WARN_EVERY_S, 0))
+        if now - last < WARN_EVERY_S:
+            self._warned[kind] = (last, quiet + 1)
+            return
+        self._warned[kind] = (now, 0)
+        logger.warning(message + (f" ({quiet} more since the last such warning)" if quiet else ""), *args)
+
     # ---- writer thread -----------------------------------------------------------------------
     def _path(self, block_hash: bytes) -> Path:
         return self.dir / (block_hash.hex() + SUFFIX)
@@ -258,8 +271,7 @@ class FileTier:
             size = self._write(block_hash, encode_block(kv))
         except OSError as exc:
             self.store_errors += 1
-            logger.warning("KV file tier: could not store a block in %s (%s); it will be recomputed",
-                           self.dir, exc)
+            self._warn("store", "KV file tier: could not store a block in %s (%s); it will be recomputed", self.dir, exc)
             return
         self.store_seconds += time.perf_counter() - started
         self.stores += 1
@@ -327,7 +339,7 @@ class FileTier:
             kv = decode_block(data, self.block_shape, self.dtype)
         except (OSError, BadBlockFile) as exc:
             self.load_errors += 1
-            logger.warning("KV file tier: %s unusable (%s); recomputing from there", path.name, exc)
+            self._warn("load", "KV file tier: %s unusable (%s); recomputing from there", path.name, exc)
             if isinstance(exc, BadBlockFile):
                 path.unlink(missing_ok=True)  # a damaged file is never asked for again
             with self._lock:

@@ -110,3 +110,21 @@ def test_heartbeater_survives_a_failing_info():
         beat.stop()
         sock.close()
         ctx.term()
+
+
+def test_heartbeat_carries_each_kv_tiers_measured_load_rate() -> None:
+    """KV tiers (common/engine/kv_tiers.py): the rate each tier measured, by its events' medium; an
+    unmeasured tier (0) is left out, and a node without tiers sends nothing new."""
+    from common.engine.protocol import EngineStats
+    from common.registry_client import adaptive_figures
+
+    stats = EngineStats(0, 0, 1, 1, kv_tiers={"disk": {"load_bytes_per_s": 2.5e8}, "host": {"load_bytes_per_s": 0.0}})
+    figures = adaptive_figures(stats)
+    assert figures["kv_tier_load_bytes_per_s"] == {"DISK": 2.5e8}
+    msg = RegistrationMessage.from_dict({"type": "P", "http_address": "127.0.0.1:8100",
+                                         "zmq_address": "127.0.0.1:14579", **figures})
+    assert msg.kv_tier_load_bytes_per_s == {"DISK": 2.5e8}
+    assert "kv_tier_load_bytes_per_s" not in adaptive_figures(EngineStats(0, 0, 1, 1))
+    with pytest.raises(RegistrationError):
+        RegistrationMessage.from_dict({"type": "P", "http_address": "127.0.0.1:8100", "zmq_address": "127.0.0.1:1",
+                                       "kv_tier_load_bytes_per_s": {"TAPE": 1.0}})
