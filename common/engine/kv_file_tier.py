@@ -169,8 +169,11 @@ class FileTier:
         if not self.enabled:
             return
         self.enabled = False
-        self._writes.put(None)
-        self._loads.put(None)
+        for q in (self._writes, self._loads):
+            try:
+                q.put(None, timeout=timeout)
+            except queue.Full:
+                logger.warning("KV file tier: the writer did not drain its queue in %.0f s; stopping without it", timeout)
         for thread in self._threads:
             thread.join(timeout)
 
@@ -269,7 +272,7 @@ class FileTier:
             if ready is not None:
                 ready.synchronize()  # type: ignore[attr-defined]
             size = self._write(block_hash, encode_block(kv))
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - I/O or a CUDA error: this block is lost, the writer goes on
             self.store_errors += 1
             self._warn("store", "KV file tier: could not store a block in %s (%s); it will be recomputed", self.dir, exc)
             return
@@ -318,12 +321,16 @@ class FileTier:
                 self._cancelled.discard(job)
                 continue
             started = time.perf_counter()
-            tensors = []
-            for block_hash in hashes:
-                kv = self._read(block_hash)
-                if kv is None:
-                    break
-                tensors.append(kv)
+            tensors: list[torch.Tensor] = []
+            try:
+                for block_hash in hashes:
+                    kv = self._read(block_hash)
+                    if kv is None:
+                        break
+                    tensors.append(kv)
+            except Exception as exc:  # noqa: BLE001 - whatever it was, the blocks read so far stand and the loader goes on
+                self.load_errors += 1
+                self._warn("load", "KV file tier: a load failed (%r); recomputing from there", exc)
             self.blocks_read += len(tensors)
             self.load_seconds += time.perf_counter() - started
             self._loaded.append((job, tensors))

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 MEDIUM_HOST = "CPU"  # vLLM's name for its CPU offload tier, in KV events' ``medium``
 MEDIUM_DISK = "DISK"
+LOAD_TIMEOUT_S = 10.0  # a file load not done by then (a hung volume) is given up: its request computes instead
 EXPLORE_EVERY = 16  # a file tier measured slower than prefill is still tried once in this many lookups
 _EWMA = 0.2
 
@@ -125,6 +126,7 @@ class KVTiers:
         self.queried = {MEDIUM_HOST: 0, MEDIUM_DISK: 0}  # blocks asked of each tier
         self.found = {MEDIUM_HOST: 0, MEDIUM_DISK: 0}  # of those, blocks it had
         self.lost = 0  # blocks a load could not fill (recomputed)
+        self.timeouts = 0  # file loads given up (LOAD_TIMEOUT_S)
         self.disk_hits = 0  # file-tier blocks copied into the pool for a request (read for a cancelled one: not)
 
     @property
@@ -238,7 +240,7 @@ class KVTiers:
         for stored, block_hash in self.file.take_changes():
             self._events.append(BlockStored((block_hash,), None, (), 0, medium=MEDIUM_DISK) if stored
                                 else BlockRemoved((block_hash,), medium=MEDIUM_DISK))
-        done = []
+        done = self._timed_out()
         for job, tensors in self.file.take_loaded():
             load = self._loads.pop(job, None)
             if load is None:
@@ -253,6 +255,20 @@ class KVTiers:
             cut = load.disk_positions[len(tensors)] if len(tensors) < len(load.disk_positions) else len(load.blocks)
             self.lost += len(load.mediums) - cut
             done.append((job, cut))
+        return done
+
+    def _timed_out(self) -> list[tuple[str, int]]:
+        """Loads asked more than LOAD_TIMEOUT_S ago: given up (what the loader reads later is
+        dropped); their blocks before the first file block are filled, the rest is computed."""
+        now, done = time.monotonic(), []
+        for job, load in list(self._loads.items()):
+            if now - load.started > LOAD_TIMEOUT_S:
+                self.cancel(job)
+                self.timeouts += 1
+                logger.warning("KV file tier: a load of %d blocks took over %.0f s; computing them instead",
+                               len(load.disk_positions), LOAD_TIMEOUT_S)
+                self.lost += len(load.mediums) - load.disk_positions[0]
+                done.append((job, load.disk_positions[0]))
         return done
 
     def cancel(self, job: str) -> None:
@@ -285,7 +301,7 @@ class KVTiers:
             out["disk"] = {"bytes": f.bytes, "blocks": f.blocks, "hits": self.disk_hits,
                            "misses": self.queried[MEDIUM_DISK] - self.found[MEDIUM_DISK] + f.load_errors,
                            "load_seconds": f.load_seconds, "store_seconds": f.store_seconds,
-                           "errors": f.load_errors + f.store_errors, "dropped": f.dropped,
+                           "errors": f.load_errors + f.store_errors + self.timeouts, "dropped": f.dropped,
                            "load_bytes_per_s": self.block_bytes / self.disk_s_per_block if self.disk_s_per_block else 0.0}
         return out
 

@@ -213,3 +213,37 @@ def test_tier_changes_reach_the_kv_events_with_their_medium(tmp_path):
     assert disk and all(type(ev).__name__ == "BlockStored" for ev in disk)
     assert {ev.block_hashes[0] for ev in disk} == set(e.kv_tiers.file._files)
     assert not e.has_schedulable_work()
+
+
+def test_a_hung_load_is_given_up_and_its_late_result_dropped(tmp_path, monkeypatch):
+    import threading
+
+    from common.engine import kv_tiers
+
+    caches = [torch.zeros(2, 4, 16, 2, 8)]
+    file_tier = FileTier(str(tmp_path), "ns", 1 << 30, (1, 2, 16, 2, 8), torch.float32)
+    assert file_tier.start()
+    tiers = KVTiers(caches, 0, file_tier)
+    file_tier.put(b"h" * 16, torch.randn(1, 2, 16, 2, 8))
+    assert file_tier.drain(10.0)
+    volume = threading.Event()  # a hung volume: reads wait until it is set
+    read = FileTier._read
+    monkeypatch.setattr(FileTier, "_read", lambda self, h: volume.wait() and read(self, h))
+    monkeypatch.setattr(kv_tiers, "LOAD_TIMEOUT_S", 0.05)
+    assert tiers.start_load("r", [b"h" * 16], Found(["DISK"], [None]), [1]) is None
+    deadline = time.monotonic() + 10
+    while not (done := tiers.poll()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert done == [("r", 0)] and tiers.pending_loads == 0 and tiers.stats()["disk"]["errors"] == 1
+    volume.set()
+    assert wait_drained(file_tier) and tiers.poll() == [] and not file_tier._cancelled
+    assert torch.count_nonzero(caches[0][:, 1]) == 0  # nothing landed in the block given up
+    file_tier.close()
+
+
+def wait_drained(file_tier: FileTier, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while (file_tier.pending_loads or file_tier._loaded or file_tier._cancelled) and time.monotonic() < deadline:
+        file_tier.take_loaded()
+        time.sleep(0.005)
+    return not (file_tier.pending_loads or file_tier._loaded or file_tier._cancelled)
