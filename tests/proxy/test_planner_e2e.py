@@ -78,6 +78,16 @@ def wait_for_nodes(url: str, want: dict[str, int], timeout: float, log: Path) ->
         time.sleep(0.1)
 
 
+def wait_for_flips(url: str, count: int, timeout: float = 10) -> None:
+    """The planner counts a flip once the node's answer is in, which may come after its new role's
+    heartbeat reached the registry."""
+    deadline = time.monotonic() + timeout
+    while (done := labelled(url, "pdserve:planner_actions_total", action="flip", outcome="ok")) < count:
+        assert time.monotonic() < deadline, f"{done:g} flips counted, wanted {count}"
+        time.sleep(0.05)
+    assert done == count, f"{done:g} flips, wanted {count}"
+
+
 def test_flips_a_decode_node_to_prefill_for_long_prompts_and_back_for_long_answers(cluster):
     url = cluster.url
     assert nodes(url) == {"P": 1, "D": 2}
@@ -86,12 +96,12 @@ def test_flips_a_decode_node_to_prefill_for_long_prompts_and_back_for_long_answe
         wait_for_nodes(url, {"P": 2, "D": 1}, 20, cluster.log)
     finally:
         statuses = long_prompts.stop()
-    assert labelled(url, "pdserve:planner_actions_total", action="flip", outcome="ok") == 1
+    wait_for_flips(url, 1)
     chat = Load(url, "hi", max_tokens=48, clients=8)
     try:
         wait_for_nodes(url, {"P": 1, "D": 2}, 20, cluster.log)
     finally:
         statuses += chat.stop()
     assert labelled(url, "pdserve:planner_decisions_total", action="flip", reason="over_itl") >= 1
-    assert labelled(url, "pdserve:planner_actions_total", action="flip", outcome="ok") == 2
+    wait_for_flips(url, 2)
     assert statuses and set(statuses) == {200}, sorted(set(statuses))
