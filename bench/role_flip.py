@@ -105,7 +105,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=2)
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--pause-s", type=float, default=0.3, help="between flips: requests flow through the new roles")
-    ap.add_argument("--model", default="embedded")
+    ap.add_argument("--model", default="embedded", help="embedded, default (SmolLM2-135M-Instruct), a directory "
+                    "or a .gguf")
     args = ap.parse_args()
     if args.prefill < 2 or args.decode < 2:
         ap.error("--prefill and --decode must be at least 2: a flip never takes the last node of a role")
@@ -116,7 +117,8 @@ def main() -> None:
     try:
         proxy = start("proxy", tmp, *keyed, "--migration-limit", "3", wait=False)
         procs.append(proxy)
-        node = (*keyed, "--proxy", f"127.0.0.1:{proxy.kv_port}", "--heartbeat-interval-s", "0.5", "--model", args.model)
+        model = ("--model", args.model) if args.model != "default" else ()  # default: what a node serves unset
+        node = (*keyed, "--proxy", f"127.0.0.1:{proxy.kv_port}", "--heartbeat-interval-s", "0.5", *model)
         prefills = [start_flippable("prefill", tmp, *node, name=f"p{i}") for i in range(args.prefill)]
         decodes = [start_flippable("decode", tmp, *node, name=f"d{i}") for i in range(args.decode)]
         procs += prefills + decodes
