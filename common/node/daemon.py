@@ -333,8 +333,9 @@ class Daemon:
 
         engine = self.engine
         s = engine.stats()
+        role, epoch, state = self.flipper.beat if self.flipper else (self.config.role, None, None)
         return {
-            "type": NODE_TYPES[self.config.role],
+            "type": NODE_TYPES[role],
             "http_address": f"{self.config.kv_host}:{self.config.port}",
             "zmq_address": self.config.kv_addr,
             "model": engine.model_name,
@@ -352,7 +353,7 @@ class Daemon:
             **adaptive_figures(s),
             **transfer_figures(engine.kv_layout, self.transfer.stats.recv_bytes_per_s if self.transfer else None),
             **(self.kv_events.heartbeat(engine.engine.scheduler.cache_root) if self.kv_events else {}),
-            **({"role_epoch": self.flipper.epoch, "role_state": self.flipper.state} if self.flipper else {}),
+            **({"role_epoch": epoch, "role_state": state} if self.flipper else {}),
         }
 
     def _export_transfer_stats(self, metrics: NodeMetrics) -> None:

@@ -39,6 +39,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from common.engine.outputs import NODE_DRAINING
 from common.metrics import PREFIX
 from common.request_id import parse_tags
+from common.serving.errors import OpenAIError
 
 if TYPE_CHECKING:
     from common.engine.kv_connector import KVConnector
@@ -111,6 +112,9 @@ class RoleFlipper:
         self.daemon, self.connectors, self.drain_timeout_s = daemon, connectors, drain_timeout_s
         self.on_role = on_role  # the app's rules follow the role (ServingContext.set_role)
         self.epoch, self.state = 0, "serving"
+        # what heartbeats say, set with the two above: a heartbeat read mid-flip must never pair the
+        # old role with the new epoch (the registry would keep the node in its old role)
+        self.beat = (daemon.config.role, 0, "serving")
         self.fence_reason: str | None = None
         self.in_flight = 0  # requests past the gate (role_routes.RoleGate), not yet answered
         self._lock = threading.Lock()  # the state and in_flight move together: no request slips past a drain
@@ -137,6 +141,14 @@ class RoleFlipper:
                                              f"{self.epoch}); send the request to another node"
             self.in_flight += 1
             return None
+
+    def check_admitted(self, epoch: int | None) -> None:
+        """The prepare hook's check, before a request reaches the engine: one admitted at ``epoch`` may
+        run only if the node still serves that epoch's role (a flip's drain ran out while it was on its
+        way, or the node flipped since): else 409, and the proxy runs it elsewhere."""
+        if self.state != "serving" or (epoch is not None and epoch != self.epoch):
+            raise OpenAIError(f"this {self.role} node is changing role (role epoch {self.epoch}); send the request "
+                              "to another node", status=409, type="conflict_error", code="node_draining")
 
     def done(self) -> None:
         with self._lock:
@@ -178,19 +190,26 @@ class RoleFlipper:
         logger.info("role flip %s -> %s (epoch %d): draining (at most %g s)", old, role, epoch, self.drain_timeout_s)
         self.daemon.nudge()
         start = time.monotonic()
-        aborted = 0 if self._drained(start + self.drain_timeout_s) else self._end_the_rest(old)
-        if aborted and not self._drained(time.monotonic() + SETTLE_S):
-            self._fence(old, role, f"the {aborted} request(s) ended at the drain's timeout still held the engine")
-        drain_s = time.monotonic() - start
-        self.metrics.drain_seconds.observe(drain_s)
+        drained, aborted = self._drained(start + self.drain_timeout_s), 0
         swap_start = time.monotonic()
         try:
-            self.daemon.engine.call(lambda llm: self._swap(llm, role)).result(timeout=SETTLE_S + 30)
+            # after the drain ran out, a request past the gate may still be on its way to the engine (its
+            # prepare hook refuses it: check_admitted): the swap is tried again until the engine is idle
+            settle = time.monotonic() + SETTLE_S
+            while not self.daemon.engine.call(lambda llm: self._swap(llm, role)).result(timeout=SETTLE_S + 30):
+                if drained or time.monotonic() >= settle:
+                    raise RuntimeError(f"the engine still held requests {SETTLE_S:g} s after the drain ended them")
+                aborted += self._end_the_rest(old)
+                time.sleep(4 * POLL_S)  # the ended streams leave the engine at its next step
+                swap_start = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - whatever broke, the node must not serve half of each role
             logger.exception("role flip %s -> %s failed", old, role)
             self._fence(old, role, f"{type(exc).__name__}: {exc}")
+        drain_s = swap_start - start
+        self.metrics.drain_seconds.observe(drain_s)
         with self._lock:
             self.epoch, self.state, self.fence_reason = epoch + 1, "serving", None
+            self.beat = (role, self.epoch, self.state)
         self.metrics.show(role, self.epoch, self.state)
         self.on_role()
         self._announce()
@@ -221,6 +240,7 @@ class RoleFlipper:
                                   f"{self.role}_node); start it with `pdserve {self.role}` to flip it in place",
                                   "role_flip_unsupported", "role")
             self.state = "draining"
+            self.beat = (self.role, self.epoch, self.state)
         self.metrics.show(self.role, self.epoch, self.state)
         return False
 
@@ -249,15 +269,18 @@ class RoleFlipper:
                        self.drain_timeout_s, ended)
         return ended
 
-    def _swap(self, llm, role: str) -> None:
-        """On the engine thread, while it holds no request: the connector and the rules of ``role``."""
+    def _swap(self, llm, role: str) -> bool:
+        """On the engine thread: the connector and the rules of ``role``; False (nothing done) while
+        the engine holds a request."""
         if not llm.is_idle():
-            raise RuntimeError("the engine took a request during the drain")
+            return False
         self.daemon.switch_role(role, self.connectors[role]())
+        return True
 
     def _fence(self, old: str, role: str, reason: str) -> None:
         with self._lock:
             self.state, self.fence_reason = "fenced", reason
+            self.beat = (self.role, self.epoch, self.state)
         self.metrics.show(self.role, self.epoch, self.state)
         self.metrics.flips.labels(old, role, "failed").inc()
         self.daemon.nudge()
