@@ -18,7 +18,7 @@ from common.config import NodeConfig
 from common.node.daemon import Daemon, started_daemon
 from common.node.node import serve_http
 from common.node.role_flip import RoleFlipper
-from common.node.role_routes import add_role_routes
+from common.node.role_routes import EPOCH_STATE, add_role_routes
 
 if TYPE_CHECKING:
     from common.engine.kv_connector import KVConnector
@@ -49,6 +49,7 @@ def serve_daemon(config: NodeConfig, roles: dict[str, DaemonRole]) -> None:
         hooks = {r: hook for r, role in roles.items() if (hook := role.prepare(daemon)) is not None}
 
         def prepare(prepared: PreparedRequest, http_request: Request) -> object:
+            flipper.check_admitted(getattr(http_request.state, EPOCH_STATE, None))
             hook = hooks.get(daemon.config.role)
             return hook(prepared, http_request) if hook is not None else None
 

@@ -111,7 +111,7 @@ class RoleFlipper:
                  drain_timeout_s: float, on_role: Callable[[], None] = lambda: None) -> None:
         self.daemon, self.connectors, self.drain_timeout_s = daemon, connectors, drain_timeout_s
         self.on_role = on_role  # the app's rules follow the role (ServingContext.set_role)
-        self.epoch, self.state = 0, "serving"
+        self.epoch, self.role_state = 0, "serving"
         # what heartbeats say, set with the two above: a heartbeat read mid-flip must never pair the
         # old role with the new epoch (the registry would keep the node in its old role)
         self.beat = (daemon.config.role, 0, "serving")
@@ -129,14 +129,14 @@ class RoleFlipper:
         """None: the request may run (counted in ``in_flight`` until ``done``); else the refusal's
         (status, code, message)."""
         with self._lock:
-            if self.state == "fenced":
+            if self.role_state == "fenced":
                 return 503, "node_fenced", f"this node is fenced: a role flip failed ({self.fence_reason}); it " \
                                            "serves nothing until a flip succeeds or it is restarted"
             leg = self._leg_role(request_id)
             if leg is not None and leg != self.role:
                 return 409, "stale_role", f"this node is now a {self.role} node (role epoch {self.epoch}); the " \
                                           f"request was a {leg} leg: route it to a {leg} node"
-            if self.state == "draining":
+            if self.role_state == "draining":
                 return 409, "node_draining", f"this {self.role} node is draining for a role flip (role epoch " \
                                              f"{self.epoch}); send the request to another node"
             self.in_flight += 1
@@ -146,7 +146,7 @@ class RoleFlipper:
         """The prepare hook's check, before a request reaches the engine: one admitted at ``epoch`` may
         run only if the node still serves that epoch's role (a flip's drain ran out while it was on its
         way, or the node flipped since): else 409, and the proxy runs it elsewhere."""
-        if self.state != "serving" or (epoch is not None and epoch != self.epoch):
+        if self.role_state != "serving" or (epoch is not None and epoch != self.epoch):
             raise OpenAIError(f"this {self.role} node is changing role (role epoch {self.epoch}); send the request "
                               "to another node", status=409, type="conflict_error", code="node_draining")
 
@@ -208,9 +208,9 @@ class RoleFlipper:
         drain_s = swap_start - start
         self.metrics.drain_seconds.observe(drain_s)
         with self._lock:
-            self.epoch, self.state, self.fence_reason = epoch + 1, "serving", None
-            self.beat = (role, self.epoch, self.state)
-        self.metrics.show(role, self.epoch, self.state)
+            self.epoch, self.role_state, self.fence_reason = epoch + 1, "serving", None
+            self.beat = (role, self.epoch, self.role_state)
+        self.metrics.show(role, self.epoch, self.role_state)
         self.on_role()
         self._announce()
         flip_s = time.monotonic() - swap_start
@@ -224,7 +224,7 @@ class RoleFlipper:
         """Check the request and enter ``draining``; True: nothing to do (already that role, that epoch)."""
         cfg = self.daemon.config
         with self._lock:
-            if self.state == "draining":
+            if self.role_state == "draining":
                 raise FlipRefused(f"a role flip is already in progress on this node (it is a {self.role} node "
                                   f"draining at role epoch {self.epoch})", "role_flip_in_progress")
             if epoch != self.epoch:
@@ -233,15 +233,15 @@ class RoleFlipper:
             if cfg.tensor_parallel_size > 1 or cfg.kv_rank_count > 1:
                 raise FlipRefused("role flips are not supported with tensor parallelism or --kv-ranks above 1 "
                                   "yet: restart the node in the other role", "role_flip_unsupported", "role")
-            if role == self.role and self.state == "serving":
+            if role == self.role and self.role_state == "serving":
                 return True
             if role not in self.connectors:
                 raise FlipRefused(f"this daemon carries only the {self.role} role (started as python -m "
                                   f"{self.role}_node); start it with `pdserve {self.role}` to flip it in place",
                                   "role_flip_unsupported", "role")
-            self.state = "draining"
-            self.beat = (self.role, self.epoch, self.state)
-        self.metrics.show(self.role, self.epoch, self.state)
+            self.role_state = "draining"
+            self.beat = (self.role, self.epoch, self.role_state)
+        self.metrics.show(self.role, self.epoch, self.role_state)
         return False
 
     def _drained(self, deadline: float) -> bool:
@@ -279,9 +279,9 @@ class RoleFlipper:
 
     def _fence(self, old: str, role: str, reason: str) -> None:
         with self._lock:
-            self.state, self.fence_reason = "fenced", reason
-            self.beat = (self.role, self.epoch, self.state)
-        self.metrics.show(self.role, self.epoch, self.state)
+            self.role_state, self.fence_reason = "fenced", reason
+            self.beat = (self.role, self.epoch, self.role_state)
+        self.metrics.show(self.role, self.epoch, self.role_state)
         self.metrics.flips.labels(old, role, "failed").inc()
         self.daemon.nudge()
         logger.error("role flip %s -> %s failed: %s; the node is fenced (serves nothing)", old, role, reason)

@@ -37,6 +37,7 @@ from common.serving.errors import REQUEST_ID_HEADER, OpenAIError
 logger = logging.getLogger(__name__)
 ROLE_PATH = "/admin/role"
 _ID, _SIG = b"x-request-id", SIGNATURE_HEADER.lower().encode()
+EPOCH_STATE = "pdserve_role_epoch"  # the role epoch a request was admitted at (request.state)
 
 
 class RoleGate:
@@ -51,10 +52,10 @@ class RoleGate:
             await self.app(scope, receive, send)
             return
         if scope["method"] != "POST":
-            if flipper.state != "serving" and scope["path"] in ("/health", "/ready"):
-                if scope["path"] == "/ready" or flipper.state == "fenced":
-                    body = {"status": flipper.state, "role": flipper.role, "role_epoch": flipper.epoch,
-                            **({"error": flipper.fence_reason} if flipper.state == "fenced" else {})}
+            if flipper.role_state != "serving" and scope["path"] in ("/health", "/ready"):
+                if scope["path"] == "/ready" or flipper.role_state == "fenced":
+                    body = {"status": flipper.role_state, "role": flipper.role, "role_epoch": flipper.epoch,
+                            **({"error": flipper.fence_reason} if flipper.role_state == "fenced" else {})}
                     await JSONResponse(body, status_code=503)(scope, receive, send)
                     return
             await self.app(scope, receive, send)
@@ -68,6 +69,7 @@ class RoleGate:
             flipper.release_refused(request_id, signature)  # a decode leg's KV waits on a prefill node
             await _error(status, message, code, None, flipper)(scope, receive, send)
             return
+        scope.setdefault("state", {})[EPOCH_STATE] = flipper.epoch  # checked again before the engine (check_admitted)
         try:
             await self.app(scope, receive, send)
         finally:
@@ -162,5 +164,5 @@ def _error(status: int, message: str, code: str, param: str | None, flipper: Rol
     if status == 503:
         type_ = "service_unavailable_error"
     body = {"error": {"message": message, "type": type_, "param": param, "code": code},
-            "role": flipper.role, "epoch": flipper.epoch, "state": flipper.state}
+            "role": flipper.role, "epoch": flipper.epoch, "state": flipper.role_state}
     return JSONResponse(body, status_code=status)

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from common.node.role_flip import FlipFailed, FlipRefused, RoleFlipper
 from common.node.role_routes import add_role_routes
 from common.request_id import make_request_id
+from common.serving.errors import OpenAIError
 
 KV = "127.0.0.1:14579"
 
@@ -119,6 +120,21 @@ def test_the_gate_refuses_stale_legs_and_counts_the_rest() -> None:
     status, code, message = f.admit(make_request_id(KV, "127.0.0.1:1"))
     assert (status, code) == (409, "stale_role") and "now a decode node (role epoch 1)" in message
     assert f.admit(make_request_id("127.0.0.1:1", KV)) is None and f.in_flight == 1
+
+
+def test_a_request_admitted_before_a_flip_is_refused_before_the_engine() -> None:
+    """Past the gate but not yet at the engine when the flip came (a slow body, a drain that ran out):
+    its prepare hook refuses it rather than run it under the new role."""
+    f = flipper(Daemon())
+    f.check_admitted(0)
+    f.flip("decode", 0)
+    with pytest.raises(OpenAIError) as refused:
+        f.check_admitted(0)
+    assert (refused.value.status, refused.value.code) == (409, "node_draining")
+    f.check_admitted(1)
+    f.state = "draining"
+    with pytest.raises(OpenAIError):
+        f.check_admitted(1)
 
 
 @pytest.mark.parametrize("client, insecure, status", [("127.0.0.1", False, 200), ("10.1.2.3", False, 403),
