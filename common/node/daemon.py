@@ -325,7 +325,7 @@ class Daemon:
         return kv_addr in self.config.kv_peer_list or (members is not None and kv_addr in members)
 
     def ready(self) -> bool:
-        serving = self.flipper is None or self.flipper.state == "serving"
+        serving = self.flipper is None or self.flipper.role_state == "serving"
         return serving and self.transfer is not None and (self.heartbeater is None or self.heartbeater.beats_sent > 0)
 
     def _registration(self) -> dict:
