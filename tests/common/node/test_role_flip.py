@@ -69,7 +69,7 @@ def sample(f: RoleFlipper, name: str, **labels: str) -> float:
 def test_a_flip_moves_the_role_and_the_epoch_and_says_so() -> None:
     f = flipper(Daemon())
     result = f.flip("decode", 0)
-    assert (result.role, result.epoch, result.aborted, f.state) == ("decode", 1, 0, "serving")
+    assert (result.role, result.epoch, result.aborted, f.role_state) == ("decode", 1, 0, "serving")
     assert f.daemon.nudges >= 1  # the draining state went out at once
     assert sample(f, "role_flips_total", **{"from": "prefill", "to": "decode", "outcome": "ok"}) == 1
     assert sample(f, "node_role_epoch") == 1
@@ -82,7 +82,7 @@ def test_a_flip_moves_the_role_and_the_epoch_and_says_so() -> None:
 def test_what_is_refused_before_anything_changes(case: str, code: str) -> None:
     f = flipper(Daemon(tp=2 if case == "tp" else 1))
     if case == "draining":
-        f.state = "draining"
+        f.role_state = "draining"
     if case == "one_role":
         f.connectors = {"prefill": object}
     with pytest.raises(FlipRefused) as refused:
@@ -96,12 +96,12 @@ def test_a_failed_swap_fences_the_node_until_a_flip_succeeds() -> None:
     f = flipper(Daemon(fail_swaps=1))
     with pytest.raises(FlipFailed, match="fenced"):
         f.flip("decode", 0)
-    assert (f.state, f.epoch) == ("fenced", 0)
+    assert (f.role_state, f.epoch) == ("fenced", 0)
     status, code, _ = f.admit(make_request_id(KV, "127.0.0.1:1"))  # serves nothing
     assert (status, code) == (503, "node_fenced")
     assert sample(f, "node_role", role="fenced") == 1 and sample(f, "node_role", role="prefill") == 0
     assert sample(f, "role_flips_total", **{"from": "prefill", "to": "decode", "outcome": "failed"}) == 1
-    assert f.flip("decode", 0).epoch == 1 and f.state == "serving"  # tried again: unfenced
+    assert f.flip("decode", 0).epoch == 1 and f.role_state == "serving"  # tried again: unfenced
     assert f.admit(make_request_id("127.0.0.1:2", KV)) is None
 
 
@@ -132,7 +132,7 @@ def test_a_request_admitted_before_a_flip_is_refused_before_the_engine() -> None
         f.check_admitted(0)
     assert (refused.value.status, refused.value.code) == (409, "node_draining")
     f.check_admitted(1)
-    f.state = "draining"
+    f.role_state = "draining"
     with pytest.raises(OpenAIError):
         f.check_admitted(1)
 
