@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"PDKV1\n"
 _HEADER_LEN = struct.Struct("<I")
-WRITE_QUEUE_BLOCKS = 256  # stores queued for the writer; more are dropped (the engine never waits on a disk)
+WRITE_QUEUE_BYTES = 256 << 20  # stores queued for the writer (at least 256 blocks); more are dropped
+# (the engine never waits on a disk; a finished long prompt under --kv-offload-on-finish queues all its blocks)
 SUFFIX = ".kv"
 WARN_EVERY_S = 10.0
 
@@ -99,7 +100,9 @@ class FileTier:
         self.enabled = False
         self._files: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recent first
         self._lock = threading.Lock()  # guards _files (writer, loader and engine threads)
-        self._writes: queue.Queue[tuple[bytes, torch.Tensor, object] | None] = queue.Queue(WRITE_QUEUE_BLOCKS)
+        block_bytes = torch.empty(block_shape, dtype=dtype, device="meta").nbytes
+        self._writes: queue.Queue[tuple[bytes, torch.Tensor, object] | None] = queue.Queue(
+            max(256, WRITE_QUEUE_BYTES // max(block_bytes, 1)))
         self._loads: queue.Queue[tuple[str, list[bytes]] | None] = queue.Queue()
         self._loaded: deque[tuple[str, list[torch.Tensor]]] = deque()
         self._cancelled: set[str] = set()  # jobs the engine no longer wants (engine adds, loader discards)
@@ -179,8 +182,8 @@ class FileTier:
 
     # ---- engine thread -----------------------------------------------------------------------
     def knows(self, block_hash: bytes) -> bool:
-        """This node stored or loaded the block (no disk access)."""
-        return block_hash in self._files
+        """This node stored, queued or loaded the block (no disk access)."""
+        return block_hash in self._files or block_hash in self._queued
 
     def contains(self, block_hash: bytes) -> bool:
         """A file for the block exists (one stat: another node sharing the directory may have written it)."""

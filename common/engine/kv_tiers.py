@@ -146,35 +146,44 @@ class KVTiers:
     # ---- down ------------------------------------------------------------------------------
     def offload(self, block: int, block_hash: bytes) -> None:
         """Copy pool block ``block`` (cached as ``block_hash``) down, unless a tier already has it."""
-        if block_hash in (self.host or ()) or (self.file is not None and self.file.knows(block_hash)):
-            return
+        self.offload_many([block], [block_hash])
+
+    def offload_many(self, blocks: list[int], hashes: list[bytes]) -> None:
+        """:meth:`offload` for several blocks, copied off the pool in one gather per layer."""
         if self.host is None and (self.file is None or not self.file.enabled):
             return
-        started = time.perf_counter()
-        kv, ready = self._snapshot(block)
-        if self.host is None:
-            self.file.put(block_hash, kv, ready)  # type: ignore[union-attr]
+        todo = [(b, h) for b, h in zip(blocks, hashes)
+                if h not in (self.host or ()) and (self.file is None or not self.file.knows(h))]
+        if not todo:
             return
-        evicted = self.host.put(block_hash, kv, ready)
-        self.host.store_seconds += time.perf_counter() - started
-        self._events.append(BlockStored((block_hash,), None, (), 0, medium=MEDIUM_HOST))
-        for old_hash, old, old_ready in evicted:
-            self._events.append(BlockRemoved((old_hash,), medium=MEDIUM_HOST))
-            if self.file is not None and not self.file.knows(old_hash):
-                self.file.put(old_hash, old, old_ready)
+        started = time.perf_counter()
+        kvs, ready = self._snapshot([b for b, _ in todo])
+        for (_, block_hash), kv in zip(todo, kvs):
+            if self.host is None:
+                self.file.put(block_hash, kv, ready)  # type: ignore[union-attr]
+                continue
+            self._events.append(BlockStored((block_hash,), None, (), 0, medium=MEDIUM_HOST))
+            for old_hash, old, old_ready in self.host.put(block_hash, kv.clone() if len(kvs) > 1 else kv, ready):
+                self._events.append(BlockRemoved((old_hash,), medium=MEDIUM_HOST))
+                if self.file is not None and not self.file.knows(old_hash):
+                    self.file.put(old_hash, old, old_ready)
+        if self.host is not None:
+            self.host.store_seconds += time.perf_counter() - started
 
-    def _snapshot(self, block: int) -> tuple[torch.Tensor, object]:
-        """Block ``block``'s KV as a host tensor ``[layers, 2, block_size, kv_heads, head_dim]``; on
-        CUDA also the event that marks the copy done (queued on the current stream: any later
-        write to the block runs after it)."""
-        stacked = torch.stack([cache[:, block] for cache in self.kv_caches])
+    def _snapshot(self, blocks: list[int]) -> tuple[list[torch.Tensor], object]:
+        """The blocks' KV as host tensors ``[layers, 2, block_size, kv_heads, head_dim]`` (views of one
+        copy); on CUDA also the event that marks the copy done (queued on the current stream: any
+        later write to the blocks runs after it)."""
+        ids = torch.tensor(blocks, device=self.device)
+        gathered = torch.stack([cache[:, ids] for cache in self.kv_caches])  # [layers, 2, n, ...]
+        batch = gathered.transpose(0, 2).transpose(1, 2)  # [n, layers, 2, ...]
         if self.device.type == "cpu":
-            return stacked, None
-        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-        host.copy_(stacked, non_blocking=True)
+            return list(batch.contiguous().unbind(0)), None
+        host = torch.empty(batch.shape, dtype=batch.dtype, pin_memory=True)
+        host.copy_(batch, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return host, ready
+        return list(host.unbind(0)), ready
 
     # ---- up --------------------------------------------------------------------------------
     def lookup(self, hashes: list[bytes]) -> Found:
@@ -218,12 +227,13 @@ class KVTiers:
         (every block in memory: copied now)."""
         load = _Load(list(blocks), list(found.mediums))
         started = time.perf_counter()
-        for i, (kv, block, medium) in enumerate(zip(found.kv, blocks, found.mediums)):
+        now = [(block, kv) for block, kv in zip(blocks, found.kv) if kv is not None]
+        self._copy_in([b for b, _ in now], [kv for _, kv in now])
+        for i, (kv, medium) in enumerate(zip(found.kv, found.mediums)):
             if kv is None:
                 load.disk_positions.append(i)
-                continue
-            self._copy_in(block, kv)
-            self.disk_hits += medium == MEDIUM_DISK
+            else:
+                self.disk_hits += medium == MEDIUM_DISK
         if self.host is not None:
             self.host.load_seconds += time.perf_counter() - started
         if not load.disk_positions:
@@ -245,8 +255,7 @@ class KVTiers:
             load = self._loads.pop(job, None)
             if load is None:
                 continue  # cancelled: what was read is dropped
-            for position, kv in zip(load.disk_positions, tensors):
-                self._copy_in(load.blocks[position], kv)
+            self._copy_in([load.blocks[p] for p in load.disk_positions[:len(tensors)]], tensors)
             self.disk_hits += len(tensors)
             if tensors:
                 per_block = (time.monotonic() - load.started) / len(tensors)
@@ -276,9 +285,14 @@ class KVTiers:
         if self._loads.pop(job, None) is not None and self.file is not None:
             self.file.cancel(job)
 
-    def _copy_in(self, block: int, kv: torch.Tensor) -> None:
+    def _copy_in(self, blocks: list[int], kvs: list[torch.Tensor]) -> None:
+        """Write ``kvs`` into pool ``blocks``: one scatter per layer."""
+        if not blocks:
+            return
+        ids = torch.tensor(blocks, device=self.device)
+        batch = torch.stack(kvs).to(self.device, non_blocking=True)  # [n, layers, 2, ...]
         for layer, cache in enumerate(self.kv_caches):
-            cache[:, block].copy_(kv[layer], non_blocking=True)
+            cache[:, ids] = batch[:, layer].transpose(0, 1)
 
     # ---- reporting ---------------------------------------------------------------------------
     def take_events(self) -> list[CacheEvent]:

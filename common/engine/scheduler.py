@@ -418,8 +418,7 @@ class Scheduler:
         seq.error = error
         self.fairness.left(seq)
         if self.tiers is not None and self.tiers.offload_on_finish:
-            for block, block_hash in zip(seq.block_table[:seq.num_cached_blocks], seq.block_hashes):
-                self.tiers.offload(block, block_hash)
+            self.tiers.offload_many(seq.block_table[:seq.num_cached_blocks], seq.block_hashes[:seq.num_cached_blocks])
         if self.connector.request_finished(seq) and seq.block_table:
             self.blocks_lent[seq.request_id] = seq
         else:
