@@ -55,6 +55,7 @@ class KVEndpoint:
         self._host, self._device, self._transport = advertise_host or host, device, transport
         self._vocab_size = vocab_size
         self._on_progress = on_progress
+        self._switching = False  # switch_role under way (or failed half-way)
         self._producer = self._new_half("prefill") if role != "decode" else None
         self._consumer = self._new_half("decode") if role != "prefill" else None
         self.control = ControlPlane(zmq_address, self._on_router, self._on_dealer, key=key,
@@ -83,8 +84,9 @@ class KVEndpoint:
         key stay. Not from the I/O thread; the halves are swapped on it, between two messages."""
         if self.role == "both" or role not in ("prefill", "decode"):
             raise ValueError(f"a {self.role} endpoint cannot switch to {role!r}")
-        if role == self.role:
+        if role == self.role and not self._switching:
             return
+        self._switching = True  # until the new half is in: a switch that failed half-way is redone in full
         for half in self._halves():
             half.close()
         new = self._new_half(role)
@@ -96,7 +98,7 @@ class KVEndpoint:
         if not self.control.run_and_wait(swap, self.config.timeout_s):
             raise TimeoutError(f"the KV endpoint's I/O thread did not take the {role} half within "
                                f"{self.config.timeout_s} s")
-        self.role = role
+        self.role, self._switching = role, False
 
     @property
     def producer(self) -> KVProducer:

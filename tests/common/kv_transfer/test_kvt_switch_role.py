@@ -35,3 +35,18 @@ def test_a_prefill_endpoint_becomes_decode_and_pulls_kv_then_back():
         p.stop()
     with KVEndpoint("127.0.0.1:0", LAYOUT, role="both") as both, pytest.raises(ValueError):
         both.switch_role("decode")
+
+
+@pytest.mark.usefixtures("no_thread_leak")
+def test_a_switch_that_failed_half_way_is_redone_even_to_the_same_role():
+    """The old half closed, the new one never built: a later switch to the old role rebuilds it (a
+    fenced node's retry, common/node/role_flip.py) instead of keeping the closed half."""
+    with KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), role="prefill") as e:
+        closed = e.producer
+        build = e._new_half
+        e._new_half = lambda role: (_ for _ in ()).throw(RuntimeError("no memory for the pair buffers"))
+        with pytest.raises(RuntimeError):
+            e.switch_role("decode")
+        e._new_half = build
+        e.switch_role("prefill")
+        assert e.role == "prefill" and e.producer is not closed
