@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING, Protocol
 
 from fastapi import FastAPI, Request
 
+from common.cluster_auth import SIGNATURE_HEADER
 from common.config import NodeConfig
 from common.node.daemon import Daemon, started_daemon
 from common.node.node import serve_http
 from common.node.role_flip import RoleFlipper
 from common.node.role_routes import EPOCH_STATE, add_role_routes
+from common.serving.errors import OpenAIError
 
 if TYPE_CHECKING:
     from common.engine.kv_connector import KVConnector
@@ -49,7 +51,13 @@ def serve_daemon(config: NodeConfig, roles: dict[str, DaemonRole]) -> None:
         hooks = {r: hook for r, role in roles.items() if (hook := role.prepare(daemon)) is not None}
 
         def prepare(prepared: PreparedRequest, http_request: Request) -> object:
-            flipper.check_admitted(getattr(http_request.state, EPOCH_STATE, None))
+            try:
+                flipper.check_admitted(getattr(http_request.state, EPOCH_STATE, None))
+            except OpenAIError:
+                if daemon.config.role != "decode":  # a decode node's own middleware releases it (decode_node.release)
+                    headers = http_request.headers
+                    flipper.release_refused(headers.get("x-request-id"), headers.get(SIGNATURE_HEADER))
+                raise
             hook = hooks.get(daemon.config.role)
             return hook(prepared, http_request) if hook is not None else None
 
