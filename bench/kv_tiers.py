@@ -3,7 +3,8 @@
 Starts a proxy, one prefill and one decode daemon (real processes, embedded model, CPU, loopback;
 P->D, ``--disagg-policy always``) twice: once without tiers, once with a file tier on the prefill
 node (``--kv-disk-dir`` in a temp dir, ``--kv-offload-on-finish``). The prefill node's pool is made
-small (``--pool-blocks``); each of ``--conversations`` conversations has a system prompt of its own
+small (``--pool-blocks``, the decode node's too: one with room for the whole trace would keep every
+prefix itself and compute each turn's new tokens locally, never asking the prefill node); each of ``--conversations`` conversations has a system prompt of its own
 (``--system-tokens``; its first block differs, so no two conversations share a block) and runs
 ``--turns`` turns, each resending the whole history. The turns go in waves (every conversation's
 turn 1, then every conversation's turn 2, ...), ``--concurrency`` at a time, so between two turns
@@ -96,9 +97,11 @@ def prefill_counters(url: str) -> dict[str, float]:
 def run(tiers: bool, args: argparse.Namespace, systems: list[str]) -> RunResult:
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-kv-tiers-"))
     proxy = start("proxy", tmp, "--disagg-policy", "always", wait=False)
+    # both pools small: a decode node with room for the whole trace would keep every conversation's
+    # prefix itself and compute each new turn's few tokens locally, and P (and its tiers) would not be asked
     common = ["--model", "embedded", "--proxy", f"127.0.0.1:{proxy.kv_port}", "--heartbeat-interval-s", "0.5",
-              "--block-size", str(BLOCK_SIZE)]
-    prefill_args = [*common, "--num-kv-blocks", str(args.pool_blocks)]
+              "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(args.pool_blocks)]
+    prefill_args = list(common)
     if tiers:
         prefill_args += ["--kv-disk-dir", str(tmp / "kv"), "--kv-offload-on-finish", "--kv-tier-load", args.kv_tier_load]
     procs: list[Proc] = [proxy]
@@ -145,7 +148,7 @@ def report(on: RunResult, off: RunResult, args: argparse.Namespace, working_toke
     print(f"\nMulti-turn chat: {args.conversations} conversations x {args.turns} turns in waves, "
           f"{args.concurrency} at a time; {args.system_tokens}-token system prompt of its own each, "
           f"{args.max_tokens} tokens per answer; working set ~{working_tokens:,} tokens = "
-          f"{working_tokens / pool_tokens:.1f}x the prefill pool ({args.pool_blocks} blocks x {BLOCK_SIZE}); "
+          f"{working_tokens / pool_tokens:.1f}x a node's pool ({args.pool_blocks} blocks x {BLOCK_SIZE}); "
           "proxy + prefill + decode (P->D), embedded model, CPU fp32, loopback\n")
     print("| tiers | pool hit rate | file-tier hit rate | TTFT p50 ms (turns>=2) | TTFT p99 ms | ITL p50 ms "
           "| ITL p99 ms | output tok/s | KV bytes P->D | tier errors / dropped stores |")
@@ -171,7 +174,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-tokens", type=int, default=1200)
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
-    parser.add_argument("--pool-blocks", type=int, default=256, help="the prefill node's --num-kv-blocks")
+    parser.add_argument("--pool-blocks", type=int, default=256, help="each node's --num-kv-blocks")
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--kv-tier-load", choices=("auto", "always"), default="auto",
                         help="the prefill node's --kv-tier-load with tiers on")
