@@ -103,7 +103,9 @@ def run(tiers: bool, args: argparse.Namespace, systems: list[str]) -> RunResult:
               "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(args.pool_blocks)]
     prefill_args = list(common)
     if tiers:
-        prefill_args += ["--kv-disk-dir", str(tmp / "kv"), "--kv-offload-on-finish", "--kv-tier-load", args.kv_tier_load]
+        prefill_args += ["--kv-disk-dir", str(tmp / "kv"), "--kv-tier-load", args.kv_tier_load]
+        if args.offload_on_finish:
+            prefill_args.append("--kv-offload-on-finish")
     procs: list[Proc] = [proxy]
     try:
         prefill = start("prefill", tmp, *prefill_args, name="prefill", wait=False)
@@ -153,7 +155,8 @@ def report(on: RunResult, off: RunResult, args: argparse.Namespace, working_toke
     print("| tiers | pool hit rate | file-tier hit rate | TTFT p50 ms (turns>=2) | TTFT p99 ms | ITL p50 ms "
           "| ITL p99 ms | output tok/s | KV bytes P->D | tier errors / dropped stores |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, r in (("off", off), (f"on (file tier, --kv-tier-load {args.kv_tier_load})", on)):
+    on_name = f"on (file tier, --kv-tier-load {args.kv_tier_load}{', --kv-offload-on-finish' if args.offload_on_finish else ''})"
+    for name, r in (("off", off), (on_name, on)):
         c = r.counters
         queries = max(c["queries"], 1)
         disk_tokens = c["disk_blocks"] * BLOCK_SIZE
@@ -176,6 +179,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
     parser.add_argument("--pool-blocks", type=int, default=256, help="each node's --num-kv-blocks")
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--offload-on-finish", action=argparse.BooleanOptionalAction, default=True,
+                        help="the prefill node's --kv-offload-on-finish with tiers on")
     parser.add_argument("--kv-tier-load", choices=("auto", "always"), default="auto",
                         help="the prefill node's --kv-tier-load with tiers on")
     args = parser.parse_args()
