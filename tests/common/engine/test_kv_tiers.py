@@ -183,13 +183,19 @@ def test_requests_aborted_while_loading_free_their_blocks(tmp_path):
     assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
 
 
-def test_a_file_tier_slower_than_prefill_is_skipped_but_measured_again(tmp_path):
+def one_block_on_disk(tmp_path) -> tuple[list[torch.Tensor], FileTier, KVTiers]:
+    """A one-layer pool of 4 blocks and a file tier holding block ``b"h" * 16``."""
     caches = [torch.zeros(2, 4, 16, 2, 8)]
     file_tier = FileTier(str(tmp_path), "ns", 1 << 30, (1, 2, 16, 2, 8), torch.float32)
     assert file_tier.start()
     tiers = KVTiers(caches, 0, file_tier)
     file_tier.put(b"h" * 16, torch.randn(1, 2, 16, 2, 8))
     assert file_tier.drain(10.0)
+    return caches, file_tier, tiers
+
+
+def test_a_file_tier_slower_than_prefill_is_skipped_but_measured_again(tmp_path):
+    caches, file_tier, tiers = one_block_on_disk(tmp_path)
     assert len(tiers.lookup([b"h" * 16])) == 1  # nothing measured yet: load
     tiers.prefill_tokens_per_s = lambda: 16_000.0  # a block's 16 tokens in 1 ms
     tiers.disk_s_per_block = 0.0005
@@ -220,12 +226,7 @@ def test_a_hung_load_is_given_up_and_its_late_result_dropped(tmp_path, monkeypat
 
     from common.engine import kv_tiers
 
-    caches = [torch.zeros(2, 4, 16, 2, 8)]
-    file_tier = FileTier(str(tmp_path), "ns", 1 << 30, (1, 2, 16, 2, 8), torch.float32)
-    assert file_tier.start()
-    tiers = KVTiers(caches, 0, file_tier)
-    file_tier.put(b"h" * 16, torch.randn(1, 2, 16, 2, 8))
-    assert file_tier.drain(10.0)
+    caches, file_tier, tiers = one_block_on_disk(tmp_path)
     volume = threading.Event()  # a hung volume: reads wait until it is set
     read = FileTier._read
     monkeypatch.setattr(FileTier, "_read", lambda self, h: volume.wait() and read(self, h))
