@@ -16,7 +16,8 @@ everything it started, and marked FAIL "timed out":
 | pytest | 95 s | ``pytest -m gpu`` over the test files that hold gpu-marked tests (with |
 | | | ``--batch-invariant``'s: test_batch_invariant_engine.py, logits bitwise in any batch) |
 | checkpoints | 40 s | random bf16 checkpoints of a Qwen2.5-0.5B and a Llama-3.1-8B shape |
-| engine | 105 s | decode ms/step at batch 1 and 64, CUDA graphs and eager, beside the memory floor |
+| engine | 105 s | decode ms/step at batch 1 and 64, CUDA graphs and eager, beside the memory floor; |
+| | | the KV host tier's copy bandwidth against a pinned ``copy_`` (bench/kv_tier_copy.py, >= 0.7x) |
 | ttft | 35 s | TTFT of a 2,000-token prompt on the 8B shape |
 | cuda_ipc | 100 s | one GPU, 8B: `pdserve up`'s proxy vs a colocated node on 20 greedy requests; |
 | | | TTFT disaggregated / colocated and the KV bandwidth of a 2,000-token move (ttft_breakdown) |
@@ -111,6 +112,14 @@ def judge_engine(ctx: Context, code: int, text: str) -> Verdict:
         figures.append(Figure(label, value, "" if goal is None else f"<= {goal:g} ms", met))
         if met is False:
             missed.append(f"{label} {ms:.2f} > {goal:g} ms")
+    tier = results.get("tier_copy")
+    if tier is not None:  # issue 35: the KV host tier's copies, both ways, against a pinned copy_
+        for way in ("down", "up"):
+            ratio, label = tier[f"ratio_{way}"], f"KV host tier {'pool -> host' if way == 'down' else 'host -> pool'}"
+            figures.append(Figure(label, f"{tier[f'tier_{way}']:.1f} GB/s, {ratio:.2f}x a pinned copy_",
+                                  f">= {tier['goal']:.2f}x", ratio >= tier["goal"]))
+            if ratio < tier["goal"]:
+                missed.append(f"{label} {ratio:.2f}x")
     if code != 0:
         return FAIL, f"exit {code}: {last_line(text)}", figures
     return (FAIL, "goal not met: " + "; ".join(missed), figures) if missed else (PASS, "every goal met", figures)
@@ -178,7 +187,8 @@ STEPS = [
          judge_checkpoints),
     Step("engine", "decode ms/step, graphs and eager", 105,
          bench("gpu_engine.py", "--shapes", "qwen2.5-0.5b,llama3.1-8b", "--batches", "1,64", "--eager",
-               "--no-transformers", "--ttft-tokens", "0", "--workdir", "{ckpt}", "--json", "{work}/engine.json"),
+               "--no-transformers", "--ttft-tokens", "0", "--tier-copy", "--workdir", "{ckpt}", "--json",
+               "{work}/engine.json"),
          judge_engine, needs="checkpoints"),
     Step("ttft", "TTFT, 2,000 tokens, 8B", 35,
          bench("gpu_engine.py", "--shapes", "llama3.1-8b", "--batches=", "--ttft-tokens", "2000",

@@ -274,6 +274,8 @@ def main() -> int:
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary directory)")
     ap.add_argument("--make-checkpoints", action="store_true", help="only write the checkpoints into --workdir")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the figures here as JSON")
+    ap.add_argument("--tier-copy", action="store_true",
+                    help="also the KV host tier's copy bandwidth against a pinned copy_ (bench/kv_tier_copy.py)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("CUDA is not available: bench/gpu_engine.py measures GPU decode speed; nothing measured.")
@@ -286,6 +288,12 @@ def main() -> int:
         else:
             results = measure(args, workdir)
             print(render(results))
+            if args.tier_copy:
+                from kv_tier_copy import measure as tier_copy
+
+                results["tier_copy"] = tier_copy(torch.device("cuda"), "qwen2.5-0.5b", blocks=256, repeats=5)
+                print("KV host tier / pinned copy_: down {ratio_down:.2f}, up {ratio_up:.2f} (goal >= {goal})"
+                      .format(**results["tier_copy"]))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
