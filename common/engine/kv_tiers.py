@@ -163,7 +163,7 @@ class KVTiers:
                 self.file.put(block_hash, kv, ready)  # type: ignore[union-attr]
                 continue
             self._events.append(BlockStored((block_hash,), None, (), 0, medium=MEDIUM_HOST))
-            for old_hash, old, old_ready in self.host.put(block_hash, kv.clone() if len(kvs) > 1 else kv, ready):
+            for old_hash, old, old_ready in self.host.put(block_hash, kv, ready):
                 self._events.append(BlockRemoved((old_hash,), medium=MEDIUM_HOST))
                 if self.file is not None and not self.file.knows(old_hash):
                     self.file.put(old_hash, old, old_ready)
@@ -171,19 +171,22 @@ class KVTiers:
             self.host.store_seconds += time.perf_counter() - started
 
     def _snapshot(self, blocks: list[int]) -> tuple[list[torch.Tensor], object]:
-        """The blocks' KV as host tensors ``[layers, 2, block_size, kv_heads, head_dim]`` (views of one
-        copy); on CUDA also the event that marks the copy done (queued on the current stream: any
-        later write to the blocks runs after it)."""
+        """The blocks' KV as host tensors ``[layers, 2, block_size, kv_heads, head_dim]``, each its own
+        memory (a tier bounds bytes per block); on CUDA also the event that marks the copies done
+        (queued on the current stream: any later write to the blocks runs after them)."""
         ids = torch.tensor(blocks, device=self.device)
         gathered = torch.stack([cache[:, ids] for cache in self.kv_caches])  # [layers, 2, n, ...]
         batch = gathered.transpose(0, 2).transpose(1, 2)  # [n, layers, 2, ...]
         if self.device.type == "cpu":
-            return list(batch.contiguous().unbind(0)), None
-        host = torch.empty(batch.shape, dtype=batch.dtype, pin_memory=True)
-        host.copy_(batch, non_blocking=True)
+            return [kv.contiguous() for kv in batch.unbind(0)], None
+        hosts = []
+        for kv in batch.unbind(0):
+            host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+            host.copy_(kv, non_blocking=True)
+            hosts.append(host)
         ready = torch.cuda.Event()
         ready.record()
-        return list(host.unbind(0)), ready
+        return hosts, ready
 
     # ---- up --------------------------------------------------------------------------------
     def lookup(self, hashes: list[bytes]) -> Found:
@@ -290,7 +293,9 @@ class KVTiers:
         if not blocks:
             return
         ids = torch.tensor(blocks, device=self.device)
-        batch = torch.stack(kvs).to(self.device, non_blocking=True)  # [n, layers, 2, ...]
+        # each to the device first, then stacked there: a pinned snapshot's device-to-host copy may
+        # still be queued, and only the stream orders a read after it (a host-side stack would not wait)
+        batch = torch.stack([kv.to(self.device, non_blocking=True) for kv in kvs])  # [n, layers, 2, ...]
         for layer, cache in enumerate(self.kv_caches):
             cache[:, ids] = batch[:, layer].transpose(0, 1)
 
