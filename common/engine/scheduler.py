@@ -258,7 +258,8 @@ class Scheduler:
         self.fairness.admitted(seq)
 
     def _wants_remote_kv(self, seq: Sequence) -> bool:
-        if seq.external_kv_checked or seq.num_computed_tokens > 0:
+        # a prefix just loaded from the KV tiers still leaves the rest to ask the peer for
+        if seq.external_kv_checked or (seq.num_computed_tokens > 0 and not seq.tiers_checked):
             return False
         wants = self.connector.num_external_tokens(seq) > 0
         seq.external_kv_checked = not wants  # re-asked until parked: parking may wait for blocks
@@ -267,11 +268,16 @@ class Scheduler:
     def _park(self, seq: Sequence, local_token_cap: int) -> bool:
         """Allocate blocks for the whole prompt and wait for the peer to fill them; blocks of a
         cached prefix are taken as they are (``num_computed_tokens`` says how many tokens).
-        When the connector would rather compute the uncached rest here (at most
+        With KV tiers, the blocks after the pool's run are loaded from them
+        first (``loading``); the sequence comes back here with that prefix. When the connector would
+        rather compute the uncached rest here (at most
         ``local_token_cap`` tokens: one stall-bounded step), the sequence stays waiting, as a
         local prefill (the next pass admits it and looks its prefix up again)."""
         took = self._take_cached_prefix(seq, seq.num_prompt_tokens)
-        if took and self.connector.prefill_here(seq, seq.num_uncomputed_tokens, local_token_cap):
+        if took and self._load_from_tiers(seq):
+            return True  # back in ``waiting`` once loaded, it parks with that prefix (asks the peer for the rest)
+        has_prefix = took or seq.num_computed_tokens > 0  # the pool's, or loaded from the tiers
+        if has_prefix and self.connector.prefill_here(seq, seq.num_uncomputed_tokens, local_token_cap):
             self._release(seq)
             seq.external_kv_checked = True
             return True

@@ -248,3 +248,44 @@ def wait_drained(file_tier: FileTier, timeout: float = 10.0) -> bool:
         file_tier.take_loaded()
         time.sleep(0.005)
     return not (file_tier.pending_loads or file_tier._loaded or file_tier._cancelled)
+
+
+def test_a_decode_node_loads_its_prefix_from_the_tiers_and_asks_the_peer_for_the_rest(tmp_path, reference):
+    """A decode engine (consumer) whose pool evicted a conversation's first turn finds it in its file
+    tier: it loads those blocks, then asks the prefill engine only for the blocks after them."""
+    from helpers.fake_kv_worker import RecordingWorker, consumer, producer
+
+    first = prompts(1)[0]  # 6 full blocks
+    second = first + prompts(1, length=40, seed=9)[0]  # 8 full blocks, the first 6 shared
+    expected = LLMEngine(EngineConfig(**POOL)).generate([first, second], GREEDY)
+    p = LLMEngine(EngineConfig(**POOL), producer())
+    dw = RecordingWorker()
+    d = LLMEngine(EngineConfig(**TIERS, kv_disk_dir=str(tmp_path), kv_offload_on_finish=True), consumer(dw))
+
+    def remote(rid: str, prompt: list[int]) -> tuple[list[int], int]:
+        p.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1), kv_transfer_params={"decode_addr": "x:1"})
+        [first_token] = [t for o in p.step() for t in o.new_token_ids]
+        p_table = p.scheduler.blocks_lent[rid].block_table
+        d.add_request(rid, prompt, GREEDY, kv_transfer_params={"prefill_addr": "x:2"})
+        got: list[int] = []
+        deadline = time.monotonic() + 30
+        while rid not in dw.loads:  # via the tiers' loader when they hold its prefix
+            assert time.monotonic() < deadline
+            got += [t for o in d.step() for t in o.new_token_ids]
+        first_block, blocks = dw.loads[rid]
+        for src, dst in zip(p.kv_caches, d.kv_caches):
+            dst[:, blocks] = src[:, p_table[first_block:]]
+        dw.land(rid, first_token)
+        while d.has_unfinished_requests():
+            got += [t for o in d.step() for t in o.new_token_ids]
+        p.abort_request(rid)
+        p.step()
+        return got, first_block
+
+    assert remote("a", first) == (expected[0], 0)
+    written(d)
+    for i, filler in enumerate(prompts(3, seed=5)):  # local prompts push "a"'s blocks out of d's pool
+        ask(d, filler, f"filler{i}")
+    assert remote("b", second) == (expected[1], 6)  # 6 blocks from d's files, 2 + the tail from p
+    assert d.kv_tiers.stats()["disk"]["hits"] >= 6
+    assert d.block_manager.num_free_blocks == d.block_manager.num_blocks
