@@ -109,7 +109,10 @@ def run(tiers: bool, args: argparse.Namespace, systems: list[str]) -> RunResult:
     procs: list[Proc] = [proxy]
     try:
         prefill = start("prefill", tmp, *prefill_args, name="prefill", wait=False)
-        decode = start("decode", tmp, *common, name="decode", wait=False)
+        decode_args = list(common)
+        if tiers and args.decode_tiers:
+            decode_args += ["--kv-disk-dir", str(tmp / "kv-decode"), "--kv-tier-load", args.kv_tier_load]
+        decode = start("decode", tmp, *decode_args, name="decode", wait=False)
         procs += [prefill, decode]
         for proc in (prefill, decode, proxy):
             proc.wait_ready()
@@ -155,7 +158,8 @@ def report(on: RunResult, off: RunResult, args: argparse.Namespace, working_toke
     print("| tiers | pool hit rate | file-tier hit rate | TTFT p50 ms (turns>=2) | TTFT p99 ms | ITL p50 ms "
           "| ITL p99 ms | output tok/s | KV bytes P->D | tier errors / dropped stores |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    on_name = f"on (file tier, --kv-tier-load {args.kv_tier_load}{', --kv-offload-on-finish' if args.offload_on_finish else ''})"
+    on_name = (f"on (file tier{' on P and D' if args.decode_tiers else ''}, --kv-tier-load {args.kv_tier_load}"
+               f"{', --kv-offload-on-finish' if args.offload_on_finish else ''})")
     for name, r in (("off", off), (on_name, on)):
         c = r.counters
         queries = max(c["queries"], 1)
@@ -181,6 +185,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--offload-on-finish", action=argparse.BooleanOptionalAction, default=True,
                         help="the prefill node's --kv-offload-on-finish with tiers on")
+    parser.add_argument("--decode-tiers", action="store_true",
+                        help="with tiers on, a file tier on the decode node too (it then asks P only for what it lacks)")
     parser.add_argument("--kv-tier-load", choices=("auto", "always"), default="auto",
                         help="the prefill node's --kv-tier-load with tiers on")
     args = parser.parse_args()
