@@ -2,14 +2,16 @@
 plus two proxies over the same daemons with ``--disagg-policy always`` and ``never``.
 
 Under ``auto`` a short prompt is prefilled on the decode node (no prefill leg, no KV moved) and
-a long one on the prefill node (KV moved), asserted on the proxy's decision counter and the decode
-node's transfer bytes; the answers (greedy with logprobs, and seeded sampling) are the same on
+a long one, while the decode node runs a stream its local prefill would hold up, on the prefill
+node (KV moved), asserted on the proxy's decision counter and the decode node's
+transfer bytes; the answers (greedy with logprobs, and seeded sampling) are the same on
 every path and on the colocated node (logprobs to float32 rounding: a prefix one node has
 cached is computed in other chunks than on a node computing it fresh).
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 
@@ -17,7 +19,7 @@ import httpx
 import pytest
 from pydoc_data.topics import topics
 
-from helpers.cluster import Proc, all_ready, start, static_nodes
+from helpers.cluster import Proc, all_ready, metric, start, static_nodes
 from helpers.waiting import wait_until
 
 SHORT = "What does the with statement do?"
@@ -95,11 +97,30 @@ def test_auto_prefills_a_short_prompt_locally_and_a_long_one_remotely(cluster) -
     assert _decisions(proxy, "local")["cheaper_local"] == local["cheaper_local"] + 1
     assert _kv_bytes(decode) == moved  # no transfer for a local prefill
 
-    remote = sum(_decisions(proxy, "remote").values())
-    # a salt of its own: no test before this one in the shared cluster has this prompt in a cache
-    # (one had in a CI run: LONG went local, est_local 0.2 ms, rightly)
-    _complete(proxy, LONG, cache_salt=uuid.uuid4().hex)
-    assert sum(_decisions(proxy, "remote").values()) == remote + 1
+    # A long prompt goes remote when its local prefill (past the decode node's 50 ms stall bound)
+    # would hold up what runs there: a stream of this proxy's decoding on D. On an idle D local is
+    # right (no hand-off to pay; equal rates here), so the test makes D busy instead of hoping it is.
+    stop = threading.Event()
+
+    def busy() -> None:
+        body = {"model": "pdserve-tiny", "prompt": SHORT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+
+    streaming = threading.Thread(target=busy, daemon=True)
+    streaming.start()
+    try:
+        wait_until(lambda: metric(decode.url, "pdserve:num_requests_running") >= 1, "a stream decodes on D", 60)
+        remote = sum(_decisions(proxy, "remote").values())
+        # a salt of its own: no test before this one in the shared cluster has this prompt in a cache
+        # (one had in a CI run: LONG went local, est_local 0.2 ms, rightly)
+        _complete(proxy, LONG, cache_salt=uuid.uuid4().hex)
+    finally:
+        stop.set()
+        streaming.join(60)
+    assert sum(_decisions(proxy, "remote").values()) == remote + 1  # stall_bound, or cheaper_remote: D is busy
     assert _kv_bytes(decode) > moved  # the long prompt's KV came from the prefill node
     assert "prefill local (cheaper_local)" in proxy.log.read_text(errors="replace")  # logged at debug
 
