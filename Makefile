@@ -31,8 +31,9 @@ down:
 	$(PDSERVE) down
 
 # two workers (pytest-xdist), a test file (or the files sharing one cluster, tests/helpers/xdist_units.py)
-# each at a time: most of the suite waits on the processes it starts, so two at once take ~8 min on
-# 2 cores (8:22 for 1,951 tests in a fresh clone on a quiet VM; 6:54 for 1,844 before) where one at a time took ~12
+# each at a time: most of the suite waits on the processes it starts, and each worker forks them from a
+# zygote that imported torch once (tests/helpers/zygote.py), so two at once take ~6.5 min on 2 cores
+# (6:22 for 2,100 tests on a quiet VM; 7:58 for 2,031 with a fresh python -m per node)
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 

@@ -37,20 +37,23 @@ share_default_ssl_context()  # httpx.get / httpx.post: ~15 ms of CPU a call with
 # `make test` hands whole files (or helpers.xdist_units' groups) to two xdist workers in collection order
 # (--no-loadscope-reorder), so one of these started last would leave the other worker idle
 # for its whole length. Only the order depends on this list; a stale entry costs nothing.
-LONGEST_FIRST = (
-    "tests/real_model/test_real_model_e2e.py",  # 74 s (the real model, fetched once)
-    "tests/multihost/test_multihost_partitions.py",  # 45 s; with the rest of the bed's group 63 s
-    "tests/decode_node/test_tp_disagg.py",  # 55 s
-    "tests/test_stall_bounds.py",  # 48 s
-    "tests/proxy/test_migration_drills.py",  # 41 s
-    "tests/test_fidelity_e2e.py",  # 11 s; with the rest of session_cluster's group 40 s
-    "tests/proxy/test_fallbacks_e2e.py",  # 30 s
-    "tests/decode_node/test_kv_transfer_params.py",  # 28 s
-    "tests/common/kv_transfer/test_kvt_failures.py",  # 20 s
+LONGEST_FIRST = (  # a quiet `make test` of f453383's parent, nodes forked from the zygote
+    "tests/real_model/test_real_model_e2e.py",  # 51 s (the real model, fetched once)
+    "tests/multihost/test_multihost_partitions.py",  # 35 s; with the rest of the bed's group 46 s
+    "tests/test_fidelity_e2e.py",  # 12 s; with the rest of session_cluster's group 34 s
+    "tests/test_stall_bounds.py",  # 33 s
+    "tests/decode_node/test_tp_disagg.py",  # 29 s
+    "tests/proxy/test_migration_drills.py",  # 28 s
+    "tests/common/kv_transfer/test_kvt_failures.py",  # 21 s
+    "tests/proxy/test_fallbacks_e2e.py",  # 21 s
     "tests/test_launcher_e2e.py",  # 19 s
-    "tests/test_batch_invariant_e2e.py",  # 19 s
-    "tests/bench/test_ttft_parity.py",  # 19 s
     "tests/deploy/test_fresh_install.py",  # 18 s
+    "tests/decode_node/test_kv_transfer_params.py",  # 18 s
+    "tests/proxy/test_proxy_relay.py",  # 15 s
+    "tests/bench/test_ttft_parity.py",  # 15 s
+    "tests/proxy/test_planner_e2e.py",  # 14 s
+    "tests/proxy/test_proxy_http_surface.py",  # 14 s
+    "tests/common/kv_transfer/test_kvt_engine.py",  # 14 s
 )
 
 
