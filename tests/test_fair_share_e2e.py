@@ -63,5 +63,7 @@ def test_a_small_request_is_not_queued_behind_another_clients_flood(tmp_path, fa
         node.stop()
     if fair_share == "on":
         assert a_done <= 2, f"B completed after {a_done} of A's {NUM_A} requests"
-    else:  # first come, first served: B waits for the queue A filled before it
-        assert a_done >= NUM_A - 2, f"without fair share B completed after only {a_done} of A's requests"
+    else:  # first come, first served: B waits for the queue A filled before it. The node's waiting count
+        # includes the running request's choices 1..3 until they get slots, so "every A request arrived"
+        # can come true while up to 3 are still on their way (a loaded CI run: B after 7 of 10)
+        assert a_done >= NUM_A - 4, f"without fair share B completed after only {a_done} of A's requests"
