@@ -130,6 +130,14 @@ class KVProducer:
             if req is not None and req.link is not None and self.control is not None:
                 self.control.reply(req.link.identity, Error(reason=why, request_id=request_id))
 
+    def discard_all(self, why: str) -> int:
+        """:meth:`discard` every request this side still holds (a role flip's drain ran out); how many."""
+        with self._lock:
+            held = list(self.table.records)
+        for request_id in held:
+            self.discard(request_id, why)
+        return len(held)
+
     def request_state(self, request_id: str) -> str:
         """A :class:`~common.kv_transfer.producer_table.ProducerState` value while the request is live,
         "gone" (dropped) or "unknown" (never seen, or acknowledged)."""

@@ -258,13 +258,8 @@ class RoleFlipper:
         """The drain ran out: end what is left, for the proxy to run elsewhere; how many were ended."""
         why = f"the node stopped serving this request: it is changing role from {role} (--drain-timeout-s)"
         ended = self.daemon.engine.abort_all(why, NODE_DRAINING)
-        if role == "prefill":
-            producer = self.daemon.transfer.producer  # type: ignore[union-attr]
-            with producer.table.lock:
-                held = list(producer.table.records)
-            for request_id in held:  # KV awaiting a pull: the decode node's pull fails, the proxy re-prefills
-                producer.discard(request_id, why)
-            ended += len(held)
+        if role == "prefill":  # KV awaiting a pull: the decode node's pull fails, the proxy re-prefills
+            ended += self.daemon.transfer.producer.discard_all(why)  # type: ignore[union-attr]
         logger.warning("role flip: --drain-timeout-s (%g s) ran out; %d request(s) ended for the proxy to migrate",
                        self.drain_timeout_s, ended)
         return ended
