@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from gpu_check_runner import (FAIL, PASS, ROOT, Context, Figure, Step, StepResult, Verdict, exit_code,
@@ -276,6 +276,9 @@ def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
     ap.add_argument("out", nargs="?", default="gpu-check-out", help="where the table, the JSON and logs/ go")
     ap.add_argument("--workdir", default=None,
                     help="where checkpoints (~17 GB) go and stay (default: a temporary directory, removed)")
+    ap.add_argument("--timeout-scale", type=float, default=1.0,
+                    help="multiply every step's timeout (the timeouts are estimates; a first run on a new "
+                         "machine may want more room)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -286,7 +289,8 @@ def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
         machine = probe(sys.executable)
         ctx = Context(python=sys.executable, out=out.resolve(), work=work.resolve(), gpus=machine.get("gpus", 0),
                       missing=machine.get("missing", []), probe_error=machine.get("error"))
-        results = run_all(STEPS if steps is None else steps, ctx)
+        chosen = STEPS if steps is None else steps
+        results = run_all([replace(s, timeout_s=s.timeout_s * args.timeout_scale) for s in chosen], ctx)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
