@@ -75,8 +75,8 @@ class BlockManager:
 
     ``events``, when set, hears every change of the cached set (``cache_events``), on the
     caller's thread: a block stored, a cached block evicted, the cache cleared. ``on_evict``, when
-    set, is called with a cached block and its hash just before the block is handed out for other
-    KV (the KV tiers copy it down then: ``kv_tiers``).
+    set, is called once per allocation with the cached blocks it evicts and their hashes, just
+    before they are handed out for other KV (the KV tiers copy them down then: ``kv_tiers``).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
@@ -89,7 +89,7 @@ class BlockManager:
         self._cached: dict[BlockHash, int] = {}
         self._hash_of: dict[int, BlockHash] = {}
         self.events: EventSink | None = None
-        self.on_evict: Callable[[int, BlockHash], None] | None = None
+        self.on_evict: Callable[[list[int], list[BlockHash]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -110,20 +110,21 @@ class BlockManager:
         if num_blocks > self.num_free_blocks:
             raise NoFreeBlocksError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         blocks = self._free.take(min(num_blocks, len(self._free)))
-        blocks += [self._evict() for _ in range(num_blocks - len(blocks))]
+        evicted = [self._evict() for _ in range(num_blocks - len(blocks))]
+        if evicted and self.on_evict is not None:
+            self.on_evict([b for b, _ in evicted], [h for _, h in evicted])
+        blocks += [b for b, _ in evicted]
         for b in blocks:
             self._ref_counts[b] = 1
         return blocks
 
-    def _evict(self) -> int:
+    def _evict(self) -> tuple[int, BlockHash]:
         block, _ = self._evictable.popitem(last=False)  # least recently freed cached block
         block_hash = self._hash_of.pop(block)
         del self._cached[block_hash]
-        if self.on_evict is not None:
-            self.on_evict(block, block_hash)
         if self.events is not None:
             self.events(BlockRemoved((block_hash,)))
-        return block
+        return block, block_hash
 
     def fork(self, block_ids: list[int]) -> None:
         """Share ``block_ids`` with one more holder (each holder frees them once)."""

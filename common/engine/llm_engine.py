@@ -94,7 +94,7 @@ class LLMEngine:
         self.kv_tiers = self._build_tiers()
         if self.kv_tiers is not None:
             self.scheduler.tiers = self.kv_tiers
-            self.block_manager.on_evict = self.kv_tiers.offload
+            self.block_manager.on_evict = self.kv_tiers.offload_many
             self.kv_tiers.prefill_tokens_per_s = lambda: self.step_meter.prefill_tokens_per_s
         self._requests: dict[str, Sequence] = {}
         self._finished_unreported: list[Sequence] = []  # aborted between steps

@@ -289,3 +289,34 @@ def test_a_decode_node_loads_its_prefix_from_the_tiers_and_asks_the_peer_for_the
     assert remote("b", second) == (expected[1], 6)  # 6 blocks from d's files, 2 + the tail from p
     assert d.kv_tiers.stats()["disk"]["hits"] >= 6
     assert d.block_manager.num_free_blocks == d.block_manager.num_blocks
+
+
+def test_host_tier_slab_round_trip_runs_and_leases():
+    """The host tier's slab: blocks go down and come back bit-exact through runs of slots; when full,
+    the oldest go (into the file tier when there is one); a slot a lookup handed out is not taken
+    by the evictions that allocating its load's blocks causes."""
+    from common.engine.kv_tiers import runs
+    assert runs([3, 4, 5, 9, 10, 2]) == [(0, 3), (3, 5), (5, 6)] and runs([]) == []
+    caches = [torch.randn(2, 12, 16, 2, 8) for _ in range(2)]
+    block_bytes = 2 * 2 * 16 * 2 * 8 * 4
+    tiers = KVTiers(caches, 4 * block_bytes, None)
+    assert tiers.host.capacity == 4
+    hashes = [bytes([i]) * 16 for i in range(6)]
+    want = {h: torch.stack([c[:, b] for c in caches]).clone() for b, h in enumerate(hashes)}
+    tiers.offload_many([0, 1, 2], hashes[:3])
+    found = tiers.lookup(hashes[:3])
+    assert found.mediums == ["CPU"] * 3 and found.kv == [0, 1, 2]
+    # loading them needs pool blocks, whose eviction brings 3 more to a tier of 4: the leased slots stay
+    tiers.offload_many([3, 4, 5], hashes[3:])
+    assert sorted(tiers.host._slots.values()) == [0, 1, 2, 3]
+    assert tiers.start_load("r", hashes[:3], found, [8, 9, 10]) == 3
+    for h, b in zip(hashes[:3], [8, 9, 10]):
+        assert torch.equal(torch.stack([c[:, b] for c in caches]), want[h])
+    assert hashes[3] in tiers.host and hashes[4] not in tiers.host  # 4 and 5 found no free slot
+    tiers.offload_many([4, 5], hashes[4:])  # no lease now: the oldest (hashes[0], [1]) go
+    assert [h in tiers.host for h in hashes] == [False, False, True, True, True, True]
+    found = tiers.lookup(hashes[2:6])
+    assert tiers.start_load("s", hashes[2:6], found, [8, 9, 10, 11]) == 4
+    for h, b in zip(hashes[2:6], [8, 9, 10, 11]):
+        assert torch.equal(torch.stack([c[:, b] for c in caches]), want[h])
+    assert tiers.stats()["host"]["blocks"] == 4 and tiers.stats()["host"]["bytes"] == 4 * block_bytes
