@@ -125,10 +125,17 @@ def start(role: str, tmp: Path, *args: str, name: str | None = None, wait: bool 
     return _ready(proc) if wait else proc
 
 
+def node_env() -> dict[str, str]:
+    """A node's environment: this one, single-threaded BLAS, and the checkout first on ``PYTHONPATH``
+    in front of what was there (a GPU machine's pip-installed ``--target`` directory, say)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+
+
 def _spawn(cmd: list[str], log: Path, mode: str) -> subprocess.Popen | zygote.Forked:
     """``cmd`` started as its own session, logging to ``log``: forked by the test process's zygote
     (helpers/zygote.py: the libraries are imported once), or a plain Popen with ``PDSERVE_TEST_FORK=0``."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = node_env()
     open(log, mode).close()  # there (and empty unless appending) once this returns, as Popen's would be
     forked = zygote.spawn(cmd, log, env, ROOT)
     if forked is not None:

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from common.cluster_auth import ClusterKey, admin_headers
-from helpers.cluster import ROOT, Proc, metric
+from helpers.cluster import ROOT, Proc, metric, node_env
 from helpers.ports import free_port
 
 
@@ -22,7 +21,7 @@ def start_flippable(role: str, tmp: Path, *args: str, name: str) -> Proc:
     port, kv_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "pdserve.cli", role, "--port", str(port), "--kv-port", str(kv_port), *args]
     log = tmp / f"{name}.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = node_env()
     with open(log, "wb") as out:
         popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                  start_new_session=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 from common.config import ROLE_HTTP_PORTS, ROLE_KV_PORTS
 from pdserve.launcher import is_alive
 from helpers import zygote
-from helpers.cluster import MODULES, ROOT, Proc
+from helpers.cluster import MODULES, ROOT, Proc, node_env
 from proxy.config import ProxyConfig
 
 PREFIX = "pdsmh"
@@ -197,7 +197,7 @@ class Bed:
         else:
             cmd += ["--registry-host", "0.0.0.0", "--registry-port", str(kv_port)]
         cmd += list(args)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        env = node_env()
         log = tmp / f"{name}.log"
         open(log, "wb").close()
         popen = zygote.spawn(cmd, log, env, ROOT, netns=host.ns)  # forked into the namespace (helpers/zygote.py)
