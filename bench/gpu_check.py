@@ -13,7 +13,7 @@ everything it started, and marked FAIL "timed out":
 
 | step | timeout | what |
 |---|---:|---|
-| pytest | 95 s | ``pytest -m gpu`` over the test files that hold gpu-marked tests (with |
+| pytest | 180 s | ``pytest -m gpu`` over the test files that hold gpu-marked tests (with |
 | | | ``--batch-invariant``'s: test_batch_invariant_engine.py, logits bitwise in any batch) |
 | checkpoints | 40 s | random bf16 checkpoints of a Qwen2.5-0.5B and a Llama-3.1-8B shape |
 | engine | 105 s | decode ms/step at batch 1 and 64, CUDA graphs and eager, beside the memory floor; |
@@ -179,7 +179,7 @@ def disaggregated_args(transport: str, share: str, *extra: str) -> tuple[str, ..
 
 
 STEPS = [
-    Step("pytest", "pytest -m gpu", 95,
+    Step("pytest", "pytest -m gpu", 180,
          lambda ctx: [ctx.python, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
                       *gpu_test_files()], judge_pytest),
     Step("checkpoints", "random checkpoints (0.5B, 8B shapes)", 40,
@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
     ap.add_argument("out", nargs="?", default="gpu-check-out", help="where the table, the JSON and logs/ go")
     ap.add_argument("--workdir", default=None,
                     help="where checkpoints (~17 GB) go and stay (default: a temporary directory, removed)")
+    ap.add_argument("--steps", default=None, help="only these steps, comma-separated (with those they need)")
     ap.add_argument("--timeout-scale", type=float, default=1.0,
                     help="multiply every step's timeout (the timeouts are estimates; a first run on a new "
                          "machine may want more room)")
@@ -290,6 +291,10 @@ def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
         ctx = Context(python=sys.executable, out=out.resolve(), work=work.resolve(), gpus=machine.get("gpus", 0),
                       missing=machine.get("missing", []), probe_error=machine.get("error"))
         chosen = STEPS if steps is None else steps
+        if args.steps:
+            wanted = set(args.steps.split(","))
+            wanted |= {s.needs for s in chosen if s.name in wanted and s.needs}
+            chosen = [s for s in chosen if s.name in wanted]
         results = run_all([replace(s, timeout_s=s.timeout_s * args.timeout_scale) for s in chosen], ctx)
     finally:
         if not args.workdir:

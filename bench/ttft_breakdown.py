@@ -323,13 +323,26 @@ def visible_gpu(index: int | None):
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
+def colocated_args(node_args: list[str]) -> list[str]:
+    """``node_args`` without the P/D pair's flags, which ``pdserve serve`` refuses (``--kv-transport``)."""
+    out, skip = [], False
+    for arg in node_args:
+        if skip:
+            skip = False
+        elif arg == "--kv-transport":
+            skip = True
+        elif not arg.startswith("--kv-transport="):
+            out.append(arg)
+    return out
+
+
 def run(args, node_args: list[str], model: str | None, label: str, tokenizer=None) -> dict:
     """Every measurement ``args`` asks for, printed, and returned as one dict."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-ttft-"))
     procs = []
     report: dict = {"prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "model": label, "chat": args.chat}
     try:
-        procs = [start(role, tmp, *node_args) for role in ("both", "prefill")]
+        procs = [start("both", tmp, *colocated_args(node_args)), start("prefill", tmp, *node_args)]
         with visible_gpu(args.decode_gpu):
             procs.append(start("decode", tmp, *node_args))
         prose = english_tokens(tokenizer) if args.chat else None
