@@ -72,18 +72,25 @@ def open_cache(exported: list[dict]) -> list[torch.Tensor]:
     return out
 
 
-def copy_blocks(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int]) -> None:
-    """``dst[:, dst_ids] = src[:, src_ids]`` on the current streams of both devices (the last
-    kernel runs on ``dst``'s); runs copy without a gather."""
-    drun, srun = block_run(dst_ids), block_run(src_ids)
-    if drun is not None and srun is not None:
-        dst[:, drun].copy_(src[:, srun], non_blocking=True)
-        return
-    if srun is not None:
-        gathered = src[:, srun]
-    else:
-        gathered = src.index_select(1, torch.tensor(src_ids, device=src.device))
-    dst.index_copy_(1, torch.tensor(dst_ids, device=dst.device), gathered.to(dst.device, non_blocking=True))
+class BlockCopy:
+    """``dst[:, dst_ids] = src[:, src_ids]`` for each layer of a job, on the current streams of both
+    devices (the last kernel runs on ``dst``'s); runs copy without a gather. The index tensors are
+    made once per job, not once per layer (each is a host-to-device copy that waits). Make it
+    inside the streams the copies run on: the index copies are queued there."""
+
+    def __init__(self, dst_ids: list[int], src_ids: list[int], src_device: torch.device,
+                 dst_device: torch.device) -> None:
+        self.drun, self.srun = block_run(dst_ids), block_run(src_ids)
+        both_runs = self.drun is not None and self.srun is not None
+        self.src_index = None if self.srun is not None else torch.tensor(src_ids, device=src_device)
+        self.dst_index = None if both_runs else torch.tensor(dst_ids, device=dst_device)
+
+    def __call__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.dst_index is None:
+            dst[:, self.drun].copy_(src[:, self.srun], non_blocking=True)
+            return
+        gathered = src[:, self.srun] if self.src_index is None else src.index_select(1, self.src_index)
+        dst.index_copy_(1, self.dst_index, gathered.to(dst.device, non_blocking=True))
 
 
 class IpcPair:
@@ -114,10 +121,13 @@ class IpcPair:
         with self.streams.use(self.src_stream, self.dst_stream):
             if ready is not None:
                 self.streams.wait(self.src_stream, ready)  # after the layer's KV write on the compute stream
+            copy = None
             for j, layer in enumerate(job.layers):
                 src = job.staged[j] if job.staged is not None else kv_src[layer]
                 ids = list(range(src.shape[1])) if job.staged is not None else src_ids
-                copy_blocks(self.peer_cache[layer], dst_ids, src, ids)
+                if copy is None:  # the same blocks in every layer of the job
+                    copy = BlockCopy(dst_ids[:len(ids)], ids, src.device, self.peer_cache[layer].device)
+                copy(self.peer_cache[layer], src)
                 nbytes += len(ids) * src[:, :1].numel() * src.element_size()
         return nbytes
 

@@ -212,3 +212,19 @@ def test_a_pinging_consumers_pair_stays():
         assert not sender.broken and not sender.closed
     finally:
         stop(sender)
+
+
+@pytest.mark.parametrize("dst_ids,src_ids", [([4, 5, 6], [1, 2, 3]), ([6, 1, 3], [1, 2, 3]), ([2, 3, 4], [7, 0, 5]),
+                                             ([7, 2, 0], [3, 6, 1])])
+def test_ipc_block_copy_moves_the_same_blocks_in_every_layer(dst_ids, src_ids):
+    """BlockCopy (index tensors made once per job) is ``dst[:, dst_ids] = src[:, src_ids]`` for each
+    layer, whether either side's blocks form a run or not, and touches no other block."""
+    from common.kv_transfer.cuda_ipc import BlockCopy
+    kv = make_kv(LAYOUT, 8, 3)
+    peer = [torch.zeros(LAYOUT.layer_shape(8), dtype=LAYOUT.torch_dtype) for _ in range(LAYOUT.num_layers)]
+    copy = BlockCopy(dst_ids, src_ids, kv[0].device, peer[0].device)
+    for layer in range(LAYOUT.num_layers):
+        copy(peer[layer], kv[layer])
+        assert same_bytes(peer[layer][:, dst_ids], kv[layer][:, src_ids])
+        others = [b for b in range(8) if b not in dst_ids]
+        assert not peer[layer][:, others].any()
