@@ -23,9 +23,11 @@ everything it started, and marked FAIL "timed out":
 | | | TTFT disaggregated / colocated and the KV bandwidth of a 2,000-token move (ttft_breakdown) |
 | nccl | 45 s | the same over an NCCL pair, prefill on GPU 0, decode on GPU 1 (parity through the pair) |
 
-The timeouts add up to 420 s; with the probe (15 s), each step's 3 s of grace and the cuda_ipc
-step's clean-up (`pdserve down`, 20 s) the worst case is 473 s, under 8 minutes. They are
-estimates no GPU run has checked yet. Writes OUT/gpu-check.md (printed last) and
+The timeouts add up to 505 s; with the probe (15 s), each step's 3 s of grace and the cuda_ipc
+step's clean-up (`pdserve down`, 20 s) the worst case is 558 s, under 10 minutes. An H200 took
+95-127 s for pytest (Triton compiling on a fresh machine), 35-39 s for the checkpoints, 38-40 s
+for the engine, 11-13 s for ttft and 58 s for cuda_ipc (2026-11-27). ``--timeout-scale`` scales
+them, ``--steps`` picks some. Writes OUT/gpu-check.md (printed last) and
 OUT/gpu-check.json; each step's output is in OUT/logs/. Without CUDA every step is SKIP
 ("no CUDA device") and the exit code is 0; it is 1 when a step FAILs.
 """
