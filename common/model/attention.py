@@ -150,10 +150,12 @@ def warm_up_fallback(choice: KernelChoice, error: Exception) -> KernelChoice:
 def use_kernels(model: torch.nn.Module, choice: KernelChoice, device: torch.device) -> None:
     """Set ``choice`` on the model: its attention backend and whether its layers run the fused ops
     (and, for :data:`BATCH_INVARIANT`, its linears in fixed row tiles: BatchInvariantError when
-    this machine's matmuls have no such tile)."""
-    if choice.attention_backend == INVARIANT:
-        from common.model.batch_invariant import make_batch_invariant
+    this machine's matmuls have no such tile; else, on CPU in float32, its linears on oneDNN)."""
+    from common.model.batch_invariant import make_batch_invariant, pack_linears
 
+    if choice.attention_backend == INVARIANT:
         make_batch_invariant(model, device)
+    elif not choice.uses_triton:  # (Triton on a CPU tensor is the tests' interpreter standing in for a GPU)
+        pack_linears(model, device)
     model.attn_backend = select_backend(choice.attention_backend, device)
     model.use_fused_ops = choice.fused_ops

@@ -82,7 +82,34 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out[:n].view(*x.shape[:-1], out_features)
 
 
-class InvariantLinear(nn.Linear):
+class ProductLinear(nn.Linear):
+    """An ``nn.Linear`` that computes its product its own way (same parameters); ``matmul`` is the
+    product without the bias (a tensor-parallel rank's partial product)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._product(x, self.bias)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._product(x, None)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PackedLinear(ProductLinear):
+    """The default path's linear on CPU in float32: oneDNN on the weight packed once, 1.4x (one
+    row) to 3.5x (16 rows) faster than ``F.linear``'s MKL on this machine's AMD CPU. Past 64 rows
+    the rows are padded as :func:`padded_rows` says, so prompts of many lengths share a few of
+    oneDNN's per-shape kernels. The packed copy is made once: a weight changed in place
+    afterwards is not seen, and an untied weight is gone (:func:`pack_linears`)."""
+
+    packed: torch.Tensor
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return packed_linear(x, self.packed, bias, self.out_features, 1)
+
+
+class InvariantLinear(ProductLinear):
     """An ``nn.Linear`` whose rows do not depend on their batch: :func:`packed_linear` when its
     weight was packed at start, else fixed row tiles (:func:`tiled_linear`); same parameters.
     The packed copy is made once: a weight changed in place afterwards is not seen."""
@@ -90,17 +117,27 @@ class InvariantLinear(nn.Linear):
     tile: int
     packed: torch.Tensor | None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._product(x, self.bias)
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T`` without the bias (a tensor-parallel rank's partial product)."""
-        return self._product(x, None)
-
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, bias, self.out_features, self.tile)
         return tiled_linear(x, self.weight, bias, self.tile)
+
+
+def pack_linears(model: nn.Module, device: torch.device) -> int:
+    """Turn every plain ``nn.Linear`` of ``model`` into a :class:`PackedLinear` where oneDNN can
+    run it (:func:`packs_weights`); returns how many. A weight only its linear uses is dropped
+    once packed (nothing reads it after start: SmolLM2's node holds 0.5 GB less); one tied to
+    another module (the LM head to the embedding) stays."""
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    if not linears or not packs_weights(device, linears[0].weight.dtype):
+        return 0
+    shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    for linear in linears:
+        linear.__class__ = PackedLinear
+        linear.packed = pack_weight(linear.weight, 1)
+        if id(linear.weight) not in shared:
+            linear.weight = nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
+    return len(linears)
 
 
 def rows_invariant(fn, x: torch.Tensor) -> bool:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model.batch_invariant import InvariantLinear
+from common.model.batch_invariant import ProductLinear
 from common.model.config import ModelConfig, ModelLoadError
 
 
@@ -119,7 +119,7 @@ def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TPShard) -> torch.Tenso
     products summed over the ranks, then the (whole) bias once."""
     if tp.comm is None:
         return linear(x)
-    partial = linear.matmul(x) if isinstance(linear, InvariantLinear) else F.linear(x, linear.weight)
+    partial = linear.matmul(x) if isinstance(linear, ProductLinear) else F.linear(x, linear.weight)
     out = tp.comm.all_reduce(partial)
     return out if linear.bias is None else out + linear.bias
 

@@ -19,7 +19,7 @@ from common.engine.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
 from common.model.attn_backends.invariant import InvariantBackend
-from common.model.batch_invariant import InvariantLinear, packs_weights
+from common.model.batch_invariant import InvariantLinear, PackedLinear, packs_weights
 
 PROMPT = [(7 * i + 3) % 2000 + 4 for i in range(70)]
 MAX_TOKENS = 8
@@ -77,7 +77,9 @@ SEEDED = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.9, seed=
 def test_the_mode_swaps_linears_and_attention_only_when_asked() -> None:
     plain, invariant = _engine(batch_invariant=False), _engine()
     assert not any(isinstance(m, InvariantLinear) for m in plain.runner.model.modules())
-    assert type(plain.runner.model.lm_head) is torch.nn.Linear
+    # the default path's linears run on oneDNN where it can (CPU float32), else as nn.Linear
+    packs = packs_weights(torch.device("cpu"), torch.float32)
+    assert type(plain.runner.model.lm_head) is (PackedLinear if packs else torch.nn.Linear)
     assert isinstance(invariant.runner.model.lm_head, InvariantLinear)
     assert isinstance(invariant.runner.attn_backend, InvariantBackend)
 
