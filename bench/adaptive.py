@@ -88,7 +88,10 @@ from common.model.tokenizer import Tokenizer  # noqa: E402
 from helpers.cluster import MODULES, Proc, free_port, metric, start  # noqa: E402
 from helpers.stats import pct  # noqa: E402
 
-HTTP = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=128, max_keepalive_connections=128))
+# idle connections dropped before the servers drop them (nodes: 5 s): a request sent on one the server
+# is closing fails with "Server disconnected without sending a response" (a run between policies idles)
+HTTP = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=128, max_keepalive_connections=128,
+                                                     keepalive_expiry=2.0))
 
 
 @dataclass

@@ -105,7 +105,9 @@ class ProxyConfig(HttpServerOptions, PlannerOptions):
     )
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body (413 above).")
     keep_alive_timeout_s: float = Field(
-        5.0, gt=0, le=3600, description="Idle client connections are closed after this many seconds."
+        20.0, gt=0, le=3600, description="Idle client connections are closed after this many seconds: longer "
+        "than clients keep an idle connection (httpx and the openai client 5 s, aiohttp 15 s), so that none "
+        "sends a request on a connection the proxy is closing (\"Server disconnected without sending a response\")."
     )
     stream_write_timeout_s: float = Field(
         30.0, gt=0, le=3600, description="A client that accepted no bytes of a stream this long is cut off "
