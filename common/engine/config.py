@@ -94,8 +94,8 @@ class EngineConfig(BaseModel):
     )
 
     kv_host_bytes: int = Field(
-        0, ge=0, le=1 << 44, description="KV tiers: bytes of host memory (pinned on CUDA) that keep prefix blocks "
-        "the KV cache evicts, least recently used out first; 0 = no host tier. On CPU the cache already is host "
+        0, ge=0, le=1 << 44, description="KV tiers: bytes of host memory (pinned on CUDA, all allocated at start) "
+        "that keep prefix blocks the KV cache evicts, least recently used out first; 0 = no host tier. On CPU the cache already is host "
         "memory, so leave it 0 there and use --kv-disk-dir (README: KV tiers)"
     )
     kv_disk_dir: str | None = Field(
