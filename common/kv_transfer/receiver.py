@@ -418,6 +418,10 @@ class PairReceiver:
         if t is None:  # aborted meanwhile, or never asked for: nothing of it is used
             logger.warning("consumer: DONE for %s from %s, which no transfer waits for", msg.request_id, self.address)
             self.owner.stats.reject(NOT_REQUESTED)
+            # still ACKed: the producer holds the request's blocks until an ACK, and this pair's pings
+            # renew that lease, so a transfer failed here (its deadline ran out on a slow link) would
+            # keep them held for as long as the pair lives
+            self._ack(msg.request_id)
             return
         bad = check_done(msg, self.owner.vocab_size)
         if bad is not None:  # this request fails alone; the pair and the engine go on
@@ -460,8 +464,12 @@ class PairReceiver:
         # fails at its own deadline (its waiter), which drops the pair
         limit = cfg.lease_s + cfg.timeout_s
         posted = {entry[0].request_id for entry in self._posted}
+        # tcp: bytes of a layer still arriving are progress too (on a lossy link one layer can take
+        # longer than the limit, while the stall check above fails a frame that stopped moving)
+        arriving = self._reader.request_id if self._reader is not None and self._reader.mid_frame() else None
         late = [t for t in self.transfers.values()
-                if now - (t.last_landed or t.started) > limit and t.request_id not in posted]
+                if now - max(t.last_landed or t.started, self._reader.last_byte if t.request_id == arriving else 0.0)
+                > limit and t.request_id not in posted]
         for t in late:
             self._fail_fenced(self._take(t.request_id), "timed out waiting for the producer")
         # a built pair is pinged even when idle: its control connection stays in use (the control

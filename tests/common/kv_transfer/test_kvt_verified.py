@@ -174,3 +174,59 @@ def test_a_done_is_accepted_only_for_this_transfers_whole_kv(landed, done, reaso
     with pytest.raises(KVRejected) as rejected:
         check_done_identity(msg, nonce=7, layout=LAYOUT, num_blocks=3, **got)
     assert rejected.value.reason == reason
+
+
+class _Stub:
+    """What a PairReceiver reaches of its owner and tcp pair, recorded."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+        self.rejected: list[str] = []
+        self.failed: list[tuple[str, str]] = []
+        self.stats = self
+        self.config = TransferConfig(**{**FAST, "lease_s": 8.0, "timeout_s": 3.0})
+
+    def reject(self, reason: str) -> None:
+        self.rejected.append(reason)
+
+    def send_message(self, data: bytes) -> None:
+        from common.kv_transfer.messages import decode
+        self.sent.append(decode(data))
+
+
+def _tcp_receiver(stub: _Stub):
+    from common.kv_transfer.receiver import PairReceiver
+    r = PairReceiver(stub, "127.0.0.1:1")  # type: ignore[arg-type]
+    r.transport, r.pair, r.pair_id = "tcp", stub, "pair-1"
+    return r
+
+
+def test_a_done_no_transfer_waits_for_is_acked_so_the_producer_frees_its_blocks():
+    """The producer holds a request's blocks until the consumer ACKs its DONE, and the pair's pings
+    renew that lease: a DONE for a transfer this side already failed (its deadline ran out on a slow
+    link: the multi-host netem test saw the prefill node hold its blocks) must still be ACKed."""
+    stub = _Stub()
+    _tcp_receiver(stub)._finish(Done(request_id="given-up", pair_id="pair-1", first_token=1))
+    assert [(type(m).__name__, m.request_id) for m in stub.sent] == [("Ack", "given-up")]
+    assert stub.rejected == [NOT_REQUESTED]
+
+
+def test_a_layer_still_arriving_keeps_its_transfer_alive_past_the_limit():
+    """tcp: a transfer with no layer landed for lease + timeout fails, unless bytes of its layer are
+    arriving now (a lossy link can take longer than that for one layer); one with none fails."""
+    import time
+    from types import SimpleNamespace
+
+    from common.kv_transfer.consumer_table import Transfer
+    stub = _Stub()
+    r = _tcp_receiver(stub)
+    failed: list[str] = []
+    r._fail_fenced = lambda t, reason, fence=None: failed.append(t.request_id)  # type: ignore[method-assign]
+    r._take = lambda request_id: r.transfers.pop(request_id)  # type: ignore[method-assign]
+    now = time.monotonic()
+    for rid in ("arriving", "silent"):
+        r.transfers[rid] = Transfer(rid, started=now - 20.0)
+    r._reader = SimpleNamespace(request_id="arriving", mid_frame=lambda: True, last_byte=now - 1.0)  # type: ignore[assignment]
+    r._last_ping = now  # no ping due: only the deadlines are under test
+    r._heartbeat(now)
+    assert failed == ["silent"] and list(r.transfers) == ["arriving"]
