@@ -33,7 +33,7 @@ down:
 # two workers (pytest-xdist), a test file (or the files sharing one cluster, tests/helpers/xdist_units.py)
 # each at a time: most of the suite waits on the processes it starts, and each worker forks them from a
 # zygote that imported torch once (tests/helpers/zygote.py), so two at once take ~7 min on 2 cores
-# (6:49-6:57 in fresh clones for 2,109 tests; 7:58 for 2,031 with a fresh python -m per node)
+# (6:35-6:57 in fresh clones for 2,109 tests; 7:58 for 2,031 with a fresh python -m per node)
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
