@@ -34,8 +34,8 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from itertools import islice
 from dataclasses import dataclass, field
+from itertools import islice
 
 import torch
 
@@ -120,11 +120,11 @@ class HostTier:
         return self._slots[block_hash]
 
 
-def runs(slots: list[int]) -> list[tuple[int, int]]:
-    """``[start, stop)`` index ranges of ``slots`` whose values go up by one."""
+def runs(slots: list[int | None]) -> list[tuple[int, int]]:
+    """``[start, stop)`` index ranges of ``slots`` whose values go up by one; a None stands alone."""
     out, start = [], 0
     for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+        if i == len(slots) or slots[i] is None or slots[i - 1] is None or slots[i] != slots[i - 1] + 1:
             out.append((start, i))
             start = i
     return out
@@ -242,6 +242,8 @@ class KVTiers:
         Host-tier blocks are leased until :meth:`start_load`: allocating the blocks to load them
         into may evict pool blocks into the host tier, and those must not take these slots."""
         found = Found([], [])
+        if self.host is not None:
+            self.host.leased.clear()  # a new lookup: the last one was loaded, or given up
         disk = self.file is not None and self.file.enabled and self._disk_pays()
         for block_hash in hashes:
             medium = None
@@ -347,16 +349,14 @@ class KVTiers:
         if not blocks:
             return
         staged = torch.empty((len(blocks), *self.block_shape), dtype=self.kv_caches[0].dtype, device=self.device)
-        slots = [kv if isinstance(kv, int) else -2 for kv in kvs]
+        slots = [kv if isinstance(kv, int) else None for kv in kvs]
         for start, stop in runs(slots):
-            if slots[start] >= 0:
-                first = slots[start]
+            first = slots[start]
+            if first is not None:
                 staged[start:stop].copy_(self.host.slab[first:first + stop - start], non_blocking=True)  # type: ignore[union-attr]
-                continue
-            # a tensor at a time, on the stream: a pinned snapshot's device-to-host copy may still be
-            # queued, and only the stream orders a read after it (a host-side stack would not wait)
-            for i in range(start, stop):
-                staged[i].copy_(kvs[i], non_blocking=True)  # type: ignore[arg-type]
+            else:  # a tensor alone, on the stream: a pinned snapshot's device-to-host copy may still be
+                # queued, and only the stream orders a read after it (a host-side stack would not wait)
+                staged[start].copy_(kvs[start], non_blocking=True)  # type: ignore[arg-type]
         ids = torch.tensor(blocks, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
             cache[:, ids] = staged[:, layer].transpose(0, 1)

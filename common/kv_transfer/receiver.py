@@ -467,9 +467,11 @@ class PairReceiver:
         # tcp: bytes of a layer still arriving are progress too (on a lossy link one layer can take
         # longer than the limit, while the stall check above fails a frame that stopped moving)
         arriving = self._reader.request_id if self._reader is not None and self._reader.mid_frame() else None
-        late = [t for t in self.transfers.values()
-                if now - max(t.last_landed or t.started, self._reader.last_byte if t.request_id == arriving else 0.0)
-                > limit and t.request_id not in posted]
+
+        def progress(t: Transfer) -> float:
+            since = t.last_landed or t.started
+            return max(since, self._reader.last_byte) if t.request_id == arriving else since  # type: ignore[union-attr]
+        late = [t for t in self.transfers.values() if now - progress(t) > limit and t.request_id not in posted]
         for t in late:
             self._fail_fenced(self._take(t.request_id), "timed out waiting for the producer")
         # a built pair is pinged even when idle: its control connection stays in use (the control
