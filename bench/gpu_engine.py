@@ -8,7 +8,9 @@ made on the GPU with transformers' ``from_config``, then measures in the same ru
 - the same for transformers ``generate`` on the same checkpoint (one batch, equal lengths);
 - TTFT of a 2,048-token prompt (one output token, one prefill step);
 - the floor: a device-to-device copy's bandwidth (bytes read + written), and the bytes one
-  decode step must read (weights + the batch's KV) divided by it.
+  decode step must read (weights + the batch's KV) divided by it;
+- with ``--batch-invariant both``, each engine again with ``--batch-invariant`` (issue 34): its
+  decode steps and TTFT beside the default's, as output tokens/s and the mode's cost.
 Prints one markdown table, with the issue's goals; ``--json PATH`` also writes the figures
 there (bench/gpu_check.py reads them). ``--make-checkpoints`` only writes the checkpoints into
 ``--workdir`` (each gets a tokenizer that names every id, ``t123``, so a server's text shows
@@ -16,7 +18,7 @@ exactly which tokens it generated). Without CUDA it says so and exits 0.
 
     python bench/gpu_engine.py [--shapes qwen2.5-0.5b,llama3.1-8b] [--batches 1,16,64]
                                [--eager] [--no-transformers] [--workdir DIR] [--ttft-tokens 2048]
-                               [--json PATH] [--make-checkpoints]
+                               [--json PATH] [--make-checkpoints] [--batch-invariant off|on|both]
 """
 
 from __future__ import annotations
@@ -124,7 +126,8 @@ def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(batch)]
 
 
-def engine_rows(path: Path, name: str, args, bandwidth: float, eager: bool) -> tuple[list[dict], dict]:
+def engine_rows(path: Path, name: str, args, bandwidth: float, eager: bool,
+                invariant: bool = False) -> tuple[list[dict], dict]:
     """Decode ms/step at each of ``args.batches`` with its floor, and what the engine is (its TTFT too)."""
     from common.engine.config import EngineConfig
     from common.engine.llm_engine import LLMEngine
@@ -133,7 +136,7 @@ def engine_rows(path: Path, name: str, args, bandwidth: float, eager: bool) -> t
     config = EngineConfig(
         model=str(path), device="cuda", max_num_seqs=max(args.batches, default=1),
         max_num_batched_tokens=max(args.ttft_tokens, TTFT_LEN), max_model_len=4096,
-        kv_cache_memory_gb=args.kv_cache_gb, enforce_eager=eager,
+        kv_cache_memory_gb=args.kv_cache_gb, enforce_eager=eager, batch_invariant=invariant,
     )
     t0 = time.perf_counter()
     engine = LLMEngine(config)
@@ -153,7 +156,7 @@ def engine_rows(path: Path, name: str, args, bandwidth: float, eager: bool) -> t
         run(batch, short)  # warm-up: kernels compiled, allocator settled
         ms = (timed(lambda: run(batch, long)) - timed(lambda: run(batch, short))) / (long - short) * 1e3
         kv_bytes = batch * (PROMPT_LEN + (short + long) / 2) * kv_per_token
-        rows.append(dict(shape=name, batch=batch, graphs=not eager, ms_per_step=ms,
+        rows.append(dict(shape=name, batch=batch, graphs=not eager, invariant=invariant, ms_per_step=ms,
                          floor_ms=(weight_bytes + kv_bytes) / bandwidth * 1e3,
                          goal_ms=GOALS[name].get(batch), transformers_ms=None))
     ttft_ms = None
@@ -164,7 +167,9 @@ def engine_rows(path: Path, name: str, args, bandwidth: float, eager: bool) -> t
         engine.generate(next(fresh), one)
         ttft_ms = min(timed(lambda: engine.generate(next(fresh), one)) for _ in range(3)) * 1e3
     graphs = engine.runner.graphs
-    info = dict(shape=name, graphs=not eager, start_s=start_s, ttft_tokens=args.ttft_tokens, ttft_ms=ttft_ms,
+    linears = {getattr(m, "triton", None) for m in engine.runner.model.modules() if hasattr(m, "triton")}
+    info = dict(shape=name, graphs=not eager, invariant=invariant, start_s=start_s,
+                linears="triton" if linears == {True} else "row tiles" if linears == {False} else "default", ttft_tokens=args.ttft_tokens, ttft_ms=ttft_ms,
                 ttft_goal_ms=TTFT_GOAL_MS.get(name), graph_sizes=graphs.sizes if graphs else None,
                 backend=engine.runner.attn_backend.name, graph_mib=engine.runner.graph_memory_bytes / 2**20,
                 weight_bytes=weight_bytes)
@@ -205,8 +210,9 @@ def measure(args, workdir: Path) -> dict:
                          decode=[], engines=[])
     for name in args.shapes.split(","):
         path = make_checkpoint(name, workdir)
-        for eager in (False, True) if args.eager else (False,):
-            rows, info = engine_rows(path, name, args, bandwidth, eager)
+        modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.batch_invariant]
+        for eager, invariant in [(e, i) for e in ((False, True) if args.eager else (False,)) for i in modes]:
+            rows, info = engine_rows(path, name, args, bandwidth, eager, invariant)
             results["decode"] += rows
             results["engines"].append(info)
         if not args.no_transformers and args.batches:
@@ -214,6 +220,7 @@ def measure(args, workdir: Path) -> dict:
             for row in results["decode"]:
                 if row["shape"] == name:
                     row["transformers_ms"] = hf_ms.get(row["batch"])
+    results["invariant_cost"] = invariant_cost(results)
     return results
 
 
@@ -229,8 +236,9 @@ def render(results: dict) -> str:
         "| shape | batch | engine ms/step | eager ms/step | transformers ms/step | floor ms | engine / floor | goal |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    eager = {(r["shape"], r["batch"]): r["ms_per_step"] for r in results["decode"] if not r["graphs"]}
-    for r in (r for r in results["decode"] if r["graphs"]):
+    eager = {(r["shape"], r["batch"]): r["ms_per_step"] for r in results["decode"]
+             if not r["graphs"] and not r["invariant"]}
+    for r in (r for r in results["decode"] if r["graphs"] and not r["invariant"]):
         goal = r["goal_ms"]
         verdict = "-" if goal is None else f"<= {goal} ms: {'met' if r['ms_per_step'] <= goal else 'NOT met'}"
         lines.append(f"| {r['shape']} | {r['batch']} | {r['ms_per_step']:.2f} | "
@@ -245,10 +253,42 @@ def render(results: dict) -> str:
                 met = "met" if info["ttft_ms"] <= info["ttft_goal_ms"] else "NOT met"
                 ttft += f" (goal <= {info['ttft_goal_ms']} ms: {met})"
             ttft += "; "
-        lines.append(f"- {info['shape']}, {'CUDA graphs' if info['graphs'] else 'eager'}: {ttft}attention "
-                     f"{info['backend']}; CUDA graphs {info['graph_sizes']} ({info['graph_mib']:.0f} MiB); "
-                     f"engine start {info['start_s']:.1f} s")
+        mode = ", --batch-invariant" if info["invariant"] else ""
+        lines.append(f"- {info['shape']}, {'CUDA graphs' if info['graphs'] else 'eager'}{mode}: {ttft}attention "
+                     f"{info['backend']}, linears {info['linears']}; CUDA graphs {info['graph_sizes']} "
+                     f"({info['graph_mib']:.0f} MiB); engine start {info['start_s']:.1f} s")
+    lines += invariant_table(results)
     return "\n".join(lines)
+
+
+def invariant_cost(results: dict) -> list[dict]:
+    """Per shape and batch (and TTFT): the default's and ``--batch-invariant``'s figures, and the
+    mode's cost in output tokens/s (decode) or time (TTFT); empty unless both modes ran."""
+    out = []
+    rows = {(r["shape"], r["batch"], r["invariant"]): r for r in results["decode"] if r["graphs"]}
+    for (shape, batch, invariant), r in rows.items():
+        if not invariant and (shape, batch, True) in rows:
+            base, mode = r["ms_per_step"], rows[shape, batch, True]["ms_per_step"]
+            out.append(dict(shape=shape, what=f"decode, batch {batch}", default=batch / base * 1e3,
+                            invariant=batch / mode * 1e3, unit="tok/s", cost=1 - base / mode))
+    engines = {(e["shape"], e["invariant"]): e for e in results["engines"] if e["graphs"] and e["ttft_ms"]}
+    for (shape, invariant), e in engines.items():
+        if not invariant and (shape, True) in engines:
+            base, mode = e["ttft_ms"], engines[shape, True]["ttft_ms"]
+            out.append(dict(shape=shape, what=f"TTFT, {e['ttft_tokens']} tokens", default=base, invariant=mode,
+                            unit="ms", cost=mode / base - 1))
+    return out
+
+
+def invariant_table(results: dict) -> list[str]:
+    cost = invariant_cost(results)
+    if not cost:
+        return []
+    lines = ["", "| shape | measure | default | --batch-invariant | cost |", "|---|---|---:|---:|---:|"]
+    for c in cost:
+        lines.append(f"| {c['shape']} | {c['what']} | {c['default']:.1f} {c['unit']} | {c['invariant']:.1f} "
+                     f"{c['unit']} | {c['cost']:.0%} |")
+    return lines
 
 
 def make_checkpoints(names: list[str], workdir: Path) -> dict:
@@ -276,6 +316,8 @@ def main() -> int:
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary directory)")
     ap.add_argument("--make-checkpoints", action="store_true", help="only write the checkpoints into --workdir")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the figures here as JSON")
+    ap.add_argument("--batch-invariant", choices=("off", "on", "both"), default="off",
+                    help="engines with --batch-invariant: off, on, or both (the mode's cost, issue 34)")
     ap.add_argument("--tier-copy", action="store_true",
                     help="also the KV host tier's copy bandwidth against a pinned copy_ (bench/kv_tier_copy.py)")
     args = ap.parse_args()

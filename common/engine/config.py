@@ -67,9 +67,10 @@ class EngineConfig(BaseModel):
         "triton is installed and compiles at start; on = stop at start if it cannot; off = PyTorch ops"
     )
     batch_invariant: bool = Field(
-        False, description="Every row of a step computed independently of the others (fixed matmul tiles, "
-        "the invariant attention backend, no Triton ops or CUDA graphs): greedy and seeded answers and logprobs "
-        "bitwise the same whatever the batch, chunking or prefix-cache hit; slower (README: Batch-invariant mode)"
+        False, description="Every row of a step computed independently of the others (fixed matmul tiles and "
+        "attention tiles: on CUDA with Triton its kernels and CUDA graphs, else PyTorch ops): greedy and seeded "
+        "answers and logprobs bitwise the same whatever the batch, chunking or prefix-cache hit; slower "
+        "(README: Batch-invariant mode)"
     )
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="Ranks the model is split over (one process each; rank 0 serves): its heads, "
@@ -122,14 +123,6 @@ class EngineConfig(BaseModel):
         if not _DEVICE.fullmatch(value):
             raise ValueError("must be auto, cpu, cuda or cuda:N")
         return value
-
-    @model_validator(mode="after")
-    def _invariant_kernels(self) -> EngineConfig:
-        named = [flag for flag, given in (("--attention-backend triton", self.attention_backend == "triton"),
-                                          ("--fused-ops on", self.fused_ops == "on")) if given]
-        if self.batch_invariant and named:
-            raise ValueError(f"--batch-invariant runs its own attention and the PyTorch ops; drop {' and '.join(named)}")
-        return self
 
     @field_validator("kv_disk_dir")
     @classmethod

@@ -26,7 +26,7 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.kv_layout import KVLayout
-from common.model.attention import BATCH_INVARIANT, choose_kernels, use_kernels
+from common.model.attention import choose_kernels, use_kernels
 from common.model.attention_metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -178,8 +178,7 @@ def graph_memory(model: torch.nn.Module, kv_layout: KVLayout, config: EngineConf
     KV cache is sized: learnt by capturing the largest bucket against a 2-block cache (the KV cache
     is an input, not part of the graphs' pool)."""
     device = config.resolved_device()
-    kernels = BATCH_INVARIANT if config.batch_invariant else choose_kernels(config.attention_backend, config.fused_ops,
-                                                                            device)
+    kernels = choose_kernels(config.attention_backend, config.fused_ops, device, config.batch_invariant)
     use_kernels(model, kernels, device)
     if device.type != "cuda" or config.enforce_eager or not model.attn_backend.supports_cuda_graphs:
         return 0

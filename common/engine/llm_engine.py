@@ -42,7 +42,7 @@ from common.engine.sequence import Sequence
 from common.engine.structured_output import RESPONSE_FORMAT_PARAM
 from common.engine.step_meter import StepMeter
 from common.kv_layout import DTYPES, KVLayout
-from common.model.attention import BATCH_INVARIANT, choose_kernels
+from common.model.attention import choose_kernels
 from common.defaults import DEFAULT_CACHE_DIR, EMBEDDED_MODEL_SPEC
 from common.model.sources import resolve_model
 
@@ -74,9 +74,8 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.runner = ModelRunner(
             model, self.kv_layout, num_blocks, self.device, config.seed,
-            BATCH_INVARIANT if config.batch_invariant else choose_kernels(config.attention_backend, config.fused_ops,
-                                                                          self.device),
-            config.enforce_eager, config.max_num_seqs, self.max_model_len, eos,
+            choose_kernels(config.attention_backend, config.fused_ops, self.device, config.batch_invariant),
+            config.enforce_eager, config.max_num_seqs, self.max_model_len, eos, config.max_num_batched_tokens,
         )
         self.kv_caches: list[torch.Tensor] = self.runner.kv_caches
         self.scheduler = Scheduler(

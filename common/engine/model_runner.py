@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 import logging
+import time
 
 import torch
 
@@ -36,6 +37,7 @@ from common.engine.sequence import Sequence
 from common.kv_layout import KVLayout
 from common.model.attention import TRITON_HINT, KernelChoice, use_kernels, warm_up_fallback
 from common.model.attention_metadata import AttentionMetadata
+from common.model.batch_invariant import ProductLinear, warm_packed_linears
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, kv_layout: KVLayout, num_blocks: int, device: torch.device, seed: int,
         kernels: KernelChoice, enforce_eager: bool = False, max_num_seqs: int = 64,
-        max_model_len: int | None = None, eos_token_ids: Iterable[int] = (),
+        max_model_len: int | None = None, eos_token_ids: Iterable[int] = (), max_num_batched_tokens: int = 0,
     ):
         self.model = model
         self.device = device
@@ -107,6 +109,7 @@ class ModelRunner:
         self.graph_memory_bytes = 0
         if device.type == "cuda" or kernels.uses_triton:
             self._warm_up_or_fall_back()
+        self.warmed_kernels = self._warm_up_packed(max_num_seqs, max_num_batched_tokens)
         if device.type == "cuda" and not enforce_eager and self.attn_backend.supports_cuda_graphs:
             max_len = max_model_len or num_blocks * kv_layout.block_size
             self._capture_graphs(max_num_seqs, -(-max_len // kv_layout.block_size))
@@ -123,10 +126,10 @@ class ModelRunner:
             failed = self.kernels
             self._use(warm_up_fallback(failed, exc))  # raises when Triton was named or not in use
             log.warning(
-                "Triton kernels failed at warm-up (%s: %s); running --attention-backend sdpa --fused-ops off "
-                "instead (was %s, fused ops %s). %s; or pass --attention-backend sdpa --fused-ops off to run "
-                "without Triton and this warning", type(exc).__name__, exc, failed.attention_backend,
-                "on" if failed.fused_ops else "off", TRITON_HINT)
+                "Triton kernels failed at warm-up (%s: %s); running %s attention and PyTorch's ops instead "
+                "(was %s, fused ops %s). %s; or pass --attention-backend sdpa --fused-ops off to run "
+                "without Triton and this warning", type(exc).__name__, exc, self.kernels.attention_backend,
+                failed.attention_backend, "on" if failed.fused_ops else "off", TRITON_HINT)
             self._warm_up()
 
     @torch.inference_mode()
@@ -144,6 +147,19 @@ class ModelRunner:
             )
             ids = torch.zeros(q, dtype=torch.int64, device=d)
             self.model(ids, torch.tensor(positions, device=d), self.kv_caches, meta)
+
+    def _warm_up_packed(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """oneDNN's kernel for every row count a step can give the packed linears (CPU float32), built
+        now rather than by the first requests: the LM head gets a row per sampled sequence, the others
+        a row per token (up to the step's budget). Returns how many kernels ran (0: nothing packed)."""
+        started = time.perf_counter()
+        head, step_rows = self.model.lm_head, max(max_num_seqs, max_num_batched_tokens)
+        ran = warm_packed_linears([(m, max_num_seqs if m is head else step_rows) for m in self.model.modules()
+                                   if isinstance(m, ProductLinear)])
+        if ran:
+            log.info("built oneDNN's kernels for %d linear shapes x row counts (up to %d rows) in %.2f s", ran,
+                     step_rows, time.perf_counter() - started)
+        return ran
 
     def _capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         buffers = DecodeBuffers(

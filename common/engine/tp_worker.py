@@ -30,7 +30,7 @@ from common.engine.model_runner import LayerHook, ModelRunner
 from common.engine.parallel import COPY, FIRST_EXTENSION_OP, INIT, STEP, STOP, receive
 from common.engine.tp_group import RankLostError, TPGroup
 from common.kv_layout import DTYPES
-from common.model.attention import BATCH_INVARIANT, choose_kernels
+from common.model.attention import choose_kernels
 from common.model.config import ModelConfig
 from common.model.loader import load_model
 from common.model.tensor_parallel import TPShard
@@ -105,8 +105,7 @@ def serve(host: str, port: int, rank: int, extension: Callable[[WorkerRank], Ran
     op, values, _ = receive(group)
     if op != INIT:
         raise RuntimeError(f"expected INIT from rank 0, got command {op}")
-    kernels = (BATCH_INVARIANT if setup["batch_invariant"]
-               else choose_kernels(setup["attention_backend"], setup["fused_ops"], device))
+    kernels = choose_kernels(setup["attention_backend"], setup["fused_ops"], device, setup["batch_invariant"])
     runner = ModelRunner(model, config.kv_layout(values[1], dtype), values[0], device, setup["seed"], kernels,
                          enforce_eager=True)
     log.info("rank %d ready on %s: %d KV blocks", rank, device, values[0])

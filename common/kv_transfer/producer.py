@@ -342,7 +342,7 @@ class KVProducer:
         gathers = req.link.transport in ("gloo", "nccl")
         per_msg = 1 if gathers and block_run(ids) else max(1, self.config.coalesce_bytes // max(
             1, len(ids) * self.layout.bytes_per_block_per_layer()))
-        if req.link.transport == "tcp":  # sent in place, nothing staged: one message, no gaps between
+        if req.link.transport in ("tcp", "cuda_ipc"):  # copied in place, nothing staged: one job, one notice
             per_msg = max(1, len(rest))
         for i in range(0, len(rest), per_msg):
             req.link.put(SendJob("layers", req, rest[i:i + per_msg]))

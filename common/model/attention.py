@@ -7,9 +7,12 @@ new, from the cache.
 
 - ``sdpa`` (CPU default; CUDA fallback): gathers blocks into padded tensors and calls
   ``scaled_dot_product_attention``. Exact; the reference for the others.
-- ``invariant`` (``--batch-invariant``; ``attn_backends/invariant.py``): fixed query tiles and key
-  blocks, so a query's result does not depend on its batch or chunk; the model's linears then
-  run in fixed row tiles too (``batch_invariant``).
+- ``invariant`` (``--batch-invariant`` without Triton; ``attn_backends/invariant.py``): fixed
+  query tiles and key blocks in PyTorch ops, so a query's result does not depend on its batch or
+  chunk; the model's linears then run in fixed row tiles too (``batch_invariant``). Where Triton
+  runs, ``--batch-invariant`` keeps the ``triton`` backend with one tile shape for decode and
+  prefill alike (``invariant=True``), the fused ops, CUDA graphs, and a fixed-tile Triton matmul
+  for the linears (``invariant_matmul``).
 - ``triton`` (CUDA default when Triton is importable): one kernel per layer reads the cache
   through block tables in place, for decode, varlen prefill and chunks over cached context
   alike; its plan is a handful of fixed-shape tensors, so decode steps can be CUDA-graphed.
@@ -68,8 +71,9 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend for ``name`` ("auto": triton on CUDA when installed, else sdpa)."""
+def select_backend(name: str, device: torch.device, invariant: bool = False) -> AttentionBackend:
+    """The backend for ``name`` ("auto": triton on CUDA when installed, else sdpa); ``invariant``:
+    triton's batch-invariant tiling (one tile shape whatever the step holds)."""
     if name == INVARIANT:
         from common.model.attn_backends.invariant import InvariantBackend
 
@@ -83,7 +87,7 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
             raise ValueError("attention backend triton needs the triton package (it ships with CUDA torch)")
         from common.model.attn_backends.triton_paged import TritonBackend
 
-        return TritonBackend()
+        return TritonBackend(invariant)
     from common.model.attn_backends.sdpa import SdpaBackend
 
     return SdpaBackend()
@@ -97,9 +101,10 @@ class TritonStartError(RuntimeError):
 class KernelChoice:
     """The kernels one engine runs, chosen once at start (see the module docstring)."""
 
-    attention_backend: str  # "sdpa" | "triton"
+    attention_backend: str  # "sdpa" | "triton" | "invariant"
     fused_ops: bool  # the fused Triton RMSNorm / rotary / SiLU-and-mul instead of PyTorch's ops
     required: tuple[str, ...] = ()  # the flags that asked for Triton by name: no fallback for them
+    invariant: bool = False  # --batch-invariant: every row's result independent of its batch
 
     @property
     def uses_triton(self) -> bool:
@@ -107,12 +112,15 @@ class KernelChoice:
 
 
 PLAIN = KernelChoice("sdpa", False)  # no Triton anywhere: what a failed Triton warm-up falls back to
-BATCH_INVARIANT = KernelChoice(INVARIANT, False)  # --batch-invariant: invariant attention, PyTorch ops, tiled linears
+# --batch-invariant without Triton: invariant attention, PyTorch ops, linears on oneDNN or in row tiles
+BATCH_INVARIANT = KernelChoice(INVARIANT, False, invariant=True)
 
 
-def choose_kernels(attention_backend: str, fused_ops: str, device: torch.device) -> KernelChoice:
+def choose_kernels(attention_backend: str, fused_ops: str, device: torch.device,
+                   batch_invariant: bool = False) -> KernelChoice:
     """``auto`` picks Triton for CUDA when triton is installed; a named choice is kept as asked.
-    (``--batch-invariant`` takes :data:`BATCH_INVARIANT` instead, whatever these say.)
+    ``batch_invariant``: the Triton attention in its invariant tiling (with the fused ops as
+    chosen) where that choice runs Triton attention, else :data:`BATCH_INVARIANT`.
 
     Raises :class:`TritonStartError` when a flag names Triton and triton is not installed."""
     if attention_backend not in BACKENDS:
@@ -130,12 +138,14 @@ def choose_kernels(attention_backend: str, fused_ops: str, device: torch.device)
     if device.type == "cuda" and not triton_here:
         log.warning("triton is not installed: CUDA attention falls back to SDPA over gathered blocks "
                     "and the per-layer ops to PyTorch's")
+    if batch_invariant:
+        return KernelChoice(backend, fused, required, invariant=True) if backend == "triton" else BATCH_INVARIANT
     return KernelChoice(backend, fused, required)
 
 
 def warm_up_fallback(choice: KernelChoice, error: Exception) -> KernelChoice:
     """What to run after ``choice`` failed its warm-up with ``error``: SDPA and the PyTorch ops when
-    Triton was only chosen by ``auto``. Re-raises ``error`` when ``choice`` used no Triton (nothing
+    Triton was only chosen by ``auto`` (:data:`BATCH_INVARIANT` for an invariant choice). Re-raises ``error`` when ``choice`` used no Triton (nothing
     to fall back from), and raises :class:`TritonStartError` when a flag asked for Triton by name."""
     if not choice.uses_triton:
         raise error
@@ -144,18 +154,19 @@ def warm_up_fallback(choice: KernelChoice, error: Exception) -> KernelChoice:
             f"{' and '.join(choice.required)} asked for Triton, but its kernels failed at warm-up "
             f"({type(error).__name__}: {error}). {TRITON_HINT}; or start with --attention-backend auto "
             "--fused-ops auto (falls back to SDPA) or sdpa / off (no Triton)") from error
-    return PLAIN
+    return BATCH_INVARIANT if choice.invariant else PLAIN
 
 
 def use_kernels(model: torch.nn.Module, choice: KernelChoice, device: torch.device) -> None:
     """Set ``choice`` on the model: its attention backend and whether its layers run the fused ops
-    (and, for :data:`BATCH_INVARIANT`, its linears in fixed row tiles: BatchInvariantError when
-    this machine's matmuls have no such tile; else, on CPU in float32, its linears on oneDNN)."""
+    (and, for an invariant choice, its linears made batch-invariant: BatchInvariantError when
+    this machine has no way to; else, on CPU in float32, its linears on oneDNN)."""
     from common.model.batch_invariant import make_batch_invariant, pack_linears
 
-    if choice.attention_backend == INVARIANT:
-        make_batch_invariant(model, device)
+    if choice.invariant:
+        how = make_batch_invariant(model, device, triton=choice.attention_backend == "triton")
+        log.info("--batch-invariant: %s attention, linears %s", choice.attention_backend, how)
     elif not choice.uses_triton:  # (Triton on a CPU tensor is the tests' interpreter standing in for a GPU)
         pack_linears(model, device)
-    model.attn_backend = select_backend(choice.attention_backend, device)
+    model.attn_backend = select_backend(choice.attention_backend, device, choice.invariant)
     model.use_fused_ops = choice.fused_ops

@@ -111,15 +111,21 @@ class PackedLinear(ProductLinear):
 
 class InvariantLinear(ProductLinear):
     """An ``nn.Linear`` whose rows do not depend on their batch: :func:`packed_linear` when its
-    weight was packed at start, else fixed row tiles (:func:`tiled_linear`); same parameters.
-    The packed copy is made once: a weight changed in place afterwards is not seen."""
+    weight was packed at start, the fixed-tile Triton matmul (``invariant_matmul``) on a GPU,
+    else fixed row tiles (:func:`tiled_linear`); same parameters. The packed copy is made once:
+    a weight changed in place afterwards is not seen."""
 
     tile: int
     packed: torch.Tensor | None
+    triton: bool
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, bias, self.out_features, self.tile)
+        if self.triton:
+            from common.model.invariant_matmul import invariant_linear
+
+            return invariant_linear(x, self.weight, bias)
         return tiled_linear(x, self.weight, bias, self.tile)
 
 
@@ -138,6 +144,33 @@ def pack_linears(model: nn.Module, device: torch.device) -> int:
         if id(linear.weight) not in shared:
             linear.weight = nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
     return len(linears)
+
+
+def packed_row_counts(max_rows: int, tile: int) -> list[int]:
+    """The row counts :func:`packed_linear` pads ``1..max_rows`` rows to: oneDNN's shapes."""
+    return sorted({padded_rows(n, tile) for n in range(1, max_rows + 1)})
+
+
+@torch.inference_mode()
+def warm_packed_linears(linears: list[tuple[nn.Module, int]]) -> int:
+    """Run the packed linears of ``(linear, most rows a step gives it)`` once at every row count
+    :func:`padded_rows` can give them (zeros in, the result dropped), one linear per shape: oneDNN
+    builds a kernel per shape on its first call (~0.5 ms for each of the embedded model's linears),
+    which otherwise the first step of each new row count pays, i.e. the first requests. Returns how
+    many (linear shape, row count) kernels it ran."""
+    most: dict[tuple[int, int, bool, int], tuple[nn.Module, int]] = {}
+    for linear, max_rows in linears:
+        if getattr(linear, "packed", None) is None:
+            continue
+        key = (linear.in_features, linear.out_features, linear.bias is not None, getattr(linear, "tile", 1))
+        if max_rows > most.get(key, (None, 0))[1]:
+            most[key] = (linear, max_rows)
+    ran = 0
+    for (in_features, out_features, _, tile), (linear, max_rows) in most.items():
+        for n in packed_row_counts(max_rows, tile):
+            packed_linear(torch.zeros(n, in_features), linear.packed, linear.bias, out_features, tile)
+            ran += 1
+    return ran
 
 
 def rows_invariant(fn, x: torch.Tensor) -> bool:
@@ -187,22 +220,35 @@ def bmm_invariant(shape: tuple[int, int, int], device: torch.device, dtype: torc
     return rows_invariant(lambda idx: torch.bmm(a[idx], b[idx]), torch.arange(130, device=device))
 
 
-def make_batch_invariant(model: nn.Module, device: torch.device) -> int:
-    """Turn every ``nn.Linear`` of ``model`` into an :class:`InvariantLinear` (same parameters)
-    with its weight packed for oneDNN when :func:`choose_packed_tile` finds a tile, else with the
-    tile :func:`choose_tile` finds; returns the tile. BatchInvariantError when none passes,
-    or when the invariant attention's batched matmuls are not batch-count invariant here."""
+def triton_rows_invariant(weights: list[torch.Tensor]) -> bool:
+    """Whether the Triton matmul (``invariant_matmul``) gives identical rows for every checked
+    batch size and offset on each of ``weights`` (one per shape the model has)."""
+    from common.model.invariant_matmul import invariant_linear
+
+    gen = torch.Generator().manual_seed(0)
+    return all(rows_invariant(lambda rows: invariant_linear(rows, w, None),
+                              torch.randn(130, w.shape[1], generator=gen).to(w.device, w.dtype)) for w in weights)
+
+
+def make_batch_invariant(model: nn.Module, device: torch.device, triton: bool = False) -> str:
+    """Turn every ``nn.Linear`` of ``model`` into an :class:`InvariantLinear` (same parameters),
+    and say how its products run: ``packed`` (oneDNN, when :func:`choose_packed_tile` finds a
+    tile), ``triton`` (asked for with ``triton`` and passing :func:`triton_rows_invariant`), else
+    ``tiles of N`` (:func:`choose_tile`). BatchInvariantError when none passes, or when the torch
+    attention (``triton`` False) would run on batched matmuls that are not batch-count invariant
+    here. Called again (a Triton warm-up failed), it re-chooses for the linears it turned."""
     from common.model.attn_backends.invariant import KEY_BLOCK, QUERY_TILE
 
     config = model.config
     dtype = next(model.parameters()).dtype
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
-    packed_tile = None
-    if packs_weights(device, dtype):  # one weight of each shape: oneDNN's split of the work depends on it
-        packed_tile = choose_packed_tile(list({tuple(m.weight.shape): m.weight for m in linears}.values()))
-    tile = packed_tile or choose_tile(tuple(sorted({config.hidden_size, config.intermediate_size})), device, dtype)
+    linears = [m for m in model.modules() if type(m) in (nn.Linear, InvariantLinear)]
+    one_per_shape = list({tuple(m.weight.shape): m.weight for m in linears}.values())  # the split depends on it
+    packed_tile = choose_packed_tile(one_per_shape) if packs_weights(device, dtype) else None
+    use_triton = packed_tile is None and triton and triton_rows_invariant(one_per_shape)
+    tile = packed_tile or (0 if use_triton else
+                           choose_tile(tuple(sorted({config.hidden_size, config.intermediate_size})), device, dtype))
     rows = QUERY_TILE * (config.num_heads // config.num_kv_heads)
-    for shape in ((rows, config.head_dim, KEY_BLOCK), (rows, KEY_BLOCK, config.head_dim)):
+    for shape in () if triton else ((rows, config.head_dim, KEY_BLOCK), (rows, KEY_BLOCK, config.head_dim)):
         if not bmm_invariant(shape, device, dtype):
             raise BatchInvariantError(
                 f"--batch-invariant: this machine's batched matmul ({device}, {torch.get_num_threads()} threads) "
@@ -210,6 +256,6 @@ def make_batch_invariant(model: nn.Module, device: torch.device) -> int:
                 "different sizes, so attention cannot be made invariant here; run without --batch-invariant")
     for linear in linears:
         linear.__class__ = InvariantLinear  # a subclass adding no parameters: they and their tying stay as they are
-        linear.tile = tile
+        linear.tile, linear.triton = tile, use_triton
         linear.packed = pack_weight(linear.weight, tile) if packed_tile else None
-    return tile
+    return "packed" if packed_tile else "triton" if use_triton else f"tiles of {tile}"

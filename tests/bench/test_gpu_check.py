@@ -83,6 +83,34 @@ def test_engine_figures_hold_each_decode_step_to_its_goal(tmp_path: Path) -> Non
     assert status == FAIL and reason == "goal not met: attention sdpa, triton; CUDA graphs NOT captured"
 
 
+def test_ttft_figures_show_the_batch_invariant_cost_beside_the_default(tmp_path: Path) -> None:
+    """``--batch-invariant both`` (issue 34): output tokens/s of decode steps and TTFT, each mode."""
+    import gpu_engine
+
+    def row(batch: int, invariant: bool, ms: float) -> dict:
+        return dict(shape="qwen2.5-0.5b", batch=batch, graphs=True, invariant=invariant, ms_per_step=ms)
+
+    def engine(shape: str, invariant: bool, ttft: float) -> dict:
+        return dict(shape=shape, graphs=True, invariant=invariant, ttft_ms=ttft, ttft_tokens=2000,
+                    ttft_goal_ms=70.0 if shape == "llama3.1-8b" else None, backend="triton",
+                    linears="triton" if invariant else "default", graph_sizes=[1, 2])
+
+    results = {"decode": [row(1, False, 1.5), row(1, True, 2.0), row(16, False, 2.0), row(16, True, 4.0)],
+               "engines": [engine("llama3.1-8b", False, 52.0), engine("llama3.1-8b", True, 65.0)]}
+    results["invariant_cost"] = gpu_engine.invariant_cost(results)
+    (tmp_path / "ttft.json").write_text(json.dumps(results))
+    ctx = Context(python=sys.executable, out=tmp_path, work=tmp_path, gpus=1)
+    status, reason, figures = gpu_check.judge_ttft(ctx, 0, "")
+    assert (status, reason) == (PASS, "goal met")
+    assert [f.text() for f in figures] == [
+        "8B, 2000-token prompt: 52.0 ms (goal <= 70 ms: met)",
+        "--batch-invariant 8B: kernels: attention triton, linears triton, CUDA graphs captured",
+        "--batch-invariant 0.5B, decode, batch 1: 500.0 tok/s against 666.7: cost 25%",
+        "--batch-invariant 0.5B, decode, batch 16: 4000.0 tok/s against 8000.0: cost 50%",
+        "--batch-invariant 8B, TTFT, 2000 tokens: 65.0 ms against 52.0: cost 25%",
+    ]
+
+
 def gone(pid: int) -> bool:
     """No such process, or only its zombie (killed, not yet reaped by init)."""
     try:
@@ -149,4 +177,4 @@ def test_steps_picks_steps_and_what_they_need(tmp_path) -> None:
     out = tmp_path / "out"
     assert gpu_check.main([str(out), "--steps", "cuda_ipc", "--timeout-scale", "2"]) == 0
     report = json.loads((out / "gpu-check.json").read_text())
-    assert [(s["name"], s["timeout_s"]) for s in report["steps"]] == [("checkpoints", 80.0), ("cuda_ipc", 200.0)]
+    assert [(s["name"], s["timeout_s"]) for s in report["steps"]] == [("checkpoints", 80.0), ("cuda_ipc", 190.0)]

@@ -32,22 +32,27 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
-    if tile * BLOCK_M >= q_len:  # the grid is sized for the longest query of the step
-        return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len
+    # the tile's first position: from the chunk's first query, or (ALIGNED) from a multiple of
+    # BLOCK_M, so that a token sits in the same row of its tile however its prompt was chunked
+    first = context + tile * BLOCK_M
+    if ALIGNED:
+        first -= context % BLOCK_M
+    if first >= seq_len:  # the grid is sized for the longest query of the step
+        return
 
     rows = tl.arange(0, BLOCK_M * GROUP_P2)
-    m = tile * BLOCK_M + rows // GROUP_P2  # query token within the sequence
+    m = first - context + rows // GROUP_P2  # query token within the chunk (ALIGNED: < 0 in a first tile)
     head = kv_head * GROUP + rows % GROUP_P2
-    row_ok = (m < q_len) & (rows % GROUP_P2 < GROUP)
+    row_ok = (m >= 0) & (m < q_len) & (rows % GROUP_P2 < GROUP)
     d = tl.arange(0, HEAD_P2)
     d_ok = d < HEAD_DIM
     q_off = (q_start + m)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
@@ -57,7 +62,7 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M * GROUP_P2], -1e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_P2], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_P2, HEAD_P2], dtype=tl.float32)
-    kv_end = tl.minimum(context + (tile + 1) * BLOCK_M, seq_len)  # the tile's last row sees this far
+    kv_end = tl.minimum(first + BLOCK_M, seq_len)  # the tile's last row sees this far
     for start in range(0, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
@@ -109,20 +114,23 @@ def build_plan(meta: AttentionMetadata, device: torch.device) -> TritonPlan:
     return TritonPlan(qsl, seq_lens, tables, max(meta.query_lens))
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: TritonPlan, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: TritonPlan, scale: float,
+                    invariant: bool = False) -> torch.Tensor:
     """``q`` [n, heads, d] (last dim contiguous) against ``kv_cache`` [2, blocks, bs, kv_heads, d]
-    -> [n, heads, d]."""
+    -> [n, heads, d]. ``invariant``: decode steps run prefill's tile shape too, so that a query's
+    result never depends on what else its step holds (``--batch-invariant``)."""
     n, heads, d = q.shape
     _, _, block_size, kv_heads, _ = kv_cache.shape
     group = heads // kv_heads
     group_p2 = triton.next_power_of_2(group)
-    decode = plan.max_query_len == 1
+    decode = plan.max_query_len == 1 and not invariant
     rows = 16 if decode else 64  # tl.dot needs >= 16 rows; prefill tiles share each key load wider
     block_m = max(1, rows // group_p2)
     out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_seqs = plan.seq_lens.shape[0]
-    grid = (num_seqs, triton.cdiv(plan.max_query_len, block_m), kv_heads)
+    # ALIGNED tiles: a chunk may start mid-tile, so one tile more may be needed
+    grid = (num_seqs, triton.cdiv(plan.max_query_len, block_m) + int(invariant), kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, plan.block_tables, plan.seq_lens, plan.query_start_loc, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -130,16 +138,31 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: TritonPlan, s
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), plan.block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_P2=group_p2,
         HEAD_DIM=d, HEAD_P2=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m, BLOCK_N=64,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ALIGNED=invariant,
     )
     return out
 
 
 class TritonBackend:
-    """Paged attention without gathers; its decode plans are CUDA-graph safe."""
+    """Paged attention without gathers; its decode plans are CUDA-graph safe. ``invariant``
+    (``--batch-invariant``): one tile shape for every step.
+
+    Why that makes a query's result independent of its batch and chunking: a program owns one
+    sequence's tile and walks its keys from position 0, ``BLOCK_N`` at a time, in one order;
+    other sequences only add programs. Inside a tile a row's sums do not read the other rows
+    (each row is its own dot products and its own online softmax), and a key block past the
+    row's position adds exact zeros (its scores are -inf). Two things did depend on the step:
+    the tile shape (16 rows for a decode-only step, 64 otherwise), and a token's row inside
+    its tile (tiles started at the chunk's first token); a matmul need not round a row the same
+    in every row of its tile (numpy's, which Triton's interpreter runs, does not). ``invariant``
+    keeps 64 rows and starts tiles at multiples of the tile, so token ``p`` is always row
+    ``p % BLOCK_M`` (``ALIGNED``)."""
 
     name = "triton"
     supports_cuda_graphs = True
+
+    def __init__(self, invariant: bool = False) -> None:
+        self.invariant = invariant
 
     def plan(self, meta: AttentionMetadata, device: torch.device) -> TritonPlan:
         return build_plan(meta, device)
@@ -149,4 +172,4 @@ class TritonBackend:
         scale: float,
     ) -> torch.Tensor:
         n, heads, d = q.shape
-        return paged_attention(q, kv_cache, plan, scale).view(n, heads * d)
+        return paged_attention(q, kv_cache, plan, scale, self.invariant).view(n, heads * d)

@@ -4,12 +4,16 @@ The prompt's logits at every sampled step (greedy, and a seeded sampled request'
 recorded alone, among 16 random other requests, with its prompt chunked over steps, and with
 the prefix cache cold and then warm; all must be the same bits. Without the mode, the same
 comparison is what fails (a batch of 16 reduces differently from one row). The same test on
-CUDA (bf16, gpu-marked: ``make gpu-check``'s pytest step runs it) checks cuBLAS's batched
-matmuls and the torch ops there, with no Triton kernels and no CUDA graphs.
+CUDA (bf16, gpu-marked: ``make gpu-check``'s pytest step runs it) checks the GPU path: Triton
+attention, fused ops and matmul, with decode steps replayed from CUDA graphs; and, with
+``--attention-backend sdpa``, the PyTorch path there (cuBLAS's batched matmuls in row tiles).
+Without a GPU, the Triton attention runs in Triton's interpreter.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import random
 
 import pytest
@@ -94,26 +98,55 @@ def test_logits_bitwise_equal_alone_batched_chunked_and_cached() -> None:
     _check_invariance("cpu")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where triton is installed)")
+def test_logits_bitwise_equal_with_the_triton_attention_in_the_interpreter() -> None:
+    """The GPU path's attention kernel, in its invariant tiling, run by Triton's interpreter
+    (the linears stay on oneDNN: CPU float32 packs first)."""
+    alone_engine = _engine(attention_backend="triton", enable_prefix_caching=False)
+    assert alone_engine.runner.kernels.invariant and alone_engine.runner.attn_backend.invariant
+    alone, alone_tokens = _run(alone_engine, GREEDY)
+    # 4 others (the interpreter is slow), their prompts part-way, and the target's prompt in chunks
+    busy = _engine(attention_backend="triton", enable_prefix_caching=False, max_num_batched_tokens=24)
+    logits, tokens = _run(busy, GREEDY, others=4, seed=3)
+    assert torch.equal(logits, alone) and tokens == alone_tokens
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_logits_bitwise_equal_on_cuda() -> None:
+    """The GPU path as it runs by default: Triton attention and fused ops, the Triton matmul,
+    decode steps replayed from CUDA graphs (the busy runs' decode steps are graphed, the
+    chunked and mixed steps eager: both must give the same bits)."""
     engine = _engine(device="cuda")
-    assert engine.runner.graphs is None and not engine.runner.kernels.uses_triton
+    runner = engine.runner
+    assert runner.kernels.invariant and runner.kernels.attention_backend == "triton" and runner.kernels.fused_ops
+    assert runner.graphs is not None
+    assert all(m.triton for m in runner.model.modules() if isinstance(m, InvariantLinear))
     _check_invariance("cuda")
 
 
-def _check_invariance(device: str) -> None:
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_logits_bitwise_equal_on_cuda_without_triton() -> None:
+    """--attention-backend sdpa: the PyTorch path (invariant attention, cuBLAS in row tiles), eager."""
+    engine = _engine(device="cuda", attention_backend="sdpa", fused_ops="off")
+    assert engine.runner.graphs is None and not engine.runner.kernels.uses_triton
+    _check_invariance("cuda", attention_backend="sdpa", fused_ops="off")
+
+
+def _check_invariance(device: str, **kernels) -> None:
     for params in (GREEDY, SEEDED):
-        alone, alone_tokens = _run(_engine(device=device, enable_prefix_caching=False), params)
+        alone, alone_tokens = _run(_engine(device=device, enable_prefix_caching=False, **kernels), params)
         assert alone.shape[0] == len(alone_tokens) == MAX_TOKENS
-        busy = _engine(device=device, enable_prefix_caching=False)
+        busy = _engine(device=device, enable_prefix_caching=False, **kernels)
         for seed in range(2):
             logits, tokens = _run(busy, params, others=16, seed=seed)
             assert torch.equal(logits, alone) and tokens == alone_tokens
-        chunked = _engine(device=device, enable_prefix_caching=False, max_num_batched_tokens=24)
+        chunked = _engine(device=device, enable_prefix_caching=False, max_num_batched_tokens=24, **kernels)
         logits, tokens = _run(chunked, params, others=16, seed=5)
         assert torch.equal(logits, alone) and tokens == alone_tokens
-        cached = _engine(device=device, enable_prefix_caching=True)
+        cached = _engine(device=device, enable_prefix_caching=True, **kernels)
         cold, cold_tokens = _run(cached, params)
         warm, warm_tokens = _run(cached, params, others=16, seed=7)  # 4 of its 5 blocks from the cache
         assert cached.last_cached == 64

@@ -31,9 +31,9 @@ PROMPTS = [[5] * 3, [7] * 20]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-def as_on_cuda(backend: str, fused_ops: str, device: torch.device):
+def as_on_cuda(backend: str, fused_ops: str, device: torch.device, batch_invariant: bool = False):
     """``choose_kernels`` as it decides on a CUDA machine with triton installed."""
-    return choose_kernels(backend, fused_ops, torch.device("cuda"))
+    return choose_kernels(backend, fused_ops, torch.device("cuda"), batch_invariant)
 
 
 def generate(checkpoint, **options) -> tuple[list[list[int]], LLMEngine]:
@@ -142,7 +142,7 @@ def test_a_real_triton_failure_at_warm_up_falls_back_or_stops(checkpoint_dir):
     """Without the interpreter Triton cannot launch on CPU tensors: a genuine runtime failure."""
     code = ENGINE.format(path=str(checkpoint_dir("llama")), prompts=PROMPTS) + """
 want, _ = generate()
-llm_engine.choose_kernels = lambda b, f, d: choose_kernels(b, f, torch.device("cuda"))  # as on a GPU
+llm_engine.choose_kernels = lambda b, f, d, i: choose_kernels(b, f, torch.device("cuda"), i)  # as on a GPU
 got, engine = generate()
 try:
     generate(fused_ops="on")

@@ -10,6 +10,9 @@ whatever sequences share the step.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -126,9 +129,10 @@ def test_invariant_attention_matches_sdpa() -> None:
 class OneSequence:
     """A 150-token sequence in a scattered paged cache, plus room for other sequences."""
 
-    def __init__(self, heads: int = 6, kv_heads: int = 2, length: int = 150, bs: int = 16) -> None:
+    def __init__(self, heads: int = 6, kv_heads: int = 2, length: int = 150, bs: int = 16,
+                 backend=InvariantBackend) -> None:
         g = torch.Generator().manual_seed(3)
-        self.bs, self.heads, self.length = bs, heads, length
+        self.bs, self.heads, self.length, self.backend = bs, heads, length, backend
         self.cache = torch.randn(2, 40, bs, kv_heads, 64, generator=g)
         order = torch.randperm(40, generator=g).tolist()
         self.table = order[:10]  # 160 slots for the sequence
@@ -148,7 +152,7 @@ class OneSequence:
         meta = AttentionMetadata(slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64),
                                  query_lens=query_lens, seq_lens=seq_lens, block_tables=torch.tensor(tables),
                                  block_size=self.bs)
-        backend = InvariantBackend()
+        backend = self.backend()
         out = backend.forward(torch.cat(qs), None, None, self.cache, backend.plan(meta, torch.device("cpu")),
                               64**-0.5)
         return out[-(end - start):]
@@ -156,7 +160,10 @@ class OneSequence:
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 6])
 def test_invariant_attention_is_bitwise_the_same_however_chunked_and_batched(threads: int, kv_heads: int) -> None:
-    s = OneSequence(kv_heads=kv_heads)
+    _check_one_sequence(OneSequence(kv_heads=kv_heads))
+
+
+def _check_one_sequence(s: OneSequence) -> None:
     whole = s.attend(0, s.length)
     chunked = torch.cat([s.attend(a, b) for a, b in [(0, 5), (5, 22), (22, 23), (23, 100), (100, 150)]])
     assert torch.equal(chunked, whole)
@@ -177,3 +184,76 @@ def test_units_in_groups_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> 
     whole = s.attend(0, s.length, others=[(33, 33), (1, 70)])
     monkeypatch.setattr(invariant, "MAX_GATHERED_KEYS", 200)  # one unit of 192 keys a group
     assert torch.equal(s.attend(0, s.length, others=[(33, 33), (1, 70)]), whole)
+
+
+# ---- the GPU path's kernels (Triton), in Triton's interpreter: the same source the GPU compiles
+needs_interpreter = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where triton is installed)")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_triton_attention_in_its_invariant_tiling_is_bitwise_the_same_however_chunked_and_batched(
+        kv_heads: int) -> None:
+    """Decode steps included: they run prefill's tile shape (the default's 16-row decode tile is
+    what the invariant tiling drops)."""
+    from common.model.attn_backends.triton_paged import TritonBackend
+
+    _check_one_sequence(OneSequence(kv_heads=kv_heads, backend=lambda: TritonBackend(invariant=True)))
+
+
+@needs_interpreter
+def test_triton_matmul_computes_the_linear() -> None:
+    """Its row invariance is a GPU matter: numpy's matmul, which the interpreter runs, rounds a
+    row differently in different rows of a tile, so here the start-up check fails and the engine
+    takes row tiles instead (``test_an_interpreter_engine_checks_the_triton_matmul_and_falls_back``)."""
+    from common.model.invariant_matmul import invariant_linear
+
+    g = torch.Generator().manual_seed(0)
+    for k, n in SHAPES[:3] + [(96, 200)]:  # and widths no tile divides
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        x = torch.randn(70, k, generator=g)
+        assert torch.allclose(invariant_linear(x, w, b), F.linear(x, w, b), atol=1e-4)
+        assert torch.allclose(invariant_linear(x[:, None], w, None), F.linear(x, w)[:, None], atol=1e-4)
+        assert invariant_linear(x[:0], w, b).shape == (0, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs CUDA and triton")
+def test_triton_matmul_gives_every_row_the_same_bits_on_cuda() -> None:
+    from common.model.batch_invariant import triton_rows_invariant
+    from common.model.invariant_matmul import invariant_linear
+
+    g = torch.Generator().manual_seed(0)
+    shapes = SHAPES + [(896, 4864), (4864, 896), (4096, 14336)]  # Qwen2.5-0.5B's MLP, Llama-3.1-8B's
+    weights = [torch.randn(n, k, generator=g).to("cuda", torch.bfloat16) for k, n in shapes]
+    assert triton_rows_invariant(weights)
+    x = torch.randn(70, 896, generator=g).to("cuda", torch.bfloat16)
+    ref = F.linear(x.float(), weights[-3].float())
+    assert (invariant_linear(x, weights[-3], None).float() - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("passes", [False, True], ids=["check-fails", "check-passes"])
+def test_the_linears_take_the_triton_matmul_only_when_its_check_passes(monkeypatch: pytest.MonkeyPatch,
+                                                                       passes: bool) -> None:
+    """Where nothing packs (a GPU), ``--batch-invariant`` with Triton attention checks the Triton
+    matmul at start: it passes on a GPU; in the interpreter it fails (numpy, above), and the
+    linears take row tiles. Both ways the engine answers."""
+    from common.engine.config import EngineConfig
+    from common.engine.llm_engine import LLMEngine
+    from common.engine.sampling_params import SamplingParams
+    from common.model import batch_invariant
+    from common.model.batch_invariant import InvariantLinear
+
+    monkeypatch.setattr(batch_invariant, "packs_weights", lambda device, dtype: False)
+    if passes:
+        monkeypatch.setattr(batch_invariant, "triton_rows_invariant", lambda weights: True)
+    engine = LLMEngine(EngineConfig(model="embedded", batch_invariant=True, attention_backend="triton",
+                                    num_kv_blocks=64, block_size=16))
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, InvariantLinear)]
+    assert linears and all(m.triton is passes and m.packed is None for m in linears)
+    assert all(m.tile in TILES for m in linears) if not passes else True
+    assert len(engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]) == 2

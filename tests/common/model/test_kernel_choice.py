@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from common.model import attention
-from common.model.attention import PLAIN, KernelChoice, TritonStartError, choose_kernels, warm_up_fallback
+from common.model.attention import (
+    BATCH_INVARIANT,
+    PLAIN,
+    KernelChoice,
+    TritonStartError,
+    choose_kernels,
+    warm_up_fallback,
+)
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
@@ -63,6 +70,15 @@ def test_failed_warm_up_of_an_auto_choice_falls_back_to_plain():
     error = RuntimeError("Failed to find C compiler")
     assert warm_up_fallback(KernelChoice("triton", True), error) == PLAIN
     assert warm_up_fallback(KernelChoice("sdpa", True), error) == PLAIN
+
+
+def test_batch_invariant_keeps_triton_attention_where_it_runs_else_takes_the_torch_path(triton_installed):
+    triton_installed(True)
+    assert choose_kernels("auto", "auto", CUDA, batch_invariant=True) == KernelChoice("triton", True, invariant=True)
+    assert choose_kernels("sdpa", "auto", CUDA, batch_invariant=True) == BATCH_INVARIANT
+    assert choose_kernels("auto", "auto", torch.device("cpu"), batch_invariant=True) == BATCH_INVARIANT
+    # its failed warm-up falls back to the torch path, still invariant
+    assert warm_up_fallback(KernelChoice("triton", True, invariant=True), RuntimeError("no cc")) == BATCH_INVARIANT
 
 
 def test_failed_warm_up_of_a_named_choice_stops_with_the_cause_and_the_flags():

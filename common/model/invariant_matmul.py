@@ -1,0 +1,69 @@
+"""``--batch-invariant``'s linears on a GPU: one Triton matmul whose tiles never depend on M.
+
+cuBLAS picks its kernel by the shape of the call, split-K included, so a token's product
+depends on how many tokens share its step. This kernel always runs the same configuration:
+``BLOCK_M`` x ``BLOCK_N`` output tiles, each summed over the input axis ``BLOCK_K`` at a time,
+in order, from 0, in float32; no split of the input axis, no choice by M. A row's result is
+then the same whatever the rows around it (a batch only adds or removes whole tiles, and a
+row's place inside a tile does not change its sums: checked at start, ``rows_invariant``).
+
+Unlike ``tiled_linear``'s batched matmul, every weight tile is read once per ``BLOCK_M`` rows,
+so a long prompt's chunk does not re-read the whole weight per 16 rows; and unlike a host
+choice of kernel, it is CUDA-graph safe. Triton compiles it once (the configuration is fixed);
+on CPU tensors it runs in Triton's interpreter (the tests' stand-in for a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64  # fixed: 64 output columns per program keeps decode's few rows on many SMs
+
+
+@triton.jit
+def _matmul_kernel(
+    x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_ok = k < K
+        a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` [..., in], ``weight`` [out, in], each row's result
+    independent of the others (see the module docstring)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    m, k = rows.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+        _matmul_kernel[grid](
+            rows, weight, bias if bias is not None else weight, out, m, n, k,
+            rows.stride(0), weight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3,
+        )
+    return out.view(*x.shape[:-1], n)
