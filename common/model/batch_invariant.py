@@ -34,6 +34,9 @@ from torch import nn
 TILES = (16, 32, 64, 128)  # tried in order; the smallest costs least in decode steps of few rows
 PACKED_TILES = (4, 8, 16)  # the oneDNN path's row multiples, tried in order
 _CHECK_ROWS = (1, 2, 3, 5, 7, 9, 16, 17, 33, 100)  # batch sizes the start-up check compares
+# warm_packed_linears' bound: a product of more multiply-adds (~1 ms and up on this machine's CPU)
+# takes longer than its kernel's build, so its first call pays at most twice
+WARM_MAX_MACS = 2**26
 
 
 class BatchInvariantError(RuntimeError):
@@ -153,11 +156,12 @@ def packed_row_counts(max_rows: int, tile: int) -> list[int]:
 
 @torch.inference_mode()
 def warm_packed_linears(linears: list[tuple[nn.Module, int]]) -> int:
-    """Run the packed linears of ``(linear, most rows a step gives it)`` once at every row count
+    """Run the packed linears of ``(linear, most rows a step gives it)`` once at each row count
     :func:`padded_rows` can give them (zeros in, the result dropped), one linear per shape: oneDNN
-    builds a kernel per shape on its first call (~0.5 ms for each of the embedded model's linears),
-    which otherwise the first step of each new row count pays, i.e. the first requests. Returns how
-    many (linear shape, row count) kernels it ran."""
+    builds a kernel per shape on its first call (0.2-0.8 ms here), which otherwise the first step
+    of each new row count pays, i.e. the first requests. Counts past :data:`WARM_MAX_MACS` are
+    left to their first step, where the product itself takes longer than the build. Returns how
+    many (shape, row count) kernels it ran."""
     most: dict[tuple[int, int, bool, int], tuple[nn.Module, int]] = {}
     for linear, max_rows in linears:
         if getattr(linear, "packed", None) is None:
@@ -167,7 +171,7 @@ def warm_packed_linears(linears: list[tuple[nn.Module, int]]) -> int:
             most[key] = (linear, max_rows)
     ran = 0
     for (in_features, out_features, _, tile), (linear, max_rows) in most.items():
-        for n in packed_row_counts(max_rows, tile):
+        for n in packed_row_counts(min(max_rows, WARM_MAX_MACS // (in_features * out_features)), tile):
             packed_linear(torch.zeros(n, in_features), linear.packed, linear.bias, out_features, tile)
             ran += 1
     return ran
