@@ -16,10 +16,12 @@ preempted to make room (a slot, the blocks of a prompt's next chunk) for a clien
 (a preempted sequence would take its client past the cap again, so it does not come straight
 back). A client holding nothing is never over its cap, so one request larger than the cap runs.
 
-A step full of one client's decodes is many times an idle step on a CPU: while one client holds
-at least half the running slots, a newly admitted client that runs nothing gets its prompt (or its
-first chunk, within the stall bound) computed in a step of its own before the decodes' next step
-(:meth:`newcomers`; never two such steps in a row, so the decodes miss at most every other step).
+A step full of one client's decodes or prompts is many times an idle step on a CPU: while one
+client holds at least half the running slots, or has prompt tokens left for at least half the
+step's token budget (a burst of requests just in), a newly admitted client that runs nothing gets
+its prompt (or its first chunk, within the stall bound) computed in a step of its own before the
+others' next step (:meth:`newcomers`; never two such steps in a row, so the others miss at most
+every other step).
 
 With one client, or off (``enabled=False``: the counters still run), nothing is reordered and
 nothing is preempted: admission is the plain FIFO.
@@ -120,17 +122,21 @@ class FairShare:
         seq = self._pick(waiting, held)
         return None if self.over_cap(client_of(seq), held, held_cost(seq)) else seq
 
-    def newcomers(self, waiting: Iterable[Sequence], running: list[Sequence], max_num_seqs: int) -> list[Sequence]:
-        """While one client holds at least half the running slots: the first waiting sequence of
-        each client that runs nothing, in queue order (the scheduler gives their prompts a step of
-        their own, so a small request's first token does not wait for a step full of another
-        client's decodes). Empty with one client, off, or when no client holds that many slots."""
+    def newcomers(self, waiting: Iterable[Sequence], running: list[Sequence], max_num_seqs: int,
+                  max_num_batched_tokens: int) -> list[Sequence]:
+        """While a client that runs something holds at least half the running slots, or has prompt
+        tokens left (waiting or running) for at least half the step's token budget: the first
+        waiting sequence of each client that runs nothing, in queue order (the scheduler gives
+        their prompts a step of their own, so a small request's first token does not wait for a
+        step full of another client's decodes or prompts). Empty with one client, off, or when no
+        client holds that much."""
         if not self.enabled or len(self.live) <= 1:
             return []
         slots: dict[str, int] = {}
         for seq in running:
             slots[client_of(seq)] = slots.get(client_of(seq), 0) + 1
-        if max(slots.values(), default=0) < max(2, max_num_seqs // 2):
+        if max(slots.values(), default=0) < max(2, max_num_seqs // 2) and not self._prompts_fill(
+                waiting, running, slots, max_num_batched_tokens // 2):
             return []
         out: list[Sequence] = []
         for seq in waiting:
@@ -138,6 +144,19 @@ class FairShare:
                 slots[client_of(seq)] = 0  # its first sequence only
                 out.append(seq)
         return out
+
+    @staticmethod
+    def _prompts_fill(waiting: Iterable[Sequence], running: list[Sequence], clients: dict[str, int],
+                      tokens: int) -> bool:
+        """One of ``clients`` has at least ``tokens`` prompt tokens left, waiting or running."""
+        left: dict[str, int] = {}
+        for seq in (*running, *waiting):
+            client = client_of(seq)
+            if client in clients and seq.is_prefill:
+                left[client] = left.get(client, 0) + seq.num_uncomputed_tokens
+                if left[client] >= tokens:
+                    return True
+        return False
 
     def victim(self, running: list[Sequence], for_seq: Sequence) -> Sequence | None:
         """The newest running sequence of another client over its cap, to preempt for ``for_seq``."""

@@ -152,7 +152,8 @@ class Scheduler:
             self._cache_full_blocks(seq)
         self._make_room()
         if not self._newcomers_ran:  # fair share: their prompts first, in a step of their own
-            newcomers = self.fairness.newcomers(self.waiting, self.running, self.max_num_seqs)
+            newcomers = self.fairness.newcomers(self.waiting, self.running, self.max_num_seqs,
+                                                self.max_num_batched_tokens)
             if newcomers:
                 budget = min(self.max_num_batched_tokens, stall_token_cap or self.max_num_batched_tokens)
                 self._admit_waiting(batch, budget, stall_token_cap, only=newcomers)

@@ -177,3 +177,30 @@ def test_no_newcomer_step_when_no_client_holds_half_the_slots():
     step(sched)
     sched.add(seq("d0", "D", max_tokens=2))
     assert {"a0", "b0", "c0", "d0"} <= set(step(sched))  # one mixed step, as without fair share
+
+
+def test_a_newcomer_beside_a_client_with_a_step_of_prompts_gets_a_step_of_its_own():
+    """A's burst of prompts (half the token budget or more) would fill the next step: B's first
+    request, arriving while A runs one, is not computed inside it (bench/fairness.py's first B)."""
+    sched = scheduler(max_num_seqs=8)  # 64 tokens a step
+    sched.add(seq("a0", "A", max_tokens=50))
+    step(sched)  # A runs one request
+    for i in range(1, 5):
+        sched.add(seq(f"a{i}", "A", prompt=16, max_tokens=50))  # 64 prompt tokens waiting
+    sched.add(seq("b0", "B", max_tokens=2))
+    assert step(sched) == ["b0"]
+    assert {"a0", "a1", "a2", "a3"} <= set(step(sched))  # then A's decode and prompts
+
+
+def test_no_newcomer_step_beside_a_few_prompt_tokens_or_when_nothing_runs():
+    sched = scheduler(max_num_seqs=8)
+    sched.add(seq("a0", "A", max_tokens=50))
+    step(sched)
+    sched.add(seq("a1", "A", prompt=16, max_tokens=50))  # 16 < half of 64
+    sched.add(seq("b0", "B", max_tokens=2))
+    assert {"a0", "a1", "b0"} <= set(step(sched))  # one mixed step, as without fair share
+    burst = scheduler(max_num_seqs=8)  # everything arrives at once: no step of its own either
+    for i in range(4):
+        burst.add(seq(f"a{i}", "A", prompt=16, max_tokens=50))
+    burst.add(seq("b0", "B", max_tokens=2))
+    assert "b0" in step(burst)
