@@ -165,6 +165,10 @@ def main() -> None:
         print(f"| {name} | {len(row['ttfts'])} | {1e3 * statistics.median(row['ttfts']):.0f} | "
               f"{1e3 * p(row['ttfts'], 0.99):.0f} | {p(row['ttfts'], 0.99) / idle_p99:.1f}x | "
               f"{'' if tps is None else f'{tps:.0f}'} | {'' if tps is None else f'{100 * tps / off_tps:.0f} %'} |")
+    print("\nB's TTFTs in send order (ms): the first (sent with A's flood into a node just started), then the rest")
+    for name, row in rows.items():
+        ms = [round(1e3 * t) for t in row["ttfts"]]
+        print(f"- {name}: first {ms[0] if ms else ''}; rest max {max(ms[1:], default='')}: {ms[1:]}")
     on = rows["A + B, fair share on"]
     print(f"\nB alone, first 20 requests: p99 {1e3 * p(idle['ttfts'][:20], 0.99):.0f} ms "
           f"(B p99 on / that: {p(on['ttfts'], 0.99) / p(idle['ttfts'][:20], 0.99):.1f}x)")
