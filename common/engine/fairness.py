@@ -18,10 +18,10 @@ back). A client holding nothing is never over its cap, so one request larger tha
 
 A step full of one client's decodes or prompts is many times an idle step on a CPU: while one
 client holds at least half the running slots, or has prompt tokens left for at least half the
-step's token budget (a burst of requests just in), a newly admitted client that runs nothing gets
-its prompt (or its first chunk, within the stall bound) computed in a step of its own before the
-others' next step (:meth:`newcomers`; never two such steps in a row, so the others miss at most
-every other step).
+step's token budget (a burst of requests just in), the first request of each client that runs
+nothing gets its prompt (or its first chunk, within the stall bound) computed in a step of its own
+before the others' next step (:meth:`newcomers`; never two such steps in a row, so the others miss
+at most every other step).
 
 With one client, or off (``enabled=False``: the counters still run), nothing is reordered and
 nothing is preempted: admission is the plain FIFO.
@@ -124,37 +124,39 @@ class FairShare:
 
     def newcomers(self, waiting: Iterable[Sequence], running: list[Sequence], max_num_seqs: int,
                   max_num_batched_tokens: int) -> list[Sequence]:
-        """While a client that runs something holds at least half the running slots, or has prompt
-        tokens left (waiting or running) for at least half the step's token budget: the first
-        waiting sequence of each client that runs nothing, in queue order (the scheduler gives
-        their prompts a step of their own, so a small request's first token does not wait for a
-        step full of another client's decodes or prompts). Empty with one client, off, or when no
-        client holds that much."""
+        """While one client holds at least half the running slots, or has prompt tokens left for at
+        least half the step's token budget (waiting or running, besides what this step would take
+        as its newcomer): the first waiting sequence of each client that runs nothing, in queue
+        order (the scheduler gives their prompts a step of their own, so a small request's first
+        token does not wait for a step full of another client's decodes or prompts). Empty with one
+        client, off, or when no client holds that much."""
         if not self.enabled or len(self.live) <= 1:
             return []
         slots: dict[str, int] = {}
         for seq in running:
             slots[client_of(seq)] = slots.get(client_of(seq), 0) + 1
-        if max(slots.values(), default=0) < max(2, max_num_seqs // 2) and not self._prompts_fill(
-                waiting, running, slots, max_num_batched_tokens // 2):
-            return []
         out: list[Sequence] = []
+        seen = set(slots)
         for seq in waiting:
-            if client_of(seq) not in slots:
-                slots[client_of(seq)] = 0  # its first sequence only
+            if client_of(seq) not in seen:
+                seen.add(client_of(seq))  # its first sequence only
                 out.append(seq)
+        if max(slots.values(), default=0) < max(2, max_num_seqs // 2) and not self._prompts_fill(
+                waiting, running, out, max_num_batched_tokens // 2):
+            return []
         return out
 
     @staticmethod
-    def _prompts_fill(waiting: Iterable[Sequence], running: list[Sequence], clients: dict[str, int],
+    def _prompts_fill(waiting: Iterable[Sequence], running: list[Sequence], newcomers: list[Sequence],
                       tokens: int) -> bool:
-        """One of ``clients`` has at least ``tokens`` prompt tokens left, waiting or running."""
+        """One client has at least ``tokens`` prompt tokens left, waiting or running, besides
+        ``newcomers``: the prompts a mixed step would carry beside theirs."""
         left: dict[str, int] = {}
+        skip = {id(seq) for seq in newcomers}
         for seq in (*running, *waiting):
-            client = client_of(seq)
-            if client in clients and seq.is_prefill:
-                left[client] = left.get(client, 0) + seq.num_uncomputed_tokens
-                if left[client] >= tokens:
+            if seq.is_prefill and id(seq) not in skip:
+                left[client_of(seq)] = left.get(client_of(seq), 0) + seq.num_uncomputed_tokens
+                if left[client_of(seq)] >= tokens:
                     return True
         return False
 

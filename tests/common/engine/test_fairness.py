@@ -192,15 +192,19 @@ def test_a_newcomer_beside_a_client_with_a_step_of_prompts_gets_a_step_of_its_ow
     assert {"a0", "a1", "a2", "a3"} <= set(step(sched))  # then A's decode and prompts
 
 
-def test_no_newcomer_step_beside_a_few_prompt_tokens_or_when_nothing_runs():
+def test_no_newcomer_step_beside_a_few_prompt_tokens():
     sched = scheduler(max_num_seqs=8)
     sched.add(seq("a0", "A", max_tokens=50))
     step(sched)
     sched.add(seq("a1", "A", prompt=16, max_tokens=50))  # 16 < half of 64
     sched.add(seq("b0", "B", max_tokens=2))
     assert {"a0", "a1", "b0"} <= set(step(sched))  # one mixed step, as without fair share
-    burst = scheduler(max_num_seqs=8)  # everything arrives at once: no step of its own either
+
+
+def test_a_burst_arriving_at_once_gives_each_client_first_request_a_step_of_their_own():
+    sched = scheduler(max_num_seqs=8)
     for i in range(4):
-        burst.add(seq(f"a{i}", "A", prompt=16, max_tokens=50))
-    burst.add(seq("b0", "B", max_tokens=2))
-    assert "b0" in step(burst)
+        sched.add(seq(f"a{i}", "A", prompt=16, max_tokens=50))  # 48 prompt tokens past A's first
+    sched.add(seq("b0", "B", max_tokens=2))
+    assert step(sched) == ["a0", "b0"]  # not B's prompt inside a step full of A's
+    assert {"a1", "a2", "a3"} <= set(step(sched))
