@@ -167,9 +167,11 @@ def engine_rows(path: Path, name: str, args, bandwidth: float, eager: bool,
         engine.generate(next(fresh), one)
         ttft_ms = min(timed(lambda: engine.generate(next(fresh), one)) for _ in range(3)) * 1e3
     graphs = engine.runner.graphs
-    linears = {getattr(m, "triton", None) for m in engine.runner.model.modules() if hasattr(m, "triton")}
+    linears = {(m.triton, m.large_from) for m in engine.runner.model.modules() if hasattr(m, "triton")}
+    (use_triton, large_from), = linears or {(None, None)}
     info = dict(shape=name, graphs=not eager, invariant=invariant, start_s=start_s,
-                linears="triton" if linears == {True} else "row tiles" if linears == {False} else "default", ttft_tokens=args.ttft_tokens, ttft_ms=ttft_ms,
+                linears="default" if use_triton is None else "row tiles" if not use_triton else "triton" + (
+                    f" (128-row tiles from {large_from} rows)" if large_from < 1 << 40 else ""), ttft_tokens=args.ttft_tokens, ttft_ms=ttft_ms,
                 ttft_goal_ms=TTFT_GOAL_MS.get(name), graph_sizes=graphs.sizes if graphs else None,
                 backend=engine.runner.attn_backend.name, graph_mib=engine.runner.graph_memory_bytes / 2**20,
                 weight_bytes=weight_bytes)

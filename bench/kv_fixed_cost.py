@@ -1,6 +1,7 @@
 """Where one small KV transfer's time goes: a timeline of a tcp transfer, step by step.
 
-    python bench/kv_fixed_cost.py [--transfers 80] [--blocks 1]
+    python bench/kv_fixed_cost.py [--transfers 80] [--blocks 1] [--layers 1]
+    python bench/kv_fixed_cost.py --transport cuda_ipc [--layers 32 --blocks 125]   (one GPU)
 
 The same two processes as bench/kv_transfer.py (a child plays the prefill node, this process the
 decode node; the child's producer has already finished the request, so the transfer is all that
@@ -17,11 +18,14 @@ import argparse
 import collections
 import functools
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,6 +45,19 @@ STEPS = [
     ("receiver.PairReceiver", "_readable", "D I/O: bytes readable", "loopback + I/O thread wakes"),
     ("receiver.PairReceiver", "_on_kv", "D I/O: header read, views", "frame header"),
     ("receiver.PairReceiver", "_finish", "D I/O: DONE read", "checks, blocks landed, next frame"),
+    ("consumer.KVConsumer", "landed", "D I/O: DONE checked", "identity, checksums"),
+]
+# cuda_ipc: the control messages go over ZMQ, the producer copies into the consumer's blocks
+IPC_STEPS = [
+    ("consumer.KVConsumer", "request", "D engine: request", ""),
+    ("receiver.PairReceiver", "new", "D I/O: new transfer", "engine thread -> I/O thread"),
+    ("receiver.PairReceiver", "_pull", "D I/O: PULL out", "record, pair check"),
+    ("producer.KVProducer", "handle", "P I/O: a message handled", "ZMQ + I/O thread wakes"),
+    ("sender.PairSender", "_run_job", "P I/O: job", "table, lease, jobs queued"),
+    ("cuda_ipc.IpcPair", "write", "P I/O: copies queued", "notice out"),
+    ("cuda_ipc.IpcPair", "synchronize", "P waiter: synchronize", "waiter thread wakes"),
+    ("sender.PairSender", "_done_out", "P I/O: DONE out", "copies done, waiter -> I/O thread"),
+    ("receiver.PairReceiver", "_finish", "D I/O: DONE read", "ZMQ + I/O thread wakes"),
     ("consumer.KVConsumer", "landed", "D I/O: DONE checked", "identity, checksums"),
 ]
 
@@ -63,10 +80,10 @@ def wrap(owner, method: str, label: str) -> None:
     setattr(owner, method, stamped)
 
 
-def instrument() -> None:
+def instrument(steps: list[tuple[str, str, str, str]]) -> None:
     import importlib
 
-    for path, method, label, _ in STEPS:
+    for path, method, label, _ in steps:
         module, cls = path.split(".")
         wrap(getattr(importlib.import_module(f"common.kv_transfer.{module}"), cls), method, label)
     consumer = importlib.import_module("common.kv_transfer.consumer").KVConsumer
@@ -83,7 +100,7 @@ def instrument() -> None:
 
 def child(*args) -> None:
     """The prefill side, instrumented; its stamps go to a file the parent reads."""
-    instrument()
+    instrument(IPC_STEPS if os.environ.get("PDSERVE_BENCH_TRANSPORT") == "cuda_ipc" else STEPS)
     try:
         kvb.child_main(*args)
     finally:
@@ -96,21 +113,31 @@ CHILD_STAMPS = str(Path(tempfile.gettempdir()) / "pdserve_kv_fixed_cost_child.js
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transfers", type=int, default=80)
-    parser.add_argument("--blocks", type=int, default=1, help="64 KB blocks of one layer per transfer")
+    parser.add_argument("--blocks", type=int, default=1, help="64 KB blocks of each layer per transfer")
+    parser.add_argument("--layers", type=int, default=1, help="layers per transfer")
+    parser.add_argument("--transport", choices=("tcp", "cuda_ipc"), default="tcp",
+                        help="cuda_ipc: both KV caches on cuda:0 (needs a GPU)")
     parser.add_argument("--cold", action="store_true",
                         help="a raw TCP transfer of the same bytes before each one, as bench/kv_transfer.py "
                              "interleaves them (caches cold, as after a forward pass)")
     args = parser.parse_args()
+    ipc = args.transport == "cuda_ipc"
+    if ipc and not torch.cuda.is_available():
+        print("CUDA is not available: --transport cuda_ipc needs a GPU; nothing measured.")
+        return
+    os.environ["PDSERVE_BENCH_TRANSPORT"] = args.transport  # the child (spawned) reads it
+    steps = IPC_STEPS if ipc else STEPS
     kvb.child_main = child
-    instrument()
-    b = kvb.Bench()
-    nbytes = args.blocks * kvb.BLOCK_BYTES
+    instrument(steps)
+    b = kvb.Bench(device="cuda" if ipc else "cpu")
+    layer_bytes = args.blocks * kvb.BLOCK_BYTES
+    nbytes = layer_bytes * args.layers
     try:
         totals, raw = [], []
         for _ in range(args.transfers):
             if args.cold:
                 raw.append(b.tcp_seconds(nbytes, 1))
-            totals.append(b.engine_seconds("tcp", 1, nbytes, False))
+            totals.append(b.engine_seconds(args.transport, args.layers, layer_bytes, False))
         raw = (raw or [b.tcp_seconds(nbytes, 1) for _ in range(args.transfers)])[10:]
         totals = totals[10:]
     finally:
@@ -129,9 +156,9 @@ def main() -> None:
             if label not in seen:  # a step's first entry and exit in this transfer
                 seen.add(label)
                 offsets[label].append((t - run[0][1]) / 1000)
-    why = {label + " >": step for _, _, label, step in STEPS if step}
-    print(f"{len(totals)} transfers of {nbytes // 1024} KB (1 layer), tcp, medians; offsets from the "
-          "decode engine's request\n")
+    why = {label + " >": step for _, _, label, step in steps if step}
+    print(f"{len(totals)} transfers of {nbytes // 1024} KB ({args.layers} layers), {args.transport}, medians; "
+          "offsets from the decode engine's request\n")
     print("| stamp | µs from request | step ending here |")
     print("|---|---|---|")
     previous = 0.0

@@ -89,11 +89,11 @@ def child_main(conn, tcp_port: int, coalesce_bytes: int) -> None:
             pair.close()
             conn.send("ok")
         elif cmd == "engine":
-            key, num_layers, num_blocks, transport = args
+            key, num_layers, num_blocks, transport, device = args
             eng = KVEndpoint("127.0.0.1:0", layout(num_layers),
                                    TransferConfig(timeout_s=30, coalesce_bytes=coalesce_bytes),
-                                   transport=transport)
-            kv = [torch.ones(layout(num_layers).layer_shape(num_blocks), dtype=torch.float16)
+                                   transport=transport, device=device)
+            kv = [torch.ones(layout(num_layers).layer_shape(num_blocks), dtype=torch.float16, device=device)
                   for _ in range(num_layers)]
             engines[key] = (eng, kv)
             conn.send(eng.address)
@@ -113,7 +113,8 @@ def child_main(conn, tcp_port: int, coalesce_bytes: int) -> None:
 
 # ---- parent: the decode side -----------------------------------------------------------
 class Bench:
-    def __init__(self, coalesce_bytes: int = TransferConfig.coalesce_bytes) -> None:
+    def __init__(self, coalesce_bytes: int = TransferConfig.coalesce_bytes, device: str = "cpu") -> None:
+        self.device = device  # the KV caches' (cuda: for a cuda_ipc pair on one GPU)
         self.listener = socket.create_server(("127.0.0.1", 0))
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -165,10 +166,11 @@ class Bench:
         key = (transport, num_layers, num_blocks)
         kvl = layout(num_layers)
         if key not in self.engines:
-            address = self.call("engine", key, num_layers, num_blocks, transport)
+            address = self.call("engine", key, num_layers, num_blocks, transport, self.device)
             eng = KVEndpoint("127.0.0.1:0", kvl, TransferConfig(timeout_s=30), transport=transport,
-                                   on_progress=self.progress.set)
-            kv = [torch.zeros(kvl.layer_shape(num_blocks), dtype=torch.float16) for _ in range(num_layers)]
+                                   on_progress=self.progress.set, device=self.device)
+            kv = [torch.zeros(kvl.layer_shape(num_blocks), dtype=torch.float16, device=self.device)
+                  for _ in range(num_layers)]
             self.engines[key] = (eng, address, kv)
         eng, address, kv = self.engines[key]
         self.seq += 1

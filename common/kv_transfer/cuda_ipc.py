@@ -131,6 +131,13 @@ class IpcPair:
                 nbytes += len(ids) * src[:, :1].numel() * src.element_size()
         return nbytes
 
+    def finished_within(self, seconds: float) -> bool:
+        """Whether every queued copy finished within ``seconds`` (a short wait on the calling
+        thread; False says nothing is wrong, only that :meth:`synchronize` must wait on)."""
+        if self.dst_stream is None:
+            return True
+        return self.streams.synchronize(self.streams.record(self.dst_stream), seconds)
+
     def synchronize(self, timeout_s: float) -> None:
         """Wait until every queued copy finished, at most ``timeout_s``: an event on the
         destination stream, where every copy ends."""

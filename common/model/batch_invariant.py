@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+NEVER = 1 << 62  # a row count no step reaches
 TILES = (16, 32, 64, 128)  # tried in order; the smallest costs least in decode steps of few rows
 PACKED_TILES = (4, 8, 16)  # the oneDNN path's row multiples, tried in order
 _CHECK_ROWS = (1, 2, 3, 5, 7, 9, 16, 17, 33, 100)  # batch sizes the start-up check compares
@@ -121,6 +122,7 @@ class InvariantLinear(ProductLinear):
     tile: int
     packed: torch.Tensor | None
     triton: bool
+    large_from: int  # the Triton matmul's rows from which it runs its large tiles
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
@@ -128,7 +130,7 @@ class InvariantLinear(ProductLinear):
         if self.triton:
             from common.model.invariant_matmul import invariant_linear
 
-            return invariant_linear(x, self.weight, bias)
+            return invariant_linear(x, self.weight, bias, self.large_from)
         return tiled_linear(x, self.weight, bias, self.tile)
 
 
@@ -249,6 +251,11 @@ def make_batch_invariant(model: nn.Module, device: torch.device, triton: bool = 
     one_per_shape = list({tuple(m.weight.shape): m.weight for m in linears}.values())  # the split depends on it
     packed_tile = choose_packed_tile(one_per_shape) if packs_weights(device, dtype) else None
     use_triton = packed_tile is None and triton and triton_rows_invariant(one_per_shape)
+    large_from = NEVER
+    if use_triton:
+        from common.model.invariant_matmul import LARGE_FROM, large_tiles_agree
+
+        large_from = LARGE_FROM if large_tiles_agree(one_per_shape) else NEVER
     tile = packed_tile or (0 if use_triton else
                            choose_tile(tuple(sorted({config.hidden_size, config.intermediate_size})), device, dtype))
     rows = QUERY_TILE * (config.num_heads // config.num_kv_heads)
@@ -260,6 +267,8 @@ def make_batch_invariant(model: nn.Module, device: torch.device, triton: bool = 
                 "different sizes, so attention cannot be made invariant here; run without --batch-invariant")
     for linear in linears:
         linear.__class__ = InvariantLinear  # a subclass adding no parameters: they and their tying stay as they are
-        linear.tile, linear.triton = tile, use_triton
+        linear.tile, linear.triton, linear.large_from = tile, use_triton, large_from
         linear.packed = pack_weight(linear.weight, tile) if packed_tile else None
-    return "packed" if packed_tile else "triton" if use_triton else f"tiles of {tile}"
+    if use_triton:
+        return "triton" + (f" (large tiles from {large_from} rows)" if large_from < NEVER else "")
+    return "packed" if packed_tile else f"tiles of {tile}"

@@ -19,8 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64  # fixed: 64 output columns per program keeps decode's few rows on many SMs
+from common.model.batch_invariant import NEVER
 
+BLOCK_K = 64  # the input axis is summed 64 at a time, in order, whatever the tile
+# (BLOCK_M, BLOCK_N, warps, stages): 64 x 64 keeps decode's few rows on many SMs; a long chunk
+# runs faster on 128 x 128 tiles, used from LARGE_FROM rows only where it gives SMALL's bits
+SMALL, LARGE = (64, 64, 4, 3), (128, 128, 8, 3)
+LARGE_FROM = 256
 
 @triton.jit
 def _matmul_kernel(
@@ -47,9 +52,10 @@ def _matmul_kernel(
     tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     large_from: int = NEVER) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` [..., in], ``weight`` [out, in], each row's result
-    independent of the others (see the module docstring)."""
+    independent of the others (see the module docstring); ``LARGE`` tiles from ``large_from`` rows."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -59,11 +65,23 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+        block_m, block_n, warps, stages = LARGE if m >= large_from else SMALL
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _matmul_kernel[grid](
             rows, weight, bias if bias is not None else weight, out, m, n, k,
             rows.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3,
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
         )
     return out.view(*x.shape[:-1], n)
+
+
+def large_tiles_agree(weights: list[torch.Tensor], rows: int = LARGE_FROM + 44) -> bool:
+    """Whether ``LARGE`` tiles give every row ``SMALL``'s bits on each of ``weights`` (a matter of
+    how the GPU's matrix instructions sum, so checked at start, on this GPU)."""
+    gen = torch.Generator().manual_seed(2)
+    for w in weights:
+        x = torch.randn(rows, w.shape[1], generator=gen).to(w.device, w.dtype)
+        if not torch.equal(invariant_linear(x, w, None), invariant_linear(x, w, None, large_from=rows)):
+            return False
+    return True

@@ -177,4 +177,4 @@ def test_steps_picks_steps_and_what_they_need(tmp_path) -> None:
     out = tmp_path / "out"
     assert gpu_check.main([str(out), "--steps", "cuda_ipc", "--timeout-scale", "2"]) == 0
     report = json.loads((out / "gpu-check.json").read_text())
-    assert [(s["name"], s["timeout_s"]) for s in report["steps"]] == [("checkpoints", 80.0), ("cuda_ipc", 190.0)]
+    assert [(s["name"], s["timeout_s"]) for s in report["steps"]] == [("checkpoints", 100.0), ("cuda_ipc", 190.0)]

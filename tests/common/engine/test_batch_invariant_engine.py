@@ -46,7 +46,7 @@ class LogitsRecorder:
 
 
 def _engine(**overrides) -> LLMEngine:
-    config = dict(model="embedded", batch_invariant=True, num_kv_blocks=512, block_size=16, seed=0)
+    config = dict(model="embedded", device="cpu", batch_invariant=True, num_kv_blocks=512, block_size=16, seed=0)
     return LLMEngine(EngineConfig(**{**config, **overrides}))
 
 

@@ -228,3 +228,47 @@ def test_ipc_block_copy_moves_the_same_blocks_in_every_layer(dst_ids, src_ids):
         assert same_bytes(peer[layer][:, dst_ids], kv[layer][:, src_ids])
         others = [b for b in range(8) if b not in dst_ids]
         assert not peer[layer][:, others].any()
+
+
+class TimedCopies(RecordingStreams):
+    """Copies that finish at once, or (``slow``) not within the quick wait; notes which thread
+    waited each time and how long it would wait."""
+
+    def __init__(self, log: list, slow: bool) -> None:
+        super().__init__(log)
+        self.slow, self.waits = slow, []
+
+    def synchronize(self, event: str, timeout_s: float) -> bool:
+        self.waits.append((threading.current_thread().name, timeout_s))
+        self.log.append(("synchronize", event))
+        return not (self.slow and len(self.waits) == 1)
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["copies-done-at-once", "copies-still-running"])
+def test_done_waits_for_short_copies_on_the_io_thread_and_for_long_ones_on_the_waiter(slow: bool):
+    """cuda_ipc's DONE: copies that finish within QUICK_SYNC_S are waited for by the I/O thread
+    itself (no hand-off to the waiter and back); longer ones by the waiter, on a new event. Either
+    way DONE goes out only after a synchronize that said the copies finished."""
+    log: list = []
+    streams, control = TimedCopies(log, slow), FakeControl(log)
+    peer = [torch.zeros(LAYOUT.layer_shape(8), dtype=LAYOUT.torch_dtype) for _ in range(LAYOUT.num_layers)]
+    sender = PairSender("p", b"d", config=TransferConfig(**FAST), stats=TransferStats(), budget=ByteBudget(1 << 20),
+                        control=control, device="cpu", on_done_sent=lambda req: None,
+                        on_failed=lambda link, why: None, streams=streams, table=ProducerTable())
+    sender.start(None, "cuda_ipc", peer)
+    kv = make_kv(LAYOUT, 8, 4)
+    job = _ipc_job([0, 5], [4, 3], kv, ready="layer-written")
+    try:
+        sender.put(job)
+        sender.put(SendJob("done", job.req))
+        assert control.wait_for(lambda: ("reply", "done", "r") in log)
+        before_done = streams.waits[:2 if slow else 1]
+    finally:
+        stop(sender)
+    first, *rest = before_done
+    assert first[1] == sender_mod.QUICK_SYNC_S  # the quick wait, on the I/O thread
+    if slow:  # then the waiter's own thread, with the pair's whole timeout
+        assert rest[0][0] != first[0] and rest[0][1] == FAST["timeout_s"]
+    done_at = index_of(log, ("reply", "done", "r"))
+    assert len([e for e in _entries(log, "synchronize") if log.index(e) < done_at]) == (2 if slow else 1)
+    assert same_bytes(peer[1][:, [0, 5]], kv[1][:, [4, 3]])
