@@ -35,7 +35,7 @@ down:
 # zygote that imported torch once (tests/helpers/zygote.py), so two at once take ~7 min on 2 cores
 # (6:35-6:57 in fresh clones for 2,109 tests; 7:58 for 2,031 with a fresh python -m per node)
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 bench: install
 	$(PY) bench/engine_throughput.py
