@@ -48,9 +48,7 @@ STEPS = [
     ("consumer.KVConsumer", "landed", "D I/O: DONE checked", "identity, checksums"),
 ]
 # cuda_ipc: the control messages go over ZMQ, the producer copies into the consumer's blocks
-IPC_STEPS = [
-    ("consumer.KVConsumer", "request", "D engine: request", ""),
-    ("receiver.PairReceiver", "new", "D I/O: new transfer", "engine thread -> I/O thread"),
+IPC_STEPS = STEPS[:2] + [
     ("receiver.PairReceiver", "_pull", "D I/O: PULL out", "record, pair check"),
     ("producer.KVProducer", "handle", "P I/O: a message handled", "ZMQ + I/O thread wakes"),
     ("sender.PairSender", "_run_job", "P I/O: job", "table, lease, jobs queued"),
@@ -58,7 +56,7 @@ IPC_STEPS = [
     ("cuda_ipc.IpcPair", "synchronize", "P waiter: synchronize", "waiter thread wakes"),
     ("sender.PairSender", "_done_out", "P I/O: DONE out", "copies done, waiter -> I/O thread"),
     ("receiver.PairReceiver", "_finish", "D I/O: DONE read", "ZMQ + I/O thread wakes"),
-    ("consumer.KVConsumer", "landed", "D I/O: DONE checked", "identity, checksums"),
+    STEPS[-1],
 ]
 
 

@@ -123,9 +123,10 @@ def test_ipc_copy_ends_on_the_destination_devices_stream_and_is_synchronized_the
     assert same_bytes(peer[1][:, [6, 1]], kv[1][:, [2, 7]])
 
 
-def test_done_goes_out_only_after_the_copies_event_completed():
-    log: list = []
-    streams, control = RecordingStreams(log), FakeControl(log)
+def _ipc_done(log: list, streams: RecordingStreams, then=lambda: None) -> tuple[list, torch.Tensor]:
+    """A cuda_ipc sender copies blocks [4, 3] of a layer into the peer's [0, 5], then sends DONE;
+    ``then()`` runs once DONE is out, before the sender stops. Returns (peer cache, source KV)."""
+    control = FakeControl(log)
     peer = [torch.zeros(LAYOUT.layer_shape(8), dtype=LAYOUT.torch_dtype) for _ in range(LAYOUT.num_layers)]
     sender = PairSender("p", b"d", config=TransferConfig(**FAST), stats=TransferStats(), budget=ByteBudget(1 << 20),
                         control=control, device="cpu", on_done_sent=lambda req: None,
@@ -137,8 +138,15 @@ def test_done_goes_out_only_after_the_copies_event_completed():
         sender.put(job)
         sender.put(SendJob("done", job.req))
         assert control.wait_for(lambda: ("reply", "done", "r") in log)
+        then()
     finally:
         stop(sender)
+    return peer, kv
+
+
+def test_done_goes_out_only_after_the_copies_event_completed():
+    log: list = []
+    peer, kv = _ipc_done(log, RecordingStreams(log))
     fence = _entries(log, "record")[0]  # the first after the copies (the last one: closing the pair)
     assert fence[1] == "stream:cpu"
     assert index_of(log, ("wait", "stream:cpu", "layer-written")) < log.index(fence) \
@@ -250,21 +258,9 @@ def test_done_waits_for_short_copies_on_the_io_thread_and_for_long_ones_on_the_w
     itself (no hand-off to the waiter and back); longer ones by the waiter, on a new event. Either
     way DONE goes out only after a synchronize that said the copies finished."""
     log: list = []
-    streams, control = TimedCopies(log, slow), FakeControl(log)
-    peer = [torch.zeros(LAYOUT.layer_shape(8), dtype=LAYOUT.torch_dtype) for _ in range(LAYOUT.num_layers)]
-    sender = PairSender("p", b"d", config=TransferConfig(**FAST), stats=TransferStats(), budget=ByteBudget(1 << 20),
-                        control=control, device="cpu", on_done_sent=lambda req: None,
-                        on_failed=lambda link, why: None, streams=streams, table=ProducerTable())
-    sender.start(None, "cuda_ipc", peer)
-    kv = make_kv(LAYOUT, 8, 4)
-    job = _ipc_job([0, 5], [4, 3], kv, ready="layer-written")
-    try:
-        sender.put(job)
-        sender.put(SendJob("done", job.req))
-        assert control.wait_for(lambda: ("reply", "done", "r") in log)
-        before_done = streams.waits[:2 if slow else 1]
-    finally:
-        stop(sender)
+    streams = TimedCopies(log, slow)
+    before_done: list = []
+    peer, kv = _ipc_done(log, streams, lambda: before_done.extend(streams.waits[:2 if slow else 1]))
     first, *rest = before_done
     assert first[1] == sender_mod.QUICK_SYNC_S  # the quick wait, on the I/O thread
     if slow:  # then the waiter's own thread, with the pair's whole timeout
