@@ -102,6 +102,7 @@ class Run:
     seconds: float = 0.0
     kv_bytes: float = 0.0
     decisions: Counter = field(default_factory=Counter)  # auto's, by (path, reason)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds over the run: "proxy", "registries"
 
     @property
     def local(self) -> float:
@@ -227,6 +228,12 @@ def decisions(proxy: Proc) -> Counter:
     return out
 
 
+def cpu_seconds(proc: Proc) -> float:
+    """User + system CPU seconds ``proc`` has used so far (/proc)."""
+    fields = Path(f"/proc/{proc.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pin(proc: Proc | None, cpus: set[int]) -> None:
     """Every thread of ``proc`` (this process for None) onto ``cpus``; threads it starts later
     inherit it."""
@@ -272,6 +279,9 @@ def main() -> None:
                          "256-token prompts over it, as a real model's slower prefill does")
     ap.add_argument("--no-colocated", dest="colocated", action="store_false", help="leave the colocated node out")
     ap.add_argument("--debug-decisions", action="store_true", help="auto's proxy logs every decision (debug level)")
+    ap.add_argument("--registry-always", action="store_true",
+                    help="also `always` on a second registry proxy (the nodes register with both, and send both "
+                         "their KV events), beside the static one: tells auto's own cost from a registry proxy's")
     args = ap.parse_args()
     if args.layout == "machines" and not (hasattr(os, "sched_setaffinity") and {0, 1} <= os.sched_getaffinity(0)):
         sys.exit("--layout machines needs CPUs 0 and 1 (Linux); use --layout shared")
@@ -286,26 +296,34 @@ def main() -> None:
     try:
         auto = start("proxy", tmp, *(("--log-level", "debug") if args.debug_decisions else ()), wait=False)
         procs.append(auto)
-        p = start("prefill", tmp, *model_args, "--proxy", f"127.0.0.1:{auto.kv_port}", "--heartbeat-interval-s", "0.5")
+        registries = [auto]
+        if args.registry_always:
+            registries.append(start("proxy", tmp, "--disagg-policy", "always", name="proxy-always-registry",
+                                    wait=False))
+            procs.append(registries[-1])
+        to_proxies = ",".join(f"127.0.0.1:{r.kv_port}" for r in registries)
+        p = start("prefill", tmp, *model_args, "--proxy", to_proxies, "--heartbeat-interval-s", "0.5")
         stall = () if args.max_local_prefill_stall_ms is None else (
             "--max-local-prefill-stall-ms", str(args.max_local_prefill_stall_ms))
-        d = start("decode", tmp, *model_args, *stall, "--proxy", f"127.0.0.1:{auto.kv_port}",
-                  "--heartbeat-interval-s", "0.5")
+        d = start("decode", tmp, *model_args, *stall, "--proxy", to_proxies, "--heartbeat-interval-s", "0.5")
         procs += [p, d]
-        auto.wait_ready()
+        for registry in registries:
+            registry.wait_ready()
         statics = ("--static-prefill", f"127.0.0.1:{p.port}@{p.kv_addr}", "--static-decode",
                    f"127.0.0.1:{d.port}@{d.kv_addr}")
         always = start("proxy", tmp, *statics, "--disagg-policy", "always", name="proxy-always")
         never = start("proxy", tmp, *statics, "--disagg-policy", "never", name="proxy-never")
         procs += [always, never]
         configs = [("always", always, d), ("never", never, d), ("auto", auto, d)]
+        if args.registry_always:
+            configs.insert(1, ("always (registry)", registries[1], d))
         if args.colocated:
             both = start_threads("both", tmp, 2, *model_args)
             procs.append(both)
             configs.append(("colocated (2 threads)", both, None))
         if args.layout == "machines":
             pin(p, {0})
-            for proc in (d, auto, always, never, None):
+            for proc in (d, *registries, always, never, None):
                 pin(proc, {1})
             if args.colocated:
                 pin(both, {0, 1})
@@ -319,8 +337,12 @@ def main() -> None:
                 for name, proxy, decode in configs:
                     salt = f"run {uuid.uuid4().hex}"
                     counted = proxy if name == "auto" else None
+                    # the proxy's own CPU, and the registries' (their KV events and heartbeats run in every run)
+                    watched = {"proxy": [proxy], "registries": [r for r in registries if r is not proxy]}
+                    cpu0 = {k: sum(cpu_seconds(q) for q in qs) for k, qs in watched.items()}
                     run = (measure(proxy.url, decode, counted, x, args, salt) if kind == "rate" else
                            measure_closed(proxy.url, decode, counted, int(x), args, salt))
+                    run.cpu_s = {k: sum(cpu_seconds(q) for q in qs) - cpu0[k] for k, qs in watched.items()}
                     runs.setdefault((kind, x, name), []).append(run)
                     print(f"repeat {repeat + 1}, {kind} {x:g}: {name} done", file=sys.stderr)
         report(runs, args)
@@ -338,7 +360,9 @@ ISSUE_31 = ("TTFT p50", "TTFT p99", "output tok/s")
 def figures(r: Run) -> dict[str, float]:
     return {"TTFT p50": pct(r.ttft_ms, .5), "TTFT p99": pct(r.ttft_ms, .99), "ITL p50": pct(r.itl_ms, .5),
             "ITL p99": pct(r.itl_ms, .99), "output tok/s": r.output_tokens / r.seconds,
-            "KV MiB": r.kv_bytes / 2**20, "local": r.local, "remote": r.remote}
+            "KV MiB": r.kv_bytes / 2**20, "local": r.local, "remote": r.remote,
+            "proxy CPU ms/req": r.cpu_s.get("proxy", 0.0) * 1e3 / max(len(r.ttft_ms), 1),
+            "registries CPU ms/req": r.cpu_s.get("registries", 0.0) * 1e3 / max(len(r.ttft_ms), 1)}
 
 
 def split(rs: list[Run]) -> str:
@@ -376,13 +400,15 @@ def report(runs: dict[tuple[str, float, str], list[Run]], args: argparse.Namespa
         print(f"\nClosed loop: {args.prompt_tokens}-token prompts, {args.closed_max_tokens} output tokens each, "
               f"{args.closed_requests or '4 per client (at least 16)'} requests per run; {args.served_name}, CPU; "
               f"{runs_per_row}; layout {args.layout}\n")
-        print("| clients | policy | TTFT p50 | TTFT p99 | ITL p50 | output tok/s | KV moved | auto's decisions |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| clients | policy | TTFT p50 | TTFT p99 | ITL p50 | output tok/s | KV moved | proxy CPU / request "
+              "(other registries) | auto's decisions |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for (c, name), f in closed_loop.items():
             kv = f"{f['KV MiB']:.1f} MiB" if not name.startswith("colocated") else "-"
             decided = split(runs["concurrency", c, name]) if name == "auto" else ""
+            cpu = f"{f['proxy CPU ms/req']:.2f} ms ({f['registries CPU ms/req']:.2f})"
             print(f"| {c:g} | {name} | {f['TTFT p50']:.0f} ms | {f['TTFT p99']:.0f} ms | {f['ITL p50']:.1f} ms | "
-                  f"{f['output tok/s']:.1f} | {kv} | {decided} |")
+                  f"{f['output tok/s']:.1f} | {kv} | {cpu} | {decided} |")
         print()
         for line in judge(closed_loop, ISSUE_31, "issue 31's", "clients"):
             print(line)
