@@ -145,8 +145,9 @@ def choose_kernels(attention_backend: str, fused_ops: str, device: torch.device,
 
 def warm_up_fallback(choice: KernelChoice, error: Exception) -> KernelChoice:
     """What to run after ``choice`` failed its warm-up with ``error``: SDPA and the PyTorch ops when
-    Triton was only chosen by ``auto`` (:data:`BATCH_INVARIANT` for an invariant choice). Re-raises ``error`` when ``choice`` used no Triton (nothing
-    to fall back from), and raises :class:`TritonStartError` when a flag asked for Triton by name."""
+    Triton was only chosen by ``auto`` (:data:`BATCH_INVARIANT` for an invariant choice). Re-raises
+    ``error`` when ``choice`` used no Triton (nothing to fall back from), and raises
+    :class:`TritonStartError` when a flag asked for Triton by name."""
     if not choice.uses_triton:
         raise error
     if choice.required:
