@@ -171,7 +171,7 @@ def engine_rows(path: Path, name: str, args, bandwidth: float, eager: bool,
     (use_triton, large_from), = linears or {(None, None)}
     info = dict(shape=name, graphs=not eager, invariant=invariant, start_s=start_s,
                 linears="default" if use_triton is None else "row tiles" if not use_triton else "triton" + (
-                    f" (128-row tiles from {large_from} rows)" if large_from < 1 << 40 else ""), ttft_tokens=args.ttft_tokens, ttft_ms=ttft_ms,
+                    f" (128-row tiles from {large_from} rows)" if large_from is not None else ""), ttft_tokens=args.ttft_tokens, ttft_ms=ttft_ms,
                 ttft_goal_ms=TTFT_GOAL_MS.get(name), graph_sizes=graphs.sizes if graphs else None,
                 backend=engine.runner.attn_backend.name, graph_mib=engine.runner.graph_memory_bytes / 2**20,
                 weight_bytes=weight_bytes)

@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-NEVER = 1 << 62  # a row count no step reaches
 TILES = (16, 32, 64, 128)  # tried in order; the smallest costs least in decode steps of few rows
 PACKED_TILES = (4, 8, 16)  # the oneDNN path's row multiples, tried in order
 _CHECK_ROWS = (1, 2, 3, 5, 7, 9, 16, 17, 33, 100)  # batch sizes the start-up check compares
@@ -122,7 +121,7 @@ class InvariantLinear(ProductLinear):
     tile: int
     packed: torch.Tensor | None
     triton: bool
-    large_from: int  # the Triton matmul's rows from which it runs its large tiles
+    large_from: int | None  # the Triton matmul's rows from which it runs its large tiles (None: never)
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
@@ -251,11 +250,11 @@ def make_batch_invariant(model: nn.Module, device: torch.device, triton: bool = 
     one_per_shape = list({tuple(m.weight.shape): m.weight for m in linears}.values())  # the split depends on it
     packed_tile = choose_packed_tile(one_per_shape) if packs_weights(device, dtype) else None
     use_triton = packed_tile is None and triton and triton_rows_invariant(one_per_shape)
-    large_from = NEVER
+    large_from = None
     if use_triton:
         from common.model.invariant_matmul import LARGE_FROM, large_tiles_agree
 
-        large_from = LARGE_FROM if large_tiles_agree(one_per_shape) else NEVER
+        large_from = LARGE_FROM if large_tiles_agree(one_per_shape) else None
     tile = packed_tile or (0 if use_triton else
                            choose_tile(tuple(sorted({config.hidden_size, config.intermediate_size})), device, dtype))
     rows = QUERY_TILE * (config.num_heads // config.num_kv_heads)
@@ -270,5 +269,5 @@ def make_batch_invariant(model: nn.Module, device: torch.device, triton: bool = 
         linear.tile, linear.triton, linear.large_from = tile, use_triton, large_from
         linear.packed = pack_weight(linear.weight, tile) if packed_tile else None
     if use_triton:
-        return "triton" + (f" (large tiles from {large_from} rows)" if large_from < NEVER else "")
+        return "triton" + (f" (large tiles from {large_from} rows)" if large_from is not None else "")
     return "packed" if packed_tile else f"tiles of {tile}"

@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from common.model.batch_invariant import NEVER
-
 BLOCK_K = 64  # the input axis is summed 64 at a time, in order, whatever the tile
 # (BLOCK_M, BLOCK_N, warps, stages): 64 x 64 keeps decode's few rows on many SMs; a long chunk
 # runs faster on 128 x 128 tiles, used from LARGE_FROM rows only where it gives SMALL's bits
@@ -53,9 +51,10 @@ def _matmul_kernel(
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     large_from: int = NEVER) -> torch.Tensor:
+                     large_from: int | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` [..., in], ``weight`` [out, in], each row's result
-    independent of the others (see the module docstring); ``LARGE`` tiles from ``large_from`` rows."""
+    independent of the others (see the module docstring); ``LARGE`` tiles from ``large_from`` rows
+    (None: never)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -65,7 +64,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        block_m, block_n, warps, stages = LARGE if m >= large_from else SMALL
+        block_m, block_n, warps, stages = LARGE if large_from is not None and m >= large_from else SMALL
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _matmul_kernel[grid](
             rows, weight, bias if bias is not None else weight, out, m, n, k,
