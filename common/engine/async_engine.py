@@ -194,6 +194,10 @@ class AsyncLLMEngine:
     # ---- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        try:
+            engine.runner.warm_up_thread()
+        except Exception:  # noqa: BLE001 - a failed warm-up costs the first request time, not service
+            logger.warning("the engine thread's warm-up failed; the first request pays its start", exc_info=True)
         while not self._stopping:
             self._busy_since = time.monotonic()
             self._wake.clear()

@@ -1,7 +1,9 @@
-"""The engine builds oneDNN's kernels for its packed linears at start (CPU float32): a fresh
-engine's first requests, prompts and decode steps of every row count, build none.
+"""What a CPU engine does at start so that its first requests pay no first-call costs: it builds
+oneDNN's kernels for its packed linears (float32), so a fresh engine's first requests, prompts and
+decode steps of every row count, build none; and its thread runs a forward before the first
+request (a thread's first ops start its OpenMP team).
 
-oneDNN keeps one kernel cache per process, so the check runs in a fresh process, reading
+oneDNN keeps one kernel cache per process, so that check runs in a fresh process, reading
 oneDNN's own verbose log (a line per kernel built: ``create:cache_miss``).
 """
 
@@ -9,22 +11,26 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from common.engine.async_engine import AsyncLLMEngine
+from common.engine.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = """
 import json, sys, torch
 from common.engine.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.engine.model_runner import ModelRunner
 from common.engine.sampling_params import SamplingParams
 
-if sys.argv[1] == "off":  # the control: the engine as it was before the warm-up
-    ModelRunner._warm_up_packed = lambda self, max_num_seqs, max_num_batched_tokens: 0
 engine = LLMEngine(EngineConfig(model="embedded", device="cpu", max_num_seqs=8, max_num_batched_tokens=64))
+if sys.argv[1] == "on":  # what AsyncLLMEngine's thread does first; "off": the control, without it
+    engine.runner.warm_up_thread()
 prompts = [[5] * 3, [7] * 20, [9] * 41, [11] * 9]  # prompts alone and beside decodes, 1..8 decode rows
 params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
 print("STEPS", flush=True)
@@ -50,3 +56,24 @@ def test_a_fresh_engine_builds_no_kernel_under_its_first_requests():
     assert warmed > 0 and built == 0
     warmed, built = kernels_built("off")  # the control: the same requests build kernels without it
     assert warmed == 0 and built > 0
+
+
+def test_the_engine_thread_runs_a_forward_before_its_first_request():
+    engine = AsyncLLMEngine(EngineConfig(model="embedded", device="cpu", num_kv_blocks=16, max_num_seqs=4,
+                                         max_num_batched_tokens=32))
+    model, threads = engine.engine.runner.model, []
+    real = model.forward
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    model.forward = spy
+    engine.start()
+    try:
+        deadline = time.monotonic() + 30
+        while "pdserve-engine" not in threads and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "pdserve-engine" in threads and not engine.engine.has_unfinished_requests()
+    finally:
+        engine.shutdown()
