@@ -47,6 +47,7 @@ class EngineDeadError(RuntimeError):
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None, rank_main: str = RANK_MAIN):
         self.engine = LLMEngine(config, connector, rank_main)
+        self.engine.runner.warm_up_kernels()  # before serving: no request builds one
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
         self.tokenizer = self.engine.tokenizer

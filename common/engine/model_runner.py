@@ -110,7 +110,7 @@ class ModelRunner:
         if device.type == "cuda" or kernels.uses_triton:
             self._warm_up_or_fall_back()
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.warmed_kernels = 0  # oneDNN kernels built by warm_up_thread
+        self.warmed_kernels = 0  # oneDNN kernels built by warm_up_kernels
         if device.type == "cuda" and not enforce_eager and self.attn_backend.supports_cuda_graphs:
             max_len = max_model_len or num_blocks * kv_layout.block_size
             self._capture_graphs(max_num_seqs, -(-max_len // kv_layout.block_size))
@@ -149,15 +149,20 @@ class ModelRunner:
             ids = torch.zeros(q, dtype=torch.int64, device=d)
             self.model(ids, torch.tensor(positions, device=d), self.kv_caches, meta)
 
-    def warm_up_thread(self) -> None:
-        """On CPU, on the calling thread (the engine's, before its first request): oneDNN's kernels
-        for the packed linears (:meth:`_warm_up_packed`), then :meth:`_warm_up`'s prompt and decode,
-        since a thread's first ops start its OpenMP team and pay other first-call costs (3-20 ms
-        here). Otherwise the first requests pay both. Not under tensor parallelism, whose ranks
-        wait for steps; not in the constructor, so an engine driven without its thread (tests,
-        in-process benches) starts without the ~0.25 s it takes."""
+    def warm_up_kernels(self) -> None:
+        """On CPU, oneDNN's kernels for the packed linears (:meth:`_warm_up_packed`), which otherwise
+        the first requests build. Not in the constructor: an engine driven without its thread
+        (tests, in-process benches) starts without the ~0.25 s it takes; ``AsyncLLMEngine`` calls
+        it before it serves."""
         if self.device.type == "cpu" and self.leader is None:
             self.warmed_kernels = self._warm_up_packed(self.max_num_seqs, self.max_num_batched_tokens)
+
+    def warm_up_thread(self) -> None:
+        """On CPU, :meth:`_warm_up`'s prompt and decode on the calling thread (the engine's, before
+        its first request; not under tensor parallelism, whose ranks wait for steps): a thread's
+        first ops start its OpenMP team and pay other first-call costs (3-20 ms here), which the
+        first request's first step otherwise pays."""
+        if self.device.type == "cpu" and self.leader is None:
             self._warm_up()
 
     def _warm_up_packed(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:

@@ -29,8 +29,8 @@ from common.engine.llm_engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
 
 engine = LLMEngine(EngineConfig(model="embedded", device="cpu", max_num_seqs=8, max_num_batched_tokens=64))
-if sys.argv[1] == "on":  # what AsyncLLMEngine's thread does first; "off": the control, without it
-    engine.runner.warm_up_thread()
+if sys.argv[1] == "on":  # what AsyncLLMEngine does before it serves; "off": the control, without it
+    engine.runner.warm_up_kernels()
 prompts = [[5] * 3, [7] * 20, [9] * 41, [11] * 9]  # prompts alone and beside decodes, 1..8 decode rows
 params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
 print("STEPS", flush=True)
