@@ -20,11 +20,10 @@ a warning, or stops with :class:`TritonStartError` when a flag asked for Triton 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
-
 import logging
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 
 import torch
 
