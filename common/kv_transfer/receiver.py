@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.kv_transfer.config import PairBrokenError, TransferError
+from common.kv_transfer.config import ConnectionReopened, PairBrokenError, TransferError
 from common.kv_transfer.consumer_table import Transfer
 from common.kv_transfer.messages import (UNKNOWN_PAIR, Abort, Ack, Done, Error, LayerNotice, Message, MessageError,
                                          Ping, Pull, decode, encode)
@@ -189,6 +189,19 @@ class PairReceiver:
     def _pull_result(self, request_id: str, pair_id: str, fut: Future) -> None:
         try:
             reply = fut.result()
+        except ConnectionReopened as e:
+            # Another request to the producer went unanswered (a producer that restarted while the
+            # pair idled: its old socket's ping), so the control plane opened a fresh connection
+            # and this PULL, sent on the old one, was lost with it. The only transfer on the link:
+            # asked again once, on a new pair, as for UNKNOWN_PAIR below. Else the link fails.
+            t = self.transfers.get(request_id)
+            if t is None or set(self.transfers) != {request_id} or not self.owner.table.retry(t):
+                raise TransferError(f"producer {self.address} did not answer PULL: {e}") from e
+            del self.transfers[request_id]
+            if pair_id == self.pair_id:
+                self._close_pair()
+            self.new(t)
+            return
         except TransferError as e:
             raise TransferError(f"producer {self.address} did not answer PULL: {e}") from e
         if not isinstance(reply, Error) or request_id not in self.transfers:

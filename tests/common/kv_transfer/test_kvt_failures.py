@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future
 
 import pytest
 import torch
 import zmq
 
-from common.kv_transfer.config import TransferConfig
+from common.kv_transfer.config import ConnectionReopened, TransferConfig
 from common.kv_transfer.endpoint import KVEndpoint
+from common.kv_transfer.messages import Pull
 from helpers.waiting import wait_for
 from kvt_fixtures import FAST, LAYOUT, no_thread_leak  # noqa: F401
 from kvt_peers import Peer, make_kv, peer, same_bytes
@@ -138,6 +140,34 @@ def test_garbage_control_frames_dropped_engine_keeps_serving(no_thread_leak):
         d.consumer.request("g", p.address, [0], 4, kv)
         p.call("prefill", "g", 9, P_BLOCKS, [3], 4, 1, True, 0.0)
         assert wait_finished(d, {"g"}) == ({"g": 1}, {})
+        p.stop()
+
+
+def test_a_pull_lost_with_a_reopened_connection_is_asked_again_on_a_new_pair(no_thread_leak):
+    """The race behind one red CI run of the restart test below (gloo): another request to the
+    producer went unanswered, the control plane reopened the connection, and the link's only
+    PULL, sent on the old one, failed with ConnectionReopened. It is asked again once, on a new
+    pair, and lands; the lost pair is gone."""
+    with peer(LAYOUT, FAST, transport="gloo") as p, \
+            KVEndpoint("127.0.0.1:0", LAYOUT, TransferConfig(**FAST), transport="gloo") as d:
+        control, lost = d.consumer.control, []
+        request = control.request
+
+        def losing_the_first_pull(address, msg, timeout_s):
+            if isinstance(msg, Pull) and not lost:
+                lost.append(msg.pair_id)
+                fut: Future = Future()
+                fut.set_exception(ConnectionReopened("reopened after a silent request (test)"))
+                return fut
+            return request(address, msg, timeout_s)
+
+        control.request = losing_the_first_pull
+        kv = d_cache()
+        p.call("prefill", "r", 1, P_BLOCKS, [0, 1], 8, 1, True, 0.0)
+        d.consumer.request("r", p.address, [2, 3], 8, kv)
+        assert wait_finished(d, {"r"}) == ({"r": 1}, {})
+        assert_landed(kv, [2, 3], 1, [0, 1], 8)
+        assert len(lost) == 1 and d.pair_counts() == {"gloo": 1}
         p.stop()
 
 
