@@ -61,7 +61,6 @@ def main() -> int:
                         total[key] += value
                 print(f"| {name} | {k} x {n} | {m} | {t[0]:.3f} | {t[1]:.3f} | {t[2]:.3f} | "
                       f"{'yes' if agree else 'NO'} |")
-            del w
     print(f"\n8B, 2,000 rows, one of each linear: cuBLAS {total['cublas']:.2f} ms, small tiles {total['small']:.2f}, "
           f"large tiles {total['large']:.2f}")
     return 0
