@@ -197,10 +197,7 @@ class PairReceiver:
             t = self.transfers.get(request_id)
             if t is None or set(self.transfers) != {request_id} or not self.owner.table.retry(t):
                 raise TransferError(f"producer {self.address} did not answer PULL: {e}") from e
-            del self.transfers[request_id]
-            if pair_id == self.pair_id:
-                self._close_pair()
-            self.new(t)
+            self._ask_again(self.transfers.pop(request_id), pair_id)
             return
         except TransferError as e:
             raise TransferError(f"producer {self.address} did not answer PULL: {e}") from e
@@ -208,11 +205,16 @@ class PairReceiver:
             return
         t = self.transfers.pop(request_id)
         if reply.reason == UNKNOWN_PAIR and self.owner.table.retry(t):  # the producer restarted while the pair idled
-            if pair_id == self.pair_id:
-                self._close_pair()
-            self.new(t)
+            self._ask_again(t, pair_id)
             return
         self.owner.failed(t, f"producer refused: {reply.reason}")
+
+    def _ask_again(self, t: Transfer, pair_id: str) -> None:
+        """``t`` (its one retry taken) asked again on a new pair: the pair its PULL went out on is
+        closed first, if it still is this link's."""
+        if pair_id == self.pair_id:
+            self._close_pair()
+        self.new(t)
 
     # ---- aborts and failures ---------------------------------------------------------------
     def abort(self, request_id: str) -> None:

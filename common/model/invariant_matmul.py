@@ -1,16 +1,18 @@
 """``--batch-invariant``'s linears on a GPU: one Triton matmul whose tiles never depend on M.
 
 cuBLAS picks its kernel by the shape of the call, split-K included, so a token's product
-depends on how many tokens share its step. This kernel always runs the same configuration:
-``BLOCK_M`` x ``BLOCK_N`` output tiles, each summed over the input axis ``BLOCK_K`` at a time,
-in order, from 0, in float32; no split of the input axis, no choice by M. A row's result is
-then the same whatever the rows around it (a batch only adds or removes whole tiles, and a
-row's place inside a tile does not change its sums: checked at start, ``rows_invariant``).
+depends on how many tokens share its step. This kernel sums every output over the input axis
+``BLOCK_K`` at a time, in order, from 0, in float32, in ``BLOCK_M`` x ``BLOCK_N`` output tiles;
+no split of the input axis. A row's result is then the same whatever the rows around it (a
+batch only adds or removes whole tiles, and a row's place inside a tile does not change its
+sums: checked at start, ``rows_invariant``). Its tiles are ``SMALL``'s, and ``LARGE``'s from
+``LARGE_FROM`` rows only where a start-up check (:func:`large_tiles_agree`) finds they give
+every row the same bits.
 
 Unlike ``tiled_linear``'s batched matmul, every weight tile is read once per ``BLOCK_M`` rows,
 so a long prompt's chunk does not re-read the whole weight per 16 rows; and unlike a host
-choice of kernel, it is CUDA-graph safe. Triton compiles it once (the configuration is fixed);
-on CPU tensors it runs in Triton's interpreter (the tests' stand-in for a GPU).
+choice of kernel, it is CUDA-graph safe. Triton compiles it once per tile configuration; on
+CPU tensors it runs in Triton's interpreter (the tests' stand-in for a GPU).
 """
 
 from __future__ import annotations
