@@ -21,7 +21,9 @@ nodes, a keyless prefill node's decode nodes) is merged in :attr:`ProxyHeartbeat
 union of the answers of the proxies that answered within the last ``FRESH_BEATS`` heartbeat
 intervals, so a killed proxy's last answer stops counting as the proxies stop counting a silent
 node; when none did, the union of every last answer (what one proxy's last answer was before:
-the best known); None until any proxy answered (or when none answers: vLLM's registry).
+the best known); None until any proxy answered (or when none answers: vLLM's registry). The
+answers' ``peers`` (``--kv-peer-fetch``) merge the same way in :attr:`ProxyHeartbeats.peers`
+(empty, not None, when none named any).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ FRESH_BEATS = 3.0  # an answer older than this many heartbeat intervals is stale
 
 class ProxyHeartbeats:
     """One :class:`Heartbeater` per proxy address, kept in step with ``--proxy``'s resolution.
-    Reads like one Heartbeater: ``members``, ``member_tp_sizes``, ``beats_sent``, ``start``, ``stop``."""
+    Reads like one Heartbeater: ``members``, ``member_tp_sizes``, ``peers``, ``beats_sent``, ``start``, ``stop``."""
 
     def __init__(self, entries: tuple[ProxyEntry, ...], info: Callable[[], dict], interval_s: float = 2.0,
                  resolve_interval_s: float = 2.0, key: ClusterKey | None = None,
@@ -90,6 +92,12 @@ class ProxyHeartbeats:
         if not answered:
             return None
         return frozenset().union(*(b.members or () for b in answered))
+
+    @property
+    def peers(self) -> frozenset[str]:
+        """The union of the answering registries' ``peers`` (``--kv-peer-fetch``: the nodes whose
+        prefix blocks this node may fetch); empty when none named any."""
+        return frozenset().union(*(b.peers for b in self._answered()))
 
     @property
     def member_tp_sizes(self) -> dict[str, int]:

@@ -60,7 +60,7 @@ def adaptive_figures(stats: EngineStats) -> dict:
                "pending_prefill_tokens": stats.pending_prefill_tokens, "num_decoding": stats.num_decoding,
                "max_local_prefill_stall_ms": stats.max_local_prefill_stall_ms}
     rates = {medium: round(min(stats.kv_tiers[tier]["load_bytes_per_s"], 1e11), 1)
-             for tier, medium in (("host", "CPU"), ("disk", "DISK"))
+             for tier, medium in (("host", "CPU"), ("disk", "DISK"), ("peer", "PEER"))
              if stats.kv_tiers and stats.kv_tiers.get(tier, {}).get("load_bytes_per_s")}
     if rates:
         figures["kv_tier_load_bytes_per_s"] = rates
@@ -134,8 +134,12 @@ class RegistrationMessage:
     max_local_prefill_stall_ms: _RATE | None = None  # decode: its bound on a decode step's wait for a prefill
     kv_bytes_per_token: _RATE | None = None  # a prompt token's KV, all layers (the KV layout's)
     kv_transfer_bytes_per_s: _RATE | None = None  # decode: measured P->D rate, first byte to DONE (EWMA)
-    # KV tiers (common/engine/kv_tiers.py): each tier's measured load rate, by its KV events' medium
-    kv_tier_load_bytes_per_s: dict[Literal["CPU", "DISK"], _RATE] | None = None
+    # KV tiers (common/engine/kv_tiers.py): each tier's measured load rate, by its KV events' medium, and
+    # "PEER": the rate of prefix blocks fetched from other nodes (--kv-peer-fetch, first ask to landed)
+    kv_tier_load_bytes_per_s: dict[Literal["CPU", "DISK", "PEER"], _RATE] | None = None
+    # --kv-peer-fetch on: the node serves its cached prefix blocks to peers on its KV endpoint
+    # (``zmq_address``) and fetches from them; the registry names its peers, the proxy hints a holder
+    kv_peer_fetch: Annotated[bool, Field(strict=True)] | None = None
     goodbye: Annotated[bool, Field(strict=True)] | None = None  # True: stopping; stop routing here now
     kv_events: KVEventsInfo | None = None  # its prefix cache's events, for exact prefix routing
     # a role flip (common/node/role_flip.py): the role's epoch, +1 per flip (None: 0, never flipped),
@@ -195,10 +199,13 @@ RETRY_S = 0.1  # a heartbeat that could not be handed to a live connection is tr
 GOODBYE_WAIT_MS = 1000  # how long a graceful stop waits to hand its goodbye to the connection
 
 
-def encode_members(kv_addresses: list[str], tp_sizes: dict[str, int] | None = None) -> bytes:
-    """The registry's answer to a decode node's heartbeat: the prefill nodes it may pull from, and
-    the tensor-parallel size of those with more than one rank (``tp_ranks``'s routes need it)."""
-    return msgpack.packb({"members": kv_addresses, "tp_sizes": tp_sizes or {}}, use_bin_type=True)
+def encode_members(kv_addresses: list[str], tp_sizes: dict[str, int] | None = None,
+                   peers: list[str] | None = None) -> bytes:
+    """The registry's answer to a node's heartbeat: the other type's nodes it pairs with, the
+    tensor-parallel size of those with more than one rank (``tp_ranks``'s routes need it), and the
+    peers it may fetch prefix blocks from (``--kv-peer-fetch``; empty for a node without it)."""
+    return msgpack.packb({"members": kv_addresses, "tp_sizes": tp_sizes or {}, "peers": (peers or [])[:MAX_MEMBERS]},
+                         use_bin_type=True)
 
 
 def decode_member_tp_sizes(frame: bytes, members: frozenset[str]) -> dict[str, int]:
@@ -216,14 +223,24 @@ def decode_member_tp_sizes(frame: bytes, members: frozenset[str]) -> dict[str, i
 
 def decode_members(frame: bytes) -> frozenset[str]:
     """Parse :func:`encode_members`'s bytes; raises RegistrationError on anything else."""
+    return _addresses(frame, "members", required=True)
+
+
+def decode_peers(frame: bytes) -> frozenset[str]:
+    """The ``peers`` of :func:`encode_members`'s bytes, checked as ``members`` are (an answer
+    without them, from a registry before them, names none); raises RegistrationError on a bad list."""
+    return _addresses(frame, "peers", required=False)
+
+
+def _addresses(frame: bytes, name: str, required: bool) -> frozenset[str]:
     try:
         data = msgpack.unpackb(frame, raw=False)
-        members = data["members"]
-        if not isinstance(members, list) or len(members) > MAX_MEMBERS:
-            raise TypeError("members is not a bounded list")
-        return frozenset(check_host_port(a) for a in members if isinstance(a, str) and len(a) <= 262)
+        addresses = data[name] if required else data.get(name, [])
+        if not isinstance(addresses, list) or len(addresses) > MAX_MEMBERS:
+            raise TypeError(f"{name} is not a bounded list")
+        return frozenset(check_host_port(a) for a in addresses if isinstance(a, str) and len(a) <= 262)
     except Exception as exc:  # noqa: BLE001 - msgpack and the checks raise several types
-        raise RegistrationError(f"not a member list: {type(exc).__name__}") from None
+        raise RegistrationError(f"not a {name} list: {type(exc).__name__}") from None
 
 
 def zmq_endpoint(address: str) -> str:
@@ -266,6 +283,9 @@ class Heartbeater:
         # or a registry that does not answer (vLLM's)
         self.members: frozenset[str] | None = None
         self.member_tp_sizes: dict[str, int] = {}  # of those members, the ones with more than one rank
+        # the KV addresses of the peers the registry last named (--kv-peer-fetch): whom this node may
+        # fetch cached prefix blocks from; empty until an answer names some
+        self.peers: frozenset[str] = frozenset()
         self.answered_at: float | None = None  # time.monotonic() of the registry's last answer
 
     def start(self) -> None:
@@ -351,13 +371,15 @@ class Heartbeater:
             payload, _ = self._sealer.open(frames)
             try:
                 if payload is not None and len(payload) <= 64 * MAX_MESSAGE_BYTES:
-                    members = decode_members(payload)
+                    members, peers = decode_members(payload), decode_peers(payload)
                     self.member_tp_sizes = decode_member_tp_sizes(payload, members)
                     if members != self.members:
                         logger.info("the registry at %s names %d peer KV address(es): %s", self.proxy_address,
-                                    len(members),
-                                    ", ".join(sorted(members)[:16]) + (" ..." if len(members) > 16 else ""))
-                    self.members = members
+                                    len(members), _listed(members))
+                    if peers != self.peers:
+                        logger.info("the registry at %s names %d prefix peer(s) (--kv-peer-fetch): %s",
+                                    self.proxy_address, len(peers), _listed(peers))
+                    self.members, self.peers = members, peers
                     self.answered_at = time.monotonic()
             except RegistrationError as exc:
                 logger.warning("registry answer ignored: %s", exc)
@@ -380,3 +402,8 @@ class Heartbeater:
         except zmq.Again:
             logger.debug("proxy %s not reachable, heartbeat dropped", self.proxy_address)
             return "dropped"
+
+
+def _listed(addresses: frozenset[str]) -> str:
+    """A log line's list of addresses: the first 16, sorted."""
+    return ", ".join(sorted(addresses)[:16]) + (" ..." if len(addresses) > 16 else "")

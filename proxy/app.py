@@ -66,7 +66,7 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
         index = KVIndex(config.kv_index_max_blocks, max_nodes=config.max_nodes)
         subscriber = KVEventSubscriber(registry, index, ClusterKey.optional(config.cluster_key_file),
                                        stale_s=config.heartbeat_timeout_s)
-        exact = ExactPrefix(index)
+        exact = ExactPrefix(index, registry.peer_fetchers)
     router = Router(registry, config.policy, config.node_stall_timeout_s, config.unreachable_cooldown_s, exact=exact)
     router.on_route = metrics.count_route
     pairing = PairingWatch()

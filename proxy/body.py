@@ -33,6 +33,17 @@ def encode_body(body: dict) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+def with_field(raw: bytes, name: str, value: object) -> bytes:
+    """``raw`` (a JSON object without ``name``) with ``name: value`` added, spliced before its closing
+    brace: no parse and re-encode of a large prompt for one small field."""
+    end = raw.rstrip()
+    if not end.endswith(b"}"):
+        raise ValueError("not a JSON object")
+    head = end[:-1].rstrip()
+    comma = b"" if head.endswith(b"{") else b","
+    return head + comma + json.dumps({name: value}, separators=(",", ":")).encode()[1:]
+
+
 def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)

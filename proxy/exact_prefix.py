@@ -17,6 +17,16 @@ the tier's measured load time for a token's KV (``kv_bytes_per_token / kv_tier_l
 from its heartbeat) and ``compute`` the node's measured prefill time for a token. A node that has
 not measured either yet gets nothing for its tier blocks: they are never counted as pool hits.
 
+The peer tier (``--kv-peer-fetch on``, issue 35): a node running it fetches prefix blocks it lacks
+from another node running it. On the leg that computes the prompt (the prefill leg; the decode leg
+of a local prefill) the proxy adds ``"pdserve_peer_prefix": {"kv_addr", "blocks"}`` when the target
+runs it, its events are fresh, and another such node of its model, layout and chain (one the
+registry names in the target's ``peers``) holds more leading blocks in its pool than the target in
+pool and tiers: ``kv_addr`` is the best holder's KV address (most blocks, ties the least loaded),
+``blocks`` its leading pool blocks. A client's own field of that name is removed (proxy/relay.py).
+In routing, a peer fetcher counts the best holder's blocks beyond its own at the PEER worth of its
+heartbeat (``kv_tier_load_bytes_per_s["PEER"]``, weighed as a tier: 0 while unmeasured).
+
 What can go wrong costs speed, never an answer: tokens that differ from the node's (another
 tokenizer, a chat request the proxy renders differently -- one with tools is not tried) match
 nothing, and the request goes by load; the node computes what it lacks. Without ``--tokenizer``
@@ -26,6 +36,8 @@ nothing, and the request goes by load; the node computes what it lacks. Without 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from common.engine.block_hash import extend_hashes, salted_root
@@ -36,6 +48,8 @@ from proxy.prefix_policy import PromptText, prompt_text
 
 logger = logging.getLogger(__name__)
 MAX_TOKEN_IDS = 1 << 20
+PEER_PREFIX_FIELD = "pdserve_peer_prefix"  # the hint's body field; only the proxy sets it
+MEDIUM_PEER = "PEER"  # the peer tier's key in a heartbeat's kv_tier_load_bytes_per_s
 
 
 class PromptTokens:
@@ -85,50 +99,118 @@ def _plain(message: Any) -> dict:
 
 
 class ExactPrefix:
-    """Cached prompt tokens per node from the index, or None when no node's events can say."""
+    """Cached prompt tokens per node from the index, or None when no node's events can say; and the
+    peer hint for the node that will compute a prompt (``--kv-peer-fetch``)."""
 
-    def __init__(self, index: KVIndex) -> None:
+    def __init__(self, index: KVIndex,
+                 peer_fetchers: Callable[[], list[RegistrationMessage]] = list) -> None:
         self.index = index
+        self.peer_fetchers = peer_fetchers  # the registry's routable nodes running --kv-peer-fetch on
 
     def cached_tokens(self, nodes: list[RegistrationMessage], prompt: str) -> dict[NodeKey, int] | None:
         """For each node, the prompt tokens it holds as leading full blocks (0 for a cache-unknown
         node); None when the prompt has no token ids or no node of ``nodes`` has fresh events."""
         tokens = getattr(prompt, "token_ids", None)
-        keys = [(n.type, n.http_address) for n in nodes]
+        keys = [_key(n) for n in nodes]
         if tokens is None or not self.index.any_fresh(keys):
             return None
-        salt = getattr(prompt, "cache_salt", None)
         out = dict.fromkeys(keys, 0)
-        chains: dict[tuple[str, int], list[NodeKey]] = {}
-        by_key = dict(zip(keys, nodes))
+        chains: dict[tuple[str, int], list[RegistrationMessage]] = {}
         for node, key in zip(nodes, keys):
             if node.kv_events is not None and node.block_size and self.index.is_fresh(key):
-                chains.setdefault((node.kv_events.root, node.block_size), []).append(key)
+                chains.setdefault((node.kv_events.root, node.block_size), []).append(node)
         for (root, block_size), members in chains.items():
-            hashes: list[bytes] = []
-            extend_hashes(hashes, salted_root(bytes.fromhex(root), salt), lambda s, e: tokens[s:e], block_size,
-                          len(tokens) // block_size)
-            for key, blocks in self.index.leading(members, hashes).items():
+            hashes = _chain(prompt, root, block_size)
+            pool = self.index.leading([_key(n) for n in members], hashes)
+            for node in members:
+                key, blocks, worth = _key(node), pool[_key(node)], tier_worth(node)
                 out[key] = blocks * block_size
-                worth = tier_worth(by_key[key])
                 if worth:
-                    out[key] += round(self._tier_blocks(key, hashes[blocks:], worth) * block_size)
+                    saved, run = self._tier_blocks(key, hashes[blocks:], worth)
+                    best = self._best_holder(node, hashes) if node.kv_peer_fetch and worth.get(MEDIUM_PEER) else None
+                    if best is not None:  # what a fetch from it would bring beyond the node's own run
+                        saved += max(0, best[1] - blocks - run) * worth[MEDIUM_PEER]
+                    out[key] += round(saved * block_size)
         return out
 
-    def _tier_blocks(self, key: NodeKey, hashes: list[bytes], worth: dict[str, float]) -> float:
-        """The blocks after the pool's run that ``key``'s tiers hold, in order, each weighted by its tier's worth."""
-        held = {medium: index.held(key, hashes) for medium, index in self.index.tiers().items() if medium in worth}
-        total = 0.0
+    def peer_hint(self, target: RegistrationMessage, prompt: str) -> PeerHint | None:
+        """The hint for ``target``, the node that will compute ``prompt`` (module docstring), or None:
+        it does not run --kv-peer-fetch, the prompt has no token ids, its events are not fresh, or
+        no other peer fetcher holds more of the prompt in its pool than it holds in pool and tiers."""
+        if not target.kv_peer_fetch:  # the one check a request pays while no node runs it
+            return None
+        key = _key(target)
+        if (getattr(prompt, "token_ids", None) is None or target.kv_events is None or not target.block_size
+                or not self.index.is_fresh(key)):
+            return None
+        hashes = _chain(prompt, target.kv_events.root, target.block_size)
+        best = self._best_holder(target, hashes)
+        if best is None:
+            return None
+        holder, blocks = best
+        own = self.index.leading([key], hashes[:blocks])[key]
+        own += self._tier_blocks(key, hashes[own:blocks], {})[1]
+        return PeerHint(holder.zmq_address, blocks) if blocks > own else None
+
+    def _best_holder(self, target: RegistrationMessage, hashes: list[bytes]) -> tuple[RegistrationMessage, int] | None:
+        """Of the other peer fetchers ``target`` may fetch from (the registry names them in its
+        ``peers``: same model, layout and chain, one rank), the one holding the most leading blocks of
+        ``hashes`` in its pool (ties: the least loaded), and that count; None when none holds any."""
+        assert target.kv_events is not None
+        chain = (target.model, target.kv_fingerprint, target.kv_events.root, target.block_size)
+        holders = [h for h in self.peer_fetchers() if h.zmq_address != target.zmq_address and (h.tp_size or 1) == 1
+                   and h.kv_events is not None and (h.model, h.kv_fingerprint, h.kv_events.root, h.block_size) == chain]
+        if not holders:
+            return None
+        counts = self.index.leading([_key(h) for h in holders], hashes)
+        best = min(holders, key=lambda h: (-counts[_key(h)], h.load, h.http_address))
+        return (best, counts[_key(best)]) if counts[_key(best)] else None
+
+    def _tier_blocks(self, key: NodeKey, hashes: list[bytes], worth: dict[str, float]) -> tuple[float, int]:
+        """The run of blocks after the pool's that ``key``'s tiers hold, in order: each weighted by the
+        worth of the best tier holding it (0 for a tier not measured yet), and how many there are."""
+        held = [(worth.get(medium, 0.0), index.held(key, hashes)) for medium, index in self.index.tiers().items()]
+        total, run = 0.0, 0
         for i in range(len(hashes)):
-            medium = next((m for m, flags in held.items() if flags[i]), None)
-            if medium is None:
+            hit = [w for w, flags in held if flags[i]]
+            if not hit:
                 break
-            total += worth[medium]
-        return total
+            total, run = total + max(hit), run + 1
+        return total, run
+
+
+@dataclass(frozen=True)
+class PeerHint:
+    """What the computing leg's body carries as ``pdserve_peer_prefix``: a peer's KV address and how
+    many leading blocks of the prompt's chain its pool holds."""
+
+    kv_addr: str
+    blocks: int
+
+    def field(self) -> dict:
+        return {"kv_addr": self.kv_addr, "blocks": self.blocks}
+
+
+def _key(node: RegistrationMessage) -> NodeKey:
+    return (node.type, node.http_address)
+
+
+def _chain(prompt: PromptText, root: str, block_size: int) -> list[bytes]:
+    """The prompt's block hashes under ``root`` (hex) and ``block_size``, made once per prompt: the
+    prefill and decode picks, the disaggregation policy and the peer hint all read them."""
+    hashes = prompt.chains.get((root, block_size))
+    if hashes is None:
+        tokens = prompt.token_ids
+        assert tokens is not None
+        hashes = prompt.chains[(root, block_size)] = []
+        extend_hashes(hashes, salted_root(bytes.fromhex(root), prompt.cache_salt), lambda s, e: tokens[s:e],
+                      block_size, len(tokens) // block_size)
+    return hashes
 
 
 def tier_worth(node: RegistrationMessage) -> dict[str, float]:
-    """Per tier medium, the share of a token's prefill a hit in it saves ``node`` (0..1), from its heartbeat."""
+    """Per tier medium (and PEER), the share of a token's prefill a hit in it saves ``node`` (0..1),
+    from its heartbeat."""
     rates, per_s, per_token = node.kv_tier_load_bytes_per_s, node.prefill_tokens_per_s, node.kv_bytes_per_token
     if not rates or not per_s or not per_token:
         return {}

@@ -46,6 +46,10 @@ class ProxyMetrics:
             ["role", "path", "reason"], registry=r,
         )
         self.retries = Counter("pdserve:proxy_prefill_retries", "Prefill legs retried.", ["role"], registry=r)
+        self.peer_hints = Counter(
+            "pdserve:proxy_peer_hints", "Legs sent with a peer hint (pdserve_peer_prefix, --kv-peer-fetch): another "
+            "node holds more of the prompt's prefix than the node computing it.", ["role"], registry=r,
+        )
         self.migrations = Counter(
             "pdserve:proxy_migrations", "Streams resumed on another node, by cause.", ["role", "cause"], registry=r
         )
@@ -125,6 +129,9 @@ class ProxyMetrics:
 
     def count_retry(self) -> None:
         self._child(self.retries, "proxy").inc()
+
+    def count_peer_hint(self) -> None:
+        self._child(self.peer_hints, "proxy").inc()
 
     def render(self, node_counts: Mapping[str, int], rejected: Mapping[str, int] | None = None) -> bytes:
         """Prometheus text; the node gauge and the registry's reject counts are refreshed here."""

@@ -35,6 +35,7 @@ class PromptText(str):
         obj = super().__new__(cls, text)
         obj.cache_salt = cache_salt
         obj.token_ids = token_ids
+        obj.chains = {}  # (root, block size) -> the token ids' block hashes (proxy/exact_prefix.py)
         return obj
 
 

@@ -17,6 +17,10 @@ minute. Nothing a message holds can end the thread.
 
 Nodes are indexed by (model, KV fingerprint), the unit the router pairs within; the
 router reads :meth:`groups`, a snapshot rebuilt only when membership changes.
+
+The answer to a heartbeat names the nodes it pairs with (``members``) and, to a node running
+``--kv-peer-fetch on``, its ``peers``: the other nodes of its model and layout that run it too,
+whose cached prefix blocks it may fetch (issue 35). A node that joins is named to those at once.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ class ServiceRegistry:
         self._lock = threading.Lock()
         self._nodes: dict[tuple[str, str], Node] = {}
         self._groups: tuple[Group, ...] | None = None  # snapshot; None = rebuild on next read
+        self._peer_fetchers: tuple[tuple[Group, ...], tuple[Node, ...]] = ((), ())  # of which groups snapshot
         self._senders: OrderedDict[bytes, _Sender] = OrderedDict()
         # each node's connection and its latest message, by type: told at once when a node of the
         # other type joins (a decode node pulls only from the prefill nodes it was told of, and a
@@ -147,7 +152,10 @@ class ServiceRegistry:
                 logger.info("node registered: %s %s kv=%s model=%s", msg.type, msg.http_address,
                             msg.zmq_address, msg.model)
                 return None
-            regrouped = (msg.model, msg.kv_fingerprint) != old.group or msg.routable != old.info.routable
+            # a node that turned --kv-peer-fetch on or off (restarted within its timeout) changes
+            # :meth:`peer_fetchers`, which shares the groups' snapshot
+            regrouped = ((msg.model, msg.kv_fingerprint) != old.group or msg.routable != old.info.routable
+                         or msg.kv_peer_fetch != old.info.kv_peer_fetch)
             if msg.routable != old.info.routable:
                 logger.info("node %s %s is %s (role epoch %d)", msg.type, msg.http_address,
                             msg.role_state or "serving", msg.role_epoch or 0)
@@ -203,6 +211,16 @@ class ServiceRegistry:
                     by_key.setdefault(n.group, ([], []))[0 if n.info.type == "P" else 1].append(n)
                 self._groups = tuple(Group(m, fp, tuple(p), tuple(d)) for (m, fp), (p, d) in by_key.items())
             return self._groups
+
+    def peer_fetchers(self) -> list[RegistrationMessage]:
+        """The routable nodes running ``--kv-peer-fetch on`` (issue 35's peer tier), as of their last
+        heartbeat; which nodes they are is worked out again only when :meth:`groups` changes."""
+        groups = self.groups()
+        cached = self._peer_fetchers
+        if cached[0] is not groups:
+            fetchers = tuple(n for g in groups for n in (*g.prefills, *g.decodes) if n.info.kv_peer_fetch)
+            cached = self._peer_fetchers = (groups, fetchers)
+        return [n.info for n in cached[1]]
 
     def rejected(self) -> dict[str, int]:
         """Messages dropped so far, by reason (a metric label)."""
@@ -324,9 +342,14 @@ class ServiceRegistry:
                                 self._send_members(sock, sender, msg)
                         if reason is None and joining:
                             # tell the other type's nodes now, not at their next heartbeat (~2 s in
-                            # which the proxy would route them requests naming a node they refuse)
+                            # which the proxy would route them requests naming a node they refuse),
+                            # and a peer fetcher's peers of either type that it is one of theirs
                             others = self._member_senders["D" if msg.type == "P" else "P"]
-                            for other, other_msg in list(others.items()):
+                            told = list(others.items())
+                            if msg.kv_peer_fetch:
+                                told += [(peer, peer_msg) for peer, peer_msg in self._member_senders[msg.type].items()
+                                         if peer_msg.kv_peer_fetch and peer != sender]
+                            for other, other_msg in told:
                                 self._send_members(sock, other, other_msg)
                     except RegistrationError as exc:
                         reason = "invalid"
@@ -358,10 +381,21 @@ class ServiceRegistry:
             members = sorted({p.zmq_address for p in same})
             # what a decode node routes by: each prefill node's KV ranks (one per rank, unless --kv-ranks)
             tp_sizes = {p.zmq_address: p.kv_ranks or p.tp_size for p in same if (p.kv_ranks or p.tp_size or 1) > 1}
+        answer = encode_members(members, tp_sizes, self._peers_of(msg))
         try:
-            sock.send_multipart([sender, *self._sealer.frames(encode_members(members, tp_sizes))], zmq.NOBLOCK)
+            sock.send_multipart([sender, *self._sealer.frames(answer)], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the node went, or is not reading: its next heartbeat gets the next answer
+
+    def _peers_of(self, msg: RegistrationMessage) -> list[str]:
+        """To a node running ``--kv-peer-fetch on``: the KV addresses of every other registered node,
+        either type, of its model and layout that runs it too, with one rank (a peer fetch moves a
+        whole block from one endpoint); none to any other node."""
+        if not msg.kv_peer_fetch:
+            return []
+        return sorted({n.info.zmq_address for n in self.nodes()
+                       if n.info.kv_peer_fetch and (n.info.tp_size or 1) == 1 and n.info.zmq_address != msg.zmq_address
+                       and (n.info.model, n.info.kv_fingerprint) == (msg.model, msg.kv_fingerprint)})
 
     def _admit(self, sender: bytes) -> str | None:
         """Token bucket per sender (its ZMQ connection); the table keeps the 4,096 latest senders."""

@@ -5,7 +5,9 @@ A request's lifecycle here:
    (proxy/disagg.py) decides where the prompt is prefilled; the id is tagged with both KV
    addresses (or ``local:0`` for P: the decode node prefills it) and sent as X-Request-Id.
 2. start the legs: ``concurrent`` (both at once, the default) or ``prefill_first``
-   (P to its end, then D: vLLM's order); a local prefill has only the decode leg.
+   (P to its end, then D: vLLM's order); a local prefill has only the decode leg. The leg that
+   computes the prompt carries the peer hint when another node holds more of its prefix
+   (``pdserve_peer_prefix``, proxy/exact_prefix.py); a client's own such field is removed.
 3. wait until the answer can begin. P failed -> D is cancelled, and a P that failed as a node
    (unreachable, 503) is retried once on another P with a new id; with none left (or no P
    registered at all) the decode node computes the prompt itself. D failed -> P is cancelled,
@@ -41,14 +43,14 @@ from common.request_id import LOCAL_PREFILL, make_request_id
 from common.serving.errors import body_error
 from common.serving.limits import MAX_REQUEST_ID_CHARS
 from common.serving.resume import RESUME_FIELD
-from proxy.body import encode_body, is_text, off_loop, parse_body
+from proxy.body import encode_body, is_text, off_loop, parse_body, with_field
 from proxy.cache_salt import TenantSalt
 from proxy.call import Call, Incoming, next_chunk, raise_if_failed, until, wait_disconnect
 from proxy.config import ProxyConfig
 from proxy.disagg import Decision, DisaggPolicy
 from proxy.errors import (BadRequest, ClientDisconnected, NoNodeAvailable, ProxyError, RequestTimeout,
                           StreamIdle, UpstreamUnreachable, is_retryable)
-from proxy.exact_prefix import ExactPrefix, PromptTokens
+from proxy.exact_prefix import PEER_PREFIX_FIELD, ExactPrefix, PromptTokens
 from proxy.fair_share import client_of
 from proxy.legs import Legs, prefill_body, read_chunks
 from proxy.liveness import LostCheck, node_lost, watched
@@ -117,8 +119,8 @@ class Dispatcher:
         client: str,
     ) -> Response:
         path = incoming.path
-        if RESUME_FIELD in body:  # internal (proxy/migration.py): only this proxy may send it
-            body = {k: v for k, v in body.items() if k != RESUME_FIELD}
+        if RESUME_FIELD in body or PEER_PREFIX_FIELD in body:  # internal: only this proxy may send them
+            body = {k: v for k, v in body.items() if k not in (RESUME_FIELD, PEER_PREFIX_FIELD)}
             body_bytes = await off_loop(len(body_bytes), encode_body, body)
         migration = Migration(path, body, self.config.migration_limit)
         model = body.get("model") if is_text(body.get("model")) else None  # else the nodes refuse it
@@ -146,13 +148,14 @@ class Dispatcher:
             attempts.append(call)
             self.router.begin(pair, decision.local)
             try:
+                p_leg, d_leg = self._hinted(call, prompt, p_bytes, body_bytes)
                 if not decision.local:
-                    self._spawn_prefill(call, path, p_bytes)
+                    self._spawn_prefill(call, path, p_leg)
                 if self.config.dispatch == "prefill_first" and call.prefill is not None:
                     await until(call.prefill, call, watcher)  # the leg watches its node itself
                 if stream:
-                    return await self._open_stream(call, path, body_bytes, watcher, migration)
-                return await self._run_full(call, path, body_bytes, watcher)
+                    return await self._open_stream(call, path, d_leg, watcher, migration)
+                return await self._run_full(call, path, d_leg, watcher)
             except ProxyError as exc:
                 await self._close(call)
                 if self._rerun(call, exc, migration):  # a stream too: its first byte had not gone out
@@ -225,6 +228,19 @@ class Dispatcher:
                          decision.reason, _ms(decision.est_local_s), _ms(decision.est_remote_s),
                          _ms(decision.stall_s), pair.prefill.http_address, pair.decode.http_address)
         return decision
+
+    def _hinted(self, call: Call, prompt: str, p_bytes: bytes, d_bytes: bytes) -> tuple[bytes, bytes]:
+        """The legs' bodies, the one whose node computes the prompt (P's; D's for a local prefill)
+        with the peer hint when another node holds more of its prefix (proxy/exact_prefix.py)."""
+        local = call.decision.local
+        hint = self.exact.peer_hint(call.pair.decode if local else call.pair.prefill, prompt) if self.exact else None
+        if hint is None:
+            return p_bytes, d_bytes
+        self.metrics.count_peer_hint()
+        logger.debug("request %s: peer hint %s, %d blocks", call.public_id, hint.kv_addr, hint.blocks)
+        if local:
+            return p_bytes, with_field(d_bytes, PEER_PREFIX_FIELD, hint.field())
+        return with_field(p_bytes, PEER_PREFIX_FIELD, hint.field()), d_bytes
 
     def _spawn_prefill(self, call: Call, path: str, p_bytes: bytes) -> None:
         # watched in either dispatch order: a stalled P must fail the leg, not wait out --prefill-timeout-s
