@@ -163,8 +163,8 @@ class BlockManager:
         block_table.clear()
 
     # ---- prefix caching ----------------------------------------------------------------
-    def take_cached(self, hashes: list[BlockHash]) -> list[int]:
-        """The blocks caching the longest prefix of ``hashes``, each held once more for the caller."""
+    def cached_blocks(self, hashes: list[BlockHash]) -> list[int]:
+        """The blocks caching the longest prefix of ``hashes`` (not held: read them before any allocation)."""
         blocks = []
         if self.enable_prefix_caching:
             for h in hashes:
@@ -172,6 +172,11 @@ class BlockManager:
                 if b is None:
                     break
                 blocks.append(b)
+        return blocks
+
+    def take_cached(self, hashes: list[BlockHash]) -> list[int]:
+        """The blocks caching the longest prefix of ``hashes``, each held once more for the caller."""
+        blocks = self.cached_blocks(hashes)
         for b in blocks:
             if self._ref_counts[b] == 0:
                 del self._evictable[b]

@@ -117,6 +117,12 @@ class EngineConfig(BaseModel):
         "prefill node: the next turn finds them even after the pool evicted them unseen); needs a tier"
     )
 
+    kv_peer_fetch: Literal["on", "off"] = Field(
+        "off", description="KV tiers: on = fetch the prefix blocks the proxy says another daemon of the cluster "
+        "holds (its hint names a peer the registry vouched for) over the KV endpoint instead of computing them, "
+        "while measured cheaper than computing, and serve this node's cached blocks to peers; off = neither"
+    )
+
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
@@ -133,11 +139,13 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _kv_tiers(self) -> EngineConfig:
-        tiers = self.kv_host_bytes > 0 or self.kv_disk_dir is not None
+        tiers = self.kv_host_bytes > 0 or self.kv_disk_dir is not None or self.kv_peer_fetch == "on"
         if tiers and not self.enable_prefix_caching:
-            raise ValueError("--kv-host-bytes / --kv-disk-dir keep prefix-cache blocks: they need prefix caching on")
+            raise ValueError("--kv-host-bytes / --kv-disk-dir / --kv-peer-fetch keep prefix-cache blocks: they need "
+                             "prefix caching on")
         if tiers and self.tensor_parallel_size > 1:
-            raise ValueError("--kv-host-bytes / --kv-disk-dir: KV tiers run with --tensor-parallel-size 1 only (yet)")
+            raise ValueError("--kv-host-bytes / --kv-disk-dir / --kv-peer-fetch: KV tiers run with "
+                             "--tensor-parallel-size 1 only (yet)")
         if self.kv_offload_on_finish and not tiers:
             raise ValueError("--kv-offload-on-finish needs a tier: --kv-host-bytes or --kv-disk-dir")
         return self

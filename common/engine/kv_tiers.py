@@ -18,12 +18,19 @@ blocks and says how many leading blocks each finished load filled. A block after
 that failed (missing, damaged, an I/O error) is never used: the scheduler frees it and computes
 those tokens. :meth:`cancel` (an abort) forgets a load; whatever the loader then reads is dropped.
 
-A file load is taken only while it pays: its measured wall time per block (asked to polled, an
+Peer: with ``--kv-peer-fetch on`` a request may carry a hint from the proxy (another daemon holds
+more of its prefix in its pool). The blocks after what the pool, host and file tiers hold, up to
+the hint's count, are asked of that peer (``peer``, the KV endpoint's ``PeerFetcher``,
+common/kv_transfer/peer_fetch.py) while the request waits in ``loading`` as for a file load; only
+the leading blocks that landed verified are used.
+
+A file or peer load is taken only while it pays: its measured wall time per block (asked to polled, an
 EWMA) below the engine's measured prefill time for a block's tokens; a load slower than recompute
 would only add to the request's TTFT. One lookup in ``EXPLORE_EVERY`` loads anyway, to measure
 again (``--kv-tier-load always``: every time). The same rate, as bytes/s, goes to the proxy in heartbeats.
 
-Only the engine thread calls this class; the file tier's threads never touch the KV pool.
+Only the engine thread calls this class; the file tier's threads and the peer fetcher never touch
+the KV pool.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Protocol
 
 import torch
 
@@ -46,9 +54,23 @@ logger = logging.getLogger(__name__)
 
 MEDIUM_HOST = "CPU"  # vLLM's name for its CPU offload tier, in KV events' ``medium``
 MEDIUM_DISK = "DISK"
+MEDIUM_PEER = "PEER"  # another daemon's pool (the peer tier); in heartbeats' load rates, never in KV events
 LOAD_TIMEOUT_S = 10.0  # a file load not done by then (a hung volume) is given up: its request computes instead
 EXPLORE_EVERY = 16  # a file tier measured slower than prefill is still tried once in this many lookups
 _EWMA = 0.2
+
+
+class PeerSource(Protocol):
+    """What the peer tier needs of the KV endpoint (common/kv_transfer/peer_fetch.py's PeerFetcher):
+    an asynchronous fetch of blocks by hash whose result is the leading blocks that landed whole."""
+
+    has_news: bool
+
+    def load(self, job: str, kv_addr: str, hashes: list[bytes]) -> None: ...
+
+    def cancel(self, job: str) -> None: ...
+
+    def take_loaded(self) -> list[tuple[str, list[torch.Tensor]]]: ...
 
 
 class HostTier:
@@ -137,6 +159,7 @@ class Found:
 
     mediums: list[str]
     kv: list[torch.Tensor | int | None]
+    peer: str | None = None  # the KV address the PEER blocks come from
 
     def __len__(self) -> int:
         return len(self.mediums)
@@ -144,12 +167,19 @@ class Found:
 
 @dataclass
 class _Load:
-    """One request's load: its blocks, and which tier each comes from."""
+    """One request's load: its blocks, which tier each comes from, and its parts still read elsewhere."""
 
     blocks: list[int]
     mediums: list[str]
-    disk_positions: list[int] = field(default_factory=list)  # indices of ``blocks`` the file tier fills
-    started: float = 0.0  # time.monotonic() when the file tier was asked
+    parts: dict[str, list[int]] = field(default_factory=dict)  # DISK / PEER -> indices of ``blocks`` it fills
+    landed: dict[str, int] = field(default_factory=dict)  # of a finished part: its leading positions filled
+    started: float = 0.0  # time.monotonic() when the file tier or the peer was asked
+
+    def cut(self) -> int:
+        """The leading blocks filled, as far as the parts tell: up to the first position of a part
+        that has not landed (an unfinished part: none of it)."""
+        return min((positions[self.landed.get(medium, 0)] for medium, positions in self.parts.items()
+                    if self.landed.get(medium, 0) < len(positions)), default=len(self.blocks))
 
 
 class KVTiers:
@@ -162,7 +192,9 @@ class KVTiers:
         self.block_shape = (len(kv_caches), *kv_caches[0][:, 0].shape)
         self.block_bytes = sum(cache[:, 0].nbytes for cache in kv_caches)
         self.prefill_tokens_per_s: Callable[[], float | None] = lambda: None  # the engine's measure
-        self.disk_s_per_block: float | None = None  # EWMA of a file load's wall time (asked to polled) per block
+        # EWMA of a load's wall time (asked to polled) per block, by medium (DISK, PEER)
+        self.s_per_block: dict[str, float | None] = {MEDIUM_DISK: None, MEDIUM_PEER: None}
+        self.peer: PeerSource | None = None  # the peer tier, once the daemon's KV endpoint lends one
         self._lookups = 0
         self.host = HostTier(host_bytes, self.block_shape, kv_caches[0].dtype, self.device.type == "cuda") \
             if host_bytes > 0 else None
@@ -171,20 +203,23 @@ class KVTiers:
         self.always_load = always_load  # --kv-tier-load always: no measured choice
         self._loads: dict[str, _Load] = {}
         self._events: list[CacheEvent] = []
-        self.queried = {MEDIUM_HOST: 0, MEDIUM_DISK: 0}  # blocks asked of each tier
-        self.found = {MEDIUM_HOST: 0, MEDIUM_DISK: 0}  # of those, blocks it had
+        self.queried = {MEDIUM_HOST: 0, MEDIUM_DISK: 0, MEDIUM_PEER: 0}  # blocks asked of each tier
+        self.found = {MEDIUM_HOST: 0, MEDIUM_DISK: 0, MEDIUM_PEER: 0}  # of those, blocks it had (a peer: landed)
         self.lost = 0  # blocks a load could not fill (recomputed)
         self.timeouts = 0  # file loads given up (LOAD_TIMEOUT_S)
         self.disk_hits = 0  # file-tier blocks copied into the pool for a request (read for a cancelled one: not)
+        self.peer_seconds = 0.0  # peer loads' wall time, asked to polled
+        self.peer_errors = 0  # peer loads that landed fewer blocks than asked
 
     @property
     def enabled(self) -> bool:
-        return self.host is not None or (self.file is not None and self.file.enabled)
+        return self.host is not None or (self.file is not None and self.file.enabled) or self.peer is not None
 
     @property
     def has_news(self) -> bool:
         """Something for :meth:`poll`: a finished load, or tier changes for the KV events."""
-        return bool(self._events) or (self.file is not None and self.file.has_news)
+        return (bool(self._events) or (self.file is not None and self.file.has_news)
+                or (self.peer is not None and self.peer.has_news))
 
     @property
     def pending_loads(self) -> int:
@@ -237,14 +272,16 @@ class KVTiers:
         return list(host.unbind(0)), ready
 
     # ---- up --------------------------------------------------------------------------------
-    def lookup(self, hashes: list[bytes]) -> Found:
-        """Where each leading block of ``hashes`` is (highest tier first), up to the first no tier holds.
-        Host-tier blocks are leased until :meth:`start_load`: allocating the blocks to load them
-        into may evict pool blocks into the host tier, and those must not take these slots."""
+    def lookup(self, hashes: list[bytes], peer: tuple[str, int] | None = None) -> Found:
+        """Where each leading block of ``hashes`` is (highest tier first), up to the first no tier holds;
+        then, with ``peer`` (a KV address and how many of ``hashes`` it holds, the proxy's hint), the
+        blocks after those up to that count, from the peer. Host-tier blocks are leased until
+        :meth:`start_load`: allocating the blocks to load them into may evict pool blocks into the
+        host tier, and those must not take these slots."""
         found = Found([], [])
         if self.host is not None:
             self.host.leased.clear()  # a new lookup: the last one was loaded, or given up
-        disk = self.file is not None and self.file.enabled and self._disk_pays()
+        disk = self.file is not None and self.file.enabled and self._pays(MEDIUM_DISK)
         for block_hash in hashes:
             medium = None
             if self.host is not None:
@@ -265,17 +302,31 @@ class KVTiers:
             self.found[medium] += 1
             found.mediums.append(medium)
             found.kv.append(kv)
+        wanted = min(peer[1], len(hashes)) - len(found) if peer is not None and self.peer is not None else 0
+        if wanted > 0 and self._pays(MEDIUM_PEER):
+            self.queried[MEDIUM_PEER] += wanted
+            found.peer = peer[0]  # type: ignore[index]
+            found.mediums += [MEDIUM_PEER] * wanted
+            found.kv += [None] * wanted
         return found
 
-    def _disk_pays(self) -> bool:
-        """Loading from the file tier beats computing, as measured: a block's load (its wall time,
-        waits included) against its tokens' prefill. Unmeasured: load (and measure). One lookup in
-        EXPLORE_EVERY loads anyway, so a rate measured at a bad moment is measured again."""
+    def _pays(self, medium: str) -> bool:
+        """Loading from ``medium`` (the file tier, a peer) beats computing, as measured: a block's load
+        (its wall time, waits included) against its tokens' prefill. Unmeasured: load (and measure).
+        One lookup in EXPLORE_EVERY loads anyway, so a rate measured at a bad moment is measured again."""
         self._lookups += 1
-        per_s = self.prefill_tokens_per_s()
-        if self.always_load or self.disk_s_per_block is None or not per_s or self._lookups % EXPLORE_EVERY == 0:
+        per_s, s_per_block = self.prefill_tokens_per_s(), self.s_per_block[medium]
+        if self.always_load or s_per_block is None or not per_s or self._lookups % EXPLORE_EVERY == 0:
             return True
-        return self.disk_s_per_block < self.block_shape[2] / per_s
+        return s_per_block < self.block_shape[2] / per_s
+
+    @property
+    def disk_s_per_block(self) -> float | None:
+        return self.s_per_block[MEDIUM_DISK]
+
+    @disk_s_per_block.setter
+    def disk_s_per_block(self, value: float | None) -> None:
+        self.s_per_block[MEDIUM_DISK] = value
 
     def start_load(self, job: str, hashes: list[bytes], found: Found, blocks: list[int]) -> int | None:
         """Fill ``blocks`` with ``hashes``' KV (``found`` by :meth:`lookup`). None while the file
@@ -289,59 +340,82 @@ class KVTiers:
             self.host.leased.clear()  # queued on the stream before any later copy into those slots
         for i, (kv, medium) in enumerate(zip(found.kv, found.mediums)):
             if kv is None:
-                load.disk_positions.append(i)
+                load.parts.setdefault(medium, []).append(i)
             else:
                 self.disk_hits += medium == MEDIUM_DISK
         if self.host is not None:
             self.host.load_seconds += time.perf_counter() - started
-        if not load.disk_positions:
+        if not load.parts:
             return len(load.blocks)
         load.started = time.monotonic()
         self._loads[job] = load
-        self.file.load(job, [hashes[i] for i in load.disk_positions])  # type: ignore[union-attr]
+        if MEDIUM_DISK in load.parts:
+            self.file.load(job, [hashes[i] for i in load.parts[MEDIUM_DISK]])  # type: ignore[union-attr]
+        if MEDIUM_PEER in load.parts:
+            self.peer.load(job, found.peer, [hashes[i] for i in load.parts[MEDIUM_PEER]])  # type: ignore[union-attr,arg-type]
         return None
 
     def poll(self) -> list[tuple[str, int]]:
-        """Finished file loads: (job, leading blocks filled). The rest of each job's blocks hold nothing usable."""
-        if self.file is None:
-            return []
-        for stored, block_hash in self.file.take_changes():
-            self._events.append(BlockStored((block_hash,), None, (), 0, medium=MEDIUM_DISK) if stored
-                                else BlockRemoved((block_hash,), medium=MEDIUM_DISK))
+        """Finished loads: (job, leading blocks filled). The rest of each job's blocks hold nothing usable."""
+        if self.file is not None:
+            for stored, block_hash in self.file.take_changes():
+                self._events.append(BlockStored((block_hash,), None, (), 0, medium=MEDIUM_DISK) if stored
+                                    else BlockRemoved((block_hash,), medium=MEDIUM_DISK))
         done = self._timed_out()
-        for job, tensors in self.file.take_loaded():
-            load = self._loads.pop(job, None)
-            if load is None:
-                continue  # cancelled: what was read is dropped
-            self._copy_in([load.blocks[p] for p in load.disk_positions[:len(tensors)]], tensors)
-            self.disk_hits += len(tensors)
-            if tensors:
-                per_block = (time.monotonic() - load.started) / len(tensors)
-                old = self.disk_s_per_block
-                self.disk_s_per_block = per_block if old is None else old + _EWMA * (per_block - old)
-            cut = load.disk_positions[len(tensors)] if len(tensors) < len(load.disk_positions) else len(load.blocks)
-            self.lost += len(load.mediums) - cut
-            done.append((job, cut))
+        for medium, source in ((MEDIUM_DISK, self.file), (MEDIUM_PEER, self.peer)):
+            for job, tensors in source.take_loaded() if source is not None else ():
+                load = self._loads.get(job)
+                if load is None or medium not in load.parts:
+                    continue  # cancelled: what was read is dropped
+                self._part_landed(load, medium, tensors)
+        for job, load in list(self._loads.items()):
+            if len(load.landed) == len(load.parts):
+                del self._loads[job]
+                cut = load.cut()
+                self.lost += len(load.mediums) - cut
+                done.append((job, cut))
         return done
 
+    def _part_landed(self, load: _Load, medium: str, tensors: list[torch.Tensor]) -> None:
+        """One part of a load finished: its leading ``tensors`` into their blocks, its rate measured."""
+        positions = load.parts[medium]
+        self._copy_in([load.blocks[p] for p in positions[:len(tensors)]], tensors)
+        load.landed[medium] = len(tensors)
+        elapsed = time.monotonic() - load.started
+        if medium == MEDIUM_DISK:
+            self.disk_hits += len(tensors)
+        else:
+            self.found[MEDIUM_PEER] += len(tensors)
+            self.peer_seconds += elapsed
+            self.peer_errors += len(tensors) < len(positions)
+        if tensors:
+            per_block, old = elapsed / len(tensors), self.s_per_block[medium]
+            self.s_per_block[medium] = per_block if old is None else old + _EWMA * (per_block - old)
+
     def _timed_out(self) -> list[tuple[str, int]]:
-        """Loads asked more than LOAD_TIMEOUT_S ago: given up (what the loader reads later is
-        dropped); their blocks before the first file block are filled, the rest is computed."""
+        """Loads asked more than LOAD_TIMEOUT_S ago: given up (what comes for them later is dropped);
+        their blocks before the first one still missing are filled, the rest is computed."""
         now, done = time.monotonic(), []
         for job, load in list(self._loads.items()):
             if now - load.started > LOAD_TIMEOUT_S:
                 self.cancel(job)
                 self.timeouts += 1
-                logger.warning("KV file tier: a load of %d blocks took over %.0f s; computing them instead",
-                               len(load.disk_positions), LOAD_TIMEOUT_S)
-                self.lost += len(load.mediums) - load.disk_positions[0]
-                done.append((job, load.disk_positions[0]))
+                cut = load.cut()
+                logger.warning("KV tiers: a load of %d blocks (%s) took over %.0f s; computing %d of them instead",
+                               len(load.mediums), "/".join(load.parts), LOAD_TIMEOUT_S, len(load.mediums) - cut)
+                self.lost += len(load.mediums) - cut
+                done.append((job, cut))
         return done
 
     def cancel(self, job: str) -> None:
         """Forget ``job`` (its request was aborted); its blocks are the caller's to free now."""
-        if self._loads.pop(job, None) is not None and self.file is not None:
+        load = self._loads.pop(job, None)
+        if load is None:
+            return
+        if MEDIUM_DISK in load.parts and self.file is not None:
             self.file.cancel(job)
+        if MEDIUM_PEER in load.parts and self.peer is not None:
+            self.peer.cancel(job)
 
     def _copy_in(self, blocks: list[int], kvs: list[torch.Tensor | int]) -> None:
         """Write ``kvs`` (host-tier slots or tensors) into pool ``blocks``: one copy to the device per
@@ -384,7 +458,19 @@ class KVTiers:
                            "load_seconds": f.load_seconds, "store_seconds": f.store_seconds,
                            "errors": f.load_errors + f.store_errors + self.timeouts, "dropped": f.dropped,
                            "load_bytes_per_s": self.block_bytes / self.disk_s_per_block if self.disk_s_per_block else 0.0}
+        if self.peer is not None:
+            peer_s = self.s_per_block[MEDIUM_PEER]
+            out["peer"] = {"bytes": 0, "blocks": 0, "hits": self.found[MEDIUM_PEER],
+                           "misses": self.queried[MEDIUM_PEER] - self.found[MEDIUM_PEER],
+                           "load_seconds": self.peer_seconds, "store_seconds": 0.0, "errors": self.peer_errors,
+                           "dropped": 0, "load_bytes_per_s": self.block_bytes / peer_s if peer_s else 0.0}
         return out
+
+    def read_blocks(self, blocks: list[int]) -> bytes:
+        """Pool ``blocks``' KV, every layer's K and V of a block, block after block, in host memory
+        (what the peer tier serves: a copy, so nothing stays held for the asker)."""
+        kv = self._gather(blocks).cpu()
+        return kv.view(-1).view(torch.uint8).numpy().tobytes()
 
     def close(self) -> None:
         if self.file is not None:

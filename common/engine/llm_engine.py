@@ -105,8 +105,8 @@ class LLMEngine:
         """The KV tiers the flags ask for (``kv_tiers``); None when none is. A file tier whose
         directory is unusable stays off with a warning and its error counted."""
         cfg = self.config
-        if cfg.kv_host_bytes <= 0 and cfg.kv_disk_dir is None:
-            return None
+        if cfg.kv_host_bytes <= 0 and cfg.kv_disk_dir is None and cfg.kv_peer_fetch == "off":
+            return None  # the peer tier's fetcher comes with the daemon's KV endpoint (``kv_tiers.peer``)
         file_tier = None
         if cfg.kv_disk_dir is not None:
             layout = self.kv_layout
@@ -162,6 +162,14 @@ class LLMEngine:
             if not seq.is_finished and index in (None, seq.index):
                 self.scheduler.finish(seq, "abort")
                 self._finished_unreported.append(seq)
+
+    def peer_blocks(self, hashes: list[bytes]) -> tuple[int, bytes]:
+        """The peer tier's serving side: how many leading ``hashes`` the pool holds cached, and their
+        KV copied out (``KVTiers.read_blocks``). On the engine thread, between steps."""
+        blocks = self.block_manager.cached_blocks(hashes)
+        if not blocks or self.kv_tiers is None:
+            return 0, b""
+        return len(blocks), self.kv_tiers.read_blocks(blocks)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

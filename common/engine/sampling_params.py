@@ -52,6 +52,9 @@ class SamplingParams:
     # not sampling either: whose request this is, for fair share between clients (fairness.py);
     # set by the node from the API key, cache salt or ``user`` field ("" = the shared pool)
     client: str = ""
+    # nor this: another daemon's KV address and how many of the prompt's leading blocks its pool
+    # holds (the proxy's hint, the peer tier: kv_tiers.py); set by the node, only for a vouched peer
+    kv_peer: tuple[str, int] | None = None
 
     @property
     def greedy(self) -> bool:

@@ -34,6 +34,8 @@ the tiers for its next blocks and gets fresh blocks for what they hold. Host-tie
 in at once; while the file tier reads, the sequence waits in ``loading`` (holding its blocks, no
 running slot), and returns to the front of ``waiting`` with the leading blocks that loaded whole
 marked computed and cached; the blocks after a failed one are freed and their tokens computed.
+With the proxy's peer hint (``params.kv_peer``) the blocks after what the tiers hold, up to the
+hint's count, come from that peer the same way (the peer tier).
 
 Fair share (``fairness``, on unless ``fair_share=False``): admission takes the next sequence
 from ``waiting`` by client, the least-served client first (FIFO within a client), and a client
@@ -448,13 +450,14 @@ class Scheduler:
     # ---- KV tiers (common/engine/kv_tiers.py) ---------------------------------------------
     def _load_from_tiers(self, seq: Sequence) -> bool:
         """After a pool lookup: the prefix blocks after the pooled ones that the tiers hold, into
-        fresh blocks. True when ``seq`` now waits in ``loading`` for the file tier."""
+        fresh blocks. True when ``seq`` now waits in ``loading`` for the file tier or a peer."""
         bm, tiers = self.block_manager, self.tiers
         if tiers is None or seq.tiers_checked:
             return False
         first = len(seq.block_table)
         hashes = seq.block_hashes[first:(seq.num_tokens - 1) // bm.block_size]
-        found = tiers.lookup(hashes) if hashes else None
+        peer = seq.params.kv_peer
+        found = tiers.lookup(hashes, (peer[0], peer[1] - first) if peer else None) if hashes else None
         if not found or not bm.can_allocate(len(found)):
             return False
         blocks = bm.allocate(len(found))

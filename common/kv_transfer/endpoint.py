@@ -21,7 +21,8 @@ from common.kv_layout import KVLayout
 from common.kv_transfer.config import TransferConfig, TransferStats
 from common.kv_transfer.consumer import KVConsumer
 from common.kv_transfer.control import ControlPlane, split_address
-from common.kv_transfer.messages import Abort, Error, Message
+from common.kv_transfer.messages import Abort, Error, FetchBlocks, Message
+from common.kv_transfer.peer_fetch import PeerFetcher, PeerServer
 from common.kv_transfer.producer import KVProducer
 from common.kv_transfer.transport import check_mode
 
@@ -61,6 +62,9 @@ class KVEndpoint:
         self.control = ControlPlane(zmq_address, self._on_router, self._on_dealer, key=key,
                                     idle_s=self.config.peer_idle_s, max_peers=self.config.max_peers)
         self.address = self.control.address
+        # the peer tier (peer_fetch.py), either role: serves once ``peers.serve`` is set
+        self.peers = PeerServer(self.control, layout.fingerprint(),
+                                layout.bytes_per_block_per_layer() * layout.num_layers)
         for half in self._halves():
             self._attach(half)
         self.control.on_tick = self._tick  # the pairs' pings, deadlines and idleness
@@ -122,8 +126,16 @@ class KVEndpoint:
             for link in half.links():
                 link.tick(now)
 
+    def peer_fetcher(self, timeout_s: float, on_news: Callable[[], None]) -> PeerFetcher:
+        """A fetcher of prefix blocks from peers (the peer tier), asking over this endpoint."""
+        layout = self.layout
+        shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        return PeerFetcher(self.control, layout.fingerprint(), shape, layout.torch_dtype, timeout_s, on_news)
+
     def _on_router(self, identity: bytes, msg: Message) -> None:
-        if self._producer is not None:
+        if isinstance(msg, FetchBlocks):
+            self.peers.handle(identity, msg)
+        elif self._producer is not None:
             self._producer.handle(identity, msg)
         elif msg.id:  # asked a decode node for KV: told at once, not left to its deadline
             self.control.reply(identity, Error(id=msg.id, reason="this KV endpoint is a decode node's: "

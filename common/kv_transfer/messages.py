@@ -17,6 +17,8 @@ import msgpack
 # logged ("protocol version 2 != 3") and dropped: upgrade P and D together.
 # 3: verified KV (verify.py): Pull.nonce; Done.nonce/num_layers/nbytes/checksums; Handshake.checksum,
 # HandshakeOk.checksum.
+# Still 3: FetchBlocks/Blocks (the peer tier) came later; only a node that says it serves them
+# (its heartbeat's kv_peer_fetch) is asked, and any other drops the unknown command.
 PROTOCOL_VERSION = 3
 UNKNOWN_PAIR = "unknown or broken pair; handshake again"  # Error.reason a consumer acts on
 
@@ -159,9 +161,31 @@ class Ping(Message):
     pair_id: str = ""
 
 
+@dataclass
+class FetchBlocks(Message):
+    """Any node -> a peer, outside any request (the peer tier, peer_fetch.py): send the KV of the
+    leading blocks of ``hashes`` (prefix-cache block hashes, in chain order) that you hold, for a KV
+    layout of ``fingerprint``. Answered by :class:`Blocks` or :class:`Error`."""
+
+    CMD: ClassVar[str] = "fetch_blocks"
+    hashes: list = field(default_factory=list)
+    fingerprint: str = ""
+
+
+@dataclass
+class Blocks(Message):
+    """Peer -> fetcher: the KV of the first ``count`` blocks asked (every layer's K and V of a block,
+    ``[layers, 2, block_size, kv_heads, head_dim]``, block after block) and each block's CRC-32."""
+
+    CMD: ClassVar[str] = "blocks"
+    count: int = 0
+    data: bytes = b""
+    checksums: list = field(default_factory=list)
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.CMD: cls
-    for cls in (Handshake, HandshakeOk, Pull, Ok, Error, LayerNotice, Done, Ack, Abort, Ping)
+    for cls in (Handshake, HandshakeOk, Pull, Ok, Error, LayerNotice, Done, Ack, Abort, Ping, FetchBlocks, Blocks)
 }
 
 

@@ -141,6 +141,8 @@ class Daemon:
                     engine.kv_layout, engine.kv_layout.fingerprint(), cfg.kv_transport)
         if cfg.proxy and engine.engine.block_manager.enable_prefix_caching:
             self.kv_events = self._start_kv_events()
+        if cfg.kv_peer_fetch == "on":
+            self._start_peer_tier()
         if cfg.proxy:
             logger.info("registering with --proxy %s as %s", cfg.proxy, self.node_id)
             self.heartbeater = ProxyHeartbeats(cfg.proxy_entries, self._registration, cfg.heartbeat_interval_s,
@@ -191,6 +193,24 @@ class Daemon:
         publisher.start()
         export_metrics(publisher, self.metrics.registry, self.metrics.role)
         return publisher
+
+    def _start_peer_tier(self) -> None:
+        """The peer tier (issue 35): the engine's KV tiers fetch through this node's KV endpoint, and
+        the endpoint serves peers' fetches from the pool, on the engine thread between steps."""
+        assert self.transfer is not None
+        engine, transfer = self.engine, self.transfer
+        tiers = engine.engine.kv_tiers
+        assert tiers is not None  # EngineConfig builds them with --kv-peer-fetch on
+        tiers.peer = transfer.peer_fetcher(transfer.config.timeout_s, engine.wake)
+        transfer.peers.serve = lambda hashes: engine.call(lambda llm: llm.peer_blocks(hashes))
+        logger.info("peer tier on: fetching prefix blocks from the peers the registry names, serving ours at %s",
+                    self.config.kv_addr)
+
+    def peer_vouched(self, kv_addr: str) -> bool:
+        """May this node fetch prefix blocks from ``kv_addr`` (a proxy's hint)? With --kv-peer-fetch on,
+        when a registry named it among this node's peers (same model and KV layout, peer fetch on)."""
+        peers = getattr(self.heartbeater, "peers", None) or frozenset()
+        return self.config.kv_peer_fetch == "on" and kv_addr in peers and kv_addr != self.config.kv_addr
 
     @property
     def slices(self) -> int:
@@ -274,7 +294,9 @@ class Daemon:
 
     def build_app(self, prepare_request: PrepareHook | None = None) -> FastAPI:
         """The node's OpenAI app, ready once the KV endpoint is up and the proxy has heard from us."""
-        return node_app(self.engine, self.config, self.metrics, ready=self.ready, prepare_request=prepare_request)
+        app = node_app(self.engine, self.config, self.metrics, ready=self.ready, prepare_request=prepare_request)
+        app.state.serving.peer_vouched = self.peer_vouched
+        return app
 
     def require_signed_ids(self, app: FastAPI) -> None:
         """With a cluster key, only ids the proxy signed reach the routes. Call it after every other
@@ -354,6 +376,7 @@ class Daemon:
             **transfer_figures(engine.kv_layout, self.transfer.stats.recv_bytes_per_s if self.transfer else None),
             **(self.kv_events.heartbeat(engine.engine.scheduler.cache_root) if self.kv_events else {}),
             **({"role_epoch": epoch, "role_state": state} if self.flipper else {}),
+            **({"kv_peer_fetch": True} if self.config.kv_peer_fetch == "on" else {}),
         }
 
     def _export_transfer_stats(self, metrics: NodeMetrics) -> None:

@@ -12,6 +12,7 @@ request) -> sampling-param ranges -> length and vocabulary checks. Each check ra
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -36,6 +37,8 @@ from common.serving.protocol import SamplingRequest
 from common.serving.resume import resumed_prompts, wants_token_ids
 from common.serving.response_format import ResponseFormats
 from common.serving.unhonoured import check_unhonoured
+
+logger = logging.getLogger(__name__)
 
 TAG_FORMAT = "___prefill_addr_HOST:PORT___decode_addr_HOST:PORT_<uuid hex>"
 OFF_LOOP_CHARS = 16_384  # prompts longer than this are tokenized in a worker thread
@@ -80,14 +83,35 @@ class ServingContext:
     max_token_chars: int = field(init=False)
     response_formats: ResponseFormats = field(init=False)
     kv_params: KVParamsProtocol = field(init=False)
+    # the peer tier: may this node fetch prefix blocks from the KV address a proxy's hint names?
+    # (a daemon with --kv-peer-fetch on: an address the registry vouched for); hints ignored: counted
+    peer_vouched: Callable[[str], bool] = lambda kv_addr: False
+    peer_hints_ignored: int = 0
 
     def __post_init__(self) -> None:
+        self._peer_hint_logged = -1e18
         self.max_token_chars = _longest_token_chars(self.tokenizer, self.vocab_size)
         self.response_formats = ResponseFormats(self.tokenizer, self.vocab_size)
         cfg, daemon = self.config, self.config.role in ("prefill", "decode")
         self.kv_params = KVParamsProtocol(
             cfg.role, cfg.kv_addr, ClusterKey.optional(cfg.cluster_key_file) if daemon else None,
             getattr(self.engine, "kv_layout", None) if daemon else None, cfg.kv_lease_s, cfg.kv_rank_count)
+
+    def _peer_hint(self, body: SamplingRequest, params: SamplingParams) -> None:
+        """The proxy's ``pdserve_peer_prefix`` into ``params.kv_peer`` when its peer is vouched for;
+        else it is ignored (a hint: the node computes the prefix), and logged once a minute."""
+        hint = body.pdserve_peer_prefix
+        if hint is None:
+            return
+        if self.peer_vouched(hint.kv_addr):
+            params.kv_peer = (hint.kv_addr, hint.blocks)
+            return
+        self.peer_hints_ignored += 1
+        now = time.monotonic()
+        if now - self._peer_hint_logged >= 60.0:
+            self._peer_hint_logged = now
+            logger.warning("ignored a peer-prefix hint naming %s: not a peer the registry vouched for, or this "
+                           "node runs --kv-peer-fetch off (more are not logged for a minute)", hint.kv_addr)
 
     def set_role(self, config: NodeConfig) -> None:
         """A daemon's role flip (common/node/role_flip.py): ``config`` names the new role, whose
@@ -138,6 +162,7 @@ class ServingContext:
             grammar = await self.response_formats.grammar(body.response_format)
         params.grammar = grammar
         params.client = client_id(request, body)
+        self._peer_hint(body, params)
         request_id = request_id_of(request)
         tags = parse_tags(request_id)
         via_params = self.kv_params.request((body.model_extra or {}).get("kv_transfer_params"), tags, prompts,

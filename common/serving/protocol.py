@@ -46,6 +46,15 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: usage on every chunk (with include_usage)
 
 
+class PeerPrefix(BaseModel):
+    """The proxy's hint for the peer tier: the KV endpoint of another daemon that holds the prompt's
+    first ``blocks`` blocks in its pool (common/engine/kv_tiers.py)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    kv_addr: Annotated[str, Field(max_length=262, pattern=r"^[A-Za-z0-9._\-\[\]:%]{1,253}:[0-9]{1,5}$")]
+    blocks: Annotated[int, Field(ge=1, le=1 << 20)]
+
+
 class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     name: Text | None = None
@@ -91,6 +100,8 @@ class SamplingRequest(BaseModel):
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     # internal: a pdserve proxy resuming a request elsewhere sends the ids already streamed (resume.py)
     pdserve_resume_token_ids: list[TokenId] | None = None
+    # internal: a pdserve proxy's hint that a peer holds the prompt's prefix (--kv-peer-fetch)
+    pdserve_peer_prefix: PeerPrefix | None = None
 
     @property
     def include_usage(self) -> bool:
