@@ -79,7 +79,7 @@ class NodeMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the cache")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens whose KV the prefix cache had")
         self._cache_counts = {"queries": 0, "hits": 0}  # engine totals already exported
-        # KV tiers (common/engine/kv_tiers.py), per tier ("host", "disk"): present only on a node with tiers
+        # KV tiers (common/engine/kv_tiers.py), per tier ("host", "disk", "peer"): present only on a node with tiers
         self.kv_tier_bytes = Gauge(PREFIX + "kv_tier_bytes", "Bytes of KV blocks a KV tier holds", ["role", "tier"],
                                    registry=self.registry)
         self.kv_tier_blocks = Gauge(PREFIX + "kv_tier_blocks", "KV blocks a KV tier holds", ["role", "tier"],
