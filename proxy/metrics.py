@@ -50,6 +50,7 @@ class ProxyMetrics:
             "pdserve:proxy_peer_hints", "Legs sent with a peer hint (pdserve_peer_prefix, --kv-peer-fetch): another "
             "node holds more of the prompt's prefix than the node computing it.", ["role"], registry=r,
         )
+        self.peer_hints.labels("proxy")  # exported at 0 from the start: a scrape tells none from not counted
         self.migrations = Counter(
             "pdserve:proxy_migrations", "Streams resumed on another node, by cause.", ["role", "cause"], registry=r
         )

@@ -136,3 +136,22 @@ def test_a_name_that_does_not_resolve_yet_is_tried_until_it_does(registries) -> 
         assert beats.beats_sent > 0
     finally:
         beats.stop()
+
+
+def test_the_peers_are_the_union_of_the_registries_answers() -> None:
+    """A node running --kv-peer-fetch is named its peers by each registry; it may fetch from any of them."""
+    peers = [RegistrationMessage(type="P", http_address=f"10.0.0.{n}:8100", zmq_address=f"10.0.0.{n}:14579",
+                                 model="m", kv_fingerprint="fp", kv_peer_fetch=True) for n in (1, 2)]
+    regs = [ServiceRegistry("127.0.0.1", 0, static_nodes=[p], key=KEY, sweep_interval_s=0.1) for p in peers]
+    for reg in regs:
+        reg.start()
+    beats = ProxyHeartbeats(tuple(ProxyEntry("127.0.0.1", reg.port) for reg in regs),
+                            lambda: {**NODE, "kv_peer_fetch": True}, INTERVAL_S, key=KEY)
+    assert beats.peers == frozenset()
+    beats.start()
+    try:
+        wait_until(lambda: beats.peers == {"10.0.0.1:14579", "10.0.0.2:14579"}, "both registries' peers")
+    finally:
+        beats.stop()
+        for reg in regs:
+            reg.stop()

@@ -128,3 +128,53 @@ def test_heartbeat_carries_each_kv_tiers_measured_load_rate() -> None:
     with pytest.raises(RegistrationError):
         RegistrationMessage.from_dict({"type": "P", "http_address": "127.0.0.1:8100", "zmq_address": "127.0.0.1:1",
                                        "kv_tier_load_bytes_per_s": {"TAPE": 1.0}})
+
+
+def test_heartbeater_reads_the_peers_of_the_registrys_answer(caplog: pytest.LogCaptureFixture) -> None:
+    """``peers`` (--kv-peer-fetch) are checked as members are: a bad list voids the whole answer,
+    and an answer without them (a registry from before them) names none."""
+    from common.registry_client import encode_members
+
+    ctx, sock, port = _router()
+    beat = Heartbeater(f"127.0.0.1:{port}", lambda: {"type": "D", "http_address": "h:1", "zmq_address": "h:2",
+                                                     "kv_peer_fetch": True}, interval_s=0.05)
+    assert beat.peers == frozenset()
+    beat.start()
+    try:
+        def answer(payload: bytes) -> None:
+            assert sock.poll(3000), "no heartbeat arrived"
+            sock.send_multipart([sock.recv_multipart()[0], payload])
+
+        answer(encode_members(["p:1"], peers=["p:1", "d:3"]))
+        deadline = time.monotonic() + 10
+        while beat.peers != {"p:1", "d:3"}:
+            assert time.monotonic() < deadline, "the answer's peers were not read"
+            time.sleep(0.01)
+        assert beat.members == {"p:1"}
+        answered = beat.answered_at
+        answer(msgpack.packb({"members": ["p:2"], "peers": ["not an address"]}))  # ignored whole
+        answer(msgpack.packb({"members": ["p:2"], "peers": ["x:1"] * 5000}))  # too many
+        answer(msgpack.packb({"members": ["p:3"]}))  # an older registry: no peers
+        while beat.members != {"p:3"}:
+            assert time.monotonic() < deadline, "the last answer was not read"
+            time.sleep(0.01)
+        assert beat.peers == frozenset() and beat.answered_at != answered
+        assert sum("registry answer ignored" in r.getMessage() for r in caplog.records) == 2
+    finally:
+        beat.stop()
+        sock.close()
+        ctx.term()
+
+
+def test_a_peer_fetcher_says_so_and_its_peer_rate() -> None:
+    from common.engine.protocol import EngineStats
+    from common.registry_client import adaptive_figures
+
+    stats = EngineStats(0, 0, 1, 1, kv_tiers={"peer": {"load_bytes_per_s": 3e8}})
+    assert adaptive_figures(stats)["kv_tier_load_bytes_per_s"] == {"PEER": 3e8}
+    msg = RegistrationMessage.from_dict({"type": "P", "http_address": "127.0.0.1:8100", "zmq_address": "127.0.0.1:1",
+                                         "kv_peer_fetch": True, "kv_tier_load_bytes_per_s": {"PEER": 3e8}})
+    assert decode(encode(msg)) == msg and msg.kv_peer_fetch is True
+    assert RegistrationMessage("P", "h:1", "h:2").kv_peer_fetch is None  # an older node: off
+    with pytest.raises(RegistrationError):
+        RegistrationMessage.from_dict({"type": "P", "http_address": "a:1", "zmq_address": "a:2", "kv_peer_fetch": 1})
