@@ -121,15 +121,18 @@ class ExactPrefix:
                 chains.setdefault((node.kv_events.root, node.block_size), []).append(node)
         for (root, block_size), members in chains.items():
             hashes = _chain(prompt, root, block_size)
-            pool = self.index.leading([_key(n) for n in members], hashes)
+            # a peer fetcher's reach counts only at a measured PEER worth
+            fetching = [n for n in members if n.kv_peer_fetch and tier_worth(n).get(MEDIUM_PEER)]
+            holders = self._holders(root, block_size) if fetching else []
+            counts = self.index.leading(list(dict.fromkeys([*map(_key, members), *map(_key, holders)])), hashes)
             for node in members:
-                key, blocks, worth = _key(node), pool[_key(node)], tier_worth(node)
+                key, blocks, worth = _key(node), counts[_key(node)], tier_worth(node)
                 out[key] = blocks * block_size
                 if worth:
                     saved, run = self._tier_blocks(key, hashes[blocks:], worth)
-                    best = self._best_holder(node, hashes) if node.kv_peer_fetch and worth.get(MEDIUM_PEER) else None
+                    best = _best(node, holders, counts) if node in fetching else None
                     if best is not None:  # what a fetch from it would bring beyond the node's own run
-                        saved += max(0, best[1] - blocks - run) * worth[MEDIUM_PEER]
+                        saved += max(0, counts[_key(best)] - blocks - run) * worth[MEDIUM_PEER]
                     out[key] += round(saved * block_size)
         return out
 
@@ -143,28 +146,23 @@ class ExactPrefix:
         if (getattr(prompt, "token_ids", None) is None or target.kv_events is None or not target.block_size
                 or not self.index.is_fresh(key)):
             return None
-        hashes = _chain(prompt, target.kv_events.root, target.block_size)
-        best = self._best_holder(target, hashes)
-        if best is None:
-            return None
-        holder, blocks = best
-        own = self.index.leading([key], hashes[:blocks])[key]
-        own += self._tier_blocks(key, hashes[own:blocks], {})[1]
-        return PeerHint(holder.zmq_address, blocks) if blocks > own else None
-
-    def _best_holder(self, target: RegistrationMessage, hashes: list[bytes]) -> tuple[RegistrationMessage, int] | None:
-        """Of the other peer fetchers ``target`` may fetch from (the registry names them in its
-        ``peers``: same model, layout and chain, one rank), the one holding the most leading blocks of
-        ``hashes`` in its pool (ties: the least loaded), and that count; None when none holds any."""
-        assert target.kv_events is not None
-        chain = (target.model, target.kv_fingerprint, target.kv_events.root, target.block_size)
-        holders = [h for h in self.peer_fetchers() if h.zmq_address != target.zmq_address and (h.tp_size or 1) == 1
-                   and h.kv_events is not None and (h.model, h.kv_fingerprint, h.kv_events.root, h.block_size) == chain]
+        holders = self._holders(target.kv_events.root, target.block_size)
         if not holders:
             return None
-        counts = self.index.leading([_key(h) for h in holders], hashes)
-        best = min(holders, key=lambda h: (-counts[_key(h)], h.load, h.http_address))
-        return (best, counts[_key(best)]) if counts[_key(best)] else None
+        hashes = _chain(prompt, target.kv_events.root, target.block_size)
+        counts = self.index.leading(list(dict.fromkeys([key, *map(_key, holders)])), hashes)
+        best = _best(target, holders, counts)
+        if best is None:
+            return None
+        blocks, own = counts[_key(best)], counts[key]
+        own += self._tier_blocks(key, hashes[own:blocks], {})[1]
+        return PeerHint(best.zmq_address, blocks) if blocks > own else None
+
+    def _holders(self, root: str, block_size: int) -> list[RegistrationMessage]:
+        """The peer fetchers naming blocks on this chain with one rank (a peer fetch moves a whole
+        block from one endpoint; the registry's ``peers`` name no other)."""
+        return [h for h in self.peer_fetchers() if (h.tp_size or 1) == 1 and h.kv_events is not None
+                and h.kv_events.root == root and h.block_size == block_size]
 
     def _tier_blocks(self, key: NodeKey, hashes: list[bytes], worth: dict[str, float]) -> tuple[float, int]:
         """The run of blocks after the pool's that ``key``'s tiers hold, in order: each weighted by the
@@ -193,6 +191,17 @@ class PeerHint:
 
 def _key(node: RegistrationMessage) -> NodeKey:
     return (node.type, node.http_address)
+
+
+def _best(target: RegistrationMessage, holders: list[RegistrationMessage],
+          counts: dict[NodeKey, int]) -> RegistrationMessage | None:
+    """Of ``holders``, the one ``target`` may fetch from (another node, of its model and layout: one
+    the registry names in its ``peers``) whose pool holds the most leading blocks by ``counts``
+    (ties: the least loaded); None when none holds any."""
+    mine = (target.model, target.kv_fingerprint)
+    fit = [h for h in holders if h.zmq_address != target.zmq_address and (h.model, h.kv_fingerprint) == mine]
+    best = min(fit, key=lambda h: (-counts[_key(h)], h.load, h.http_address), default=None)
+    return best if best is not None and counts[_key(best)] else None
 
 
 def _chain(prompt: PromptText, root: str, block_size: int) -> list[bytes]:

@@ -244,3 +244,13 @@ def test_a_local_prefill_hints_the_decode_leg(proxies: dict[str, Proxy]) -> None
     x.index.set_fresh(key(x.p), False)  # the holder's events went stale
     p, d = send(x, **HOSTILE)
     assert PEER_PREFIX_FIELD not in d
+
+
+def test_the_hint_is_spliced_into_the_body_it_joins() -> None:
+    import json
+
+    from proxy.body import with_field
+
+    for raw in (b'{"prompt":[1,2]}', b'{ "prompt": [1, 2] }\n', b"{}"):
+        out = with_field(raw, PEER_PREFIX_FIELD, {"kv_addr": "h:1", "blocks": 2})
+        assert json.loads(out) == {**json.loads(raw), PEER_PREFIX_FIELD: {"kv_addr": "h:1", "blocks": 2}}
