@@ -59,14 +59,14 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
     """The proxy app; the registry starts and stops with it."""
     registry = registry or registry_from_config(config)
     metrics = ProxyMetrics()
-    # the nodes' KV events, indexed, when a policy reads prefixes (proxy/exact_prefix.py)
-    subscriber = None
-    exact = None
-    if config.policy == "prefix_aware" or config.disagg_policy == "auto":
-        index = KVIndex(config.kv_index_max_blocks, max_nodes=config.max_nodes)
-        subscriber = KVEventSubscriber(registry, index, ClusterKey.optional(config.cluster_key_file),
-                                       stale_s=config.heartbeat_timeout_s)
-        exact = ExactPrefix(index, registry.peer_fetchers)
+    # the nodes' KV events, indexed (proxy/exact_prefix.py): every node's when a policy reads prefixes,
+    # else only the peer fetchers' (--kv-peer-fetch on), for the peer hint; none runs it, none is followed
+    reads_prefixes = config.policy == "prefix_aware" or config.disagg_policy == "auto"
+    index = KVIndex(config.kv_index_max_blocks, max_nodes=config.max_nodes)
+    subscriber = KVEventSubscriber(registry, index, ClusterKey.optional(config.cluster_key_file),
+                                   stale_s=config.heartbeat_timeout_s,
+                                   follows=None if reads_prefixes else lambda node: bool(node.kv_peer_fetch))
+    exact = ExactPrefix(index, registry.peer_fetchers)
     router = Router(registry, config.policy, config.node_stall_timeout_s, config.unreachable_cooldown_s, exact=exact)
     router.on_route = metrics.count_route
     pairing = PairingWatch()
@@ -74,8 +74,7 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         registry.start()
-        if subscriber is not None:
-            subscriber.start()
+        subscriber.start()
         watching = asyncio.ensure_future(_watch_pairing(pairing, registry))
         async with PooledTransport(max_idle_per_origin=config.max_idle_connections,
                                    connect_timeout_s=config.connect_timeout_s) as transport:
@@ -91,8 +90,7 @@ def build_app(config: ProxyConfig, registry: ServiceRegistry | None = None) -> F
                         task.cancel()
                         with contextlib.suppress(asyncio.CancelledError):
                             await task
-                if subscriber is not None:
-                    subscriber.stop()
+                subscriber.stop()
                 registry.stop()
 
     # FastAPI's OpenTelemetry bridge asks the OTel providers (reading os.environ) on every request,

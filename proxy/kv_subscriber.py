@@ -46,7 +46,7 @@ from common.kv_events import (
     seal_frames,
     seq_bytes,
 )
-from common.registry_client import zmq_endpoint
+from common.registry_client import RegistrationMessage, zmq_endpoint
 from proxy.kv_index import KVIndex, NodeKey
 from proxy.registry import ServiceRegistry
 
@@ -74,12 +74,14 @@ class _Feed:
 
 
 class KVEventSubscriber:
-    """Subscribes to every registered node that advertises KV events; ``start``/``stop``."""
+    """Subscribes to every registered node that advertises KV events (of those, the ones ``follows``
+    accepts, when given); ``start``/``stop``."""
 
     def __init__(self, registry: ServiceRegistry, index: KVIndex, key: ClusterKey | None = None,
                  stale_s: float = 6.0, gap_grace_s: float = 1.0, replay_timeout_s: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.registry, self.index = registry, index
+                 clock: Callable[[], float] = time.monotonic,
+                 follows: Callable[[RegistrationMessage], bool] | None = None) -> None:
+        self.registry, self.index, self.follows = registry, index, follows
         self.stale_s, self.gap_grace_s, self.replay_timeout_s = stale_s, gap_grace_s, replay_timeout_s
         self._clock = clock
         self._sealer = kv_events_sealer(key)
@@ -133,7 +135,8 @@ class KVEventSubscriber:
     def check(self) -> None:
         """Follow the registry (new nodes, restarted ones, departed ones) and each node's heartbeat."""
         now = self._clock()
-        nodes = {n.key: n for n in self.registry.nodes() if n.info.kv_events is not None}
+        nodes = {n.key: n for n in self.registry.nodes()
+                 if n.info.kv_events is not None and (self.follows is None or self.follows(n.info))}
         for key in [k for k in self._feeds if k not in nodes]:
             self._drop(key)
         for key, node in nodes.items():

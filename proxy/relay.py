@@ -127,8 +127,11 @@ class Dispatcher:
         p_bytes = await off_loop(len(body_bytes), prefill_body, body, path)
         stream = body.get("stream") is True
         wants_text = self.config.policy == "prefix_aware" or self.config.disagg_policy == "auto"
+        # token ids when some node's events are followed: for prefix routing, or else (only the peer
+        # fetchers' followed) for the peer hint
         tokenize = self.exact is not None and self.exact.index.has_fresh
-        prompt = await off_loop(len(body_bytes), self.prompts.prompt, body, tokenize) if wants_text else ""
+        prompt = (await off_loop(len(body_bytes), self.prompts.prompt, body, tokenize)
+                  if wants_text or tokenize else "")
         rerun_of: ProxyError | None = None  # the decode failure being run again elsewhere
         while True:
             try:

@@ -219,6 +219,19 @@ def test_silent_node_goes_cache_unknown_and_a_departed_one_is_forgotten(registry
     wait_until(lambda: D1 not in index.nodes(), "its blocks forgotten once it left")
 
 
+def test_a_subscriber_may_follow_only_the_peer_fetchers(registry, started) -> None:
+    """Without a policy that reads prefixes the proxy follows only nodes running --kv-peer-fetch
+    (the peer hint reads their events): another node's events are never subscribed to."""
+    index = KVIndex()
+    d1, d2 = started(Daemon, registry, D1), started(Daemon, registry, D2)
+    registry.register(RegistrationMessage(**{**registry.get(*D2).info.to_dict(), "kv_peer_fetch": True}))
+    d1.cache(hashes(2, 1))
+    d2.cache(hashes(2, 2))
+    sub = started(KVEventSubscriber, registry, index, follows=lambda node: bool(node.kv_peer_fetch))
+    wait_until(lambda: d2.indexed(index), "the peer fetcher's cache indexed")
+    assert set(sub.applied()) == {D2} and not index.is_fresh(D1)
+
+
 @pytest.mark.parametrize("key", [None, ClusterKey(b"k" * 32)])
 def test_garbage_and_unsealed_batches_are_dropped_and_counted(registry, started, key) -> None:
     index = KVIndex()

@@ -171,8 +171,8 @@ class Proxy:
 @pytest.fixture(scope="module")
 def proxies() -> Iterator[dict[str, Proxy]]:
     """Two proxies, each with a fake prefill and decode node running --kv-peer-fetch: one prefills
-    remotely (``always``), one on the decode node (``never``). Their index is the test's own: what the
-    nodes hold is set by each test as their KV events would."""
+    remotely (``always``, prefix-aware), one on the decode node (``never``, round robin). Their index
+    is the test's own: what the nodes hold is set by each test as their KV events would."""
     servers: list[ServerThread] = []
 
     def serve(app) -> ServerThread:
@@ -188,7 +188,9 @@ def proxies() -> Iterator[dict[str, Proxy]]:
             if mode == "always":
                 decode.behavior.after = (prefill,)  # a real decode node answers only after its prefill
             registry = ServiceRegistry(port=0, static_nodes=[p, d])
-            app = build_app(ProxyConfig(port=0, registry_port=0, policy="prefix_aware", disagg_policy=mode), registry)
+            # the local one routes by round robin: the hint needs no policy that reads prefixes
+            policy = "prefix_aware" if mode == "always" else "round_robin"
+            app = build_app(ProxyConfig(port=0, registry_port=0, policy=policy, disagg_policy=mode), registry)
             server = serve(app)
             index = KVIndex()
             for node in (p, d):
