@@ -61,9 +61,10 @@ class RunResult:
     counters: dict[str, float] = field(default_factory=dict)
 
 
-def chat_turn(url: str, messages: list[dict], max_tokens: int) -> tuple[float, float, str, int]:
+def chat_turn(url: str, messages: list[dict], max_tokens: int,
+              model: str = EMBEDDED_MODEL_NAME) -> tuple[float, float, str, int]:
     """(seconds to the first token, to the last, the answer, its tokens) of one streamed turn."""
-    body = {"model": EMBEDDED_MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps, text, tokens = [], "", 0

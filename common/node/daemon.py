@@ -203,6 +203,16 @@ class Daemon:
         assert tiers is not None  # EngineConfig builds them with --kv-peer-fetch on
         tiers.peer = transfer.peer_fetcher(transfer.config.timeout_s, engine.wake)
         transfer.peers.serve = lambda hashes: engine.call(lambda llm: llm.peer_blocks(hashes))
+        metrics = self.metrics
+        peers = Gauge(PREFIX + "kv_peers", "Peers this node may fetch prefix blocks from (the peer tier: those "
+                      "the registry named)", ["role"], registry=metrics.registry)
+        served = Gauge(PREFIX + "kv_peer_served_blocks", "Prefix blocks this node served to peers' fetches",
+                       ["role"], registry=metrics.registry)
+
+        def export() -> None:
+            peers.labels(metrics.role).set(len(getattr(self.heartbeater, "peers", None) or ()))
+            served.labels(metrics.role).set(transfer.peers.served_blocks)
+        metrics.add_scrape_hook(export)
         logger.info("peer tier on: fetching prefix blocks from the peers the registry names, serving ours at %s",
                     self.config.kv_addr)
 
