@@ -37,8 +37,8 @@ def with_field(raw: bytes, name: str, value: object) -> bytes:
     """``raw`` (a JSON object without ``name``) with ``name: value`` added, spliced before its closing
     brace: no parse and re-encode of a large prompt for one small field."""
     end = raw.rstrip()
-    if not end.endswith(b"}"):
-        raise ValueError("not a JSON object")
+    if not end.endswith(b"}"):  # JSON in UTF-16 or UTF-32 (json.loads reads them): parsed and encoded again
+        return encode_body({**json.loads(raw), name: value})
     head = end[:-1].rstrip()
     comma = b"" if head.endswith(b"{") else b","
     return head + comma + json.dumps({name: value}, separators=(",", ":")).encode()[1:]

@@ -126,12 +126,7 @@ class Dispatcher:
         model = body.get("model") if is_text(body.get("model")) else None  # else the nodes refuse it
         p_bytes = await off_loop(len(body_bytes), prefill_body, body, path)
         stream = body.get("stream") is True
-        wants_text = self.config.policy == "prefix_aware" or self.config.disagg_policy == "auto"
-        # token ids when some node's events are followed: for prefix routing, or else (only the peer
-        # fetchers' followed) for the peer hint
-        tokenize = self.exact is not None and self.exact.index.has_fresh
-        prompt = (await off_loop(len(body_bytes), self.prompts.prompt, body, tokenize)
-                  if wants_text or tokenize else "")
+        prompt = await off_loop(len(body_bytes), self._prompt_of, body)
         rerun_of: ProxyError | None = None  # the decode failure being run again elsewhere
         while True:
             try:
@@ -365,13 +360,14 @@ class Dispatcher:
             logger.warning("request %s: %s; resuming after %d tokens on another node (%s, migration %d of %d)",
                            call.public_id, exc, len(ledger.token_ids), cause, migration.count, migration.limit)
             try:
-                resumed = self._resumed_call(call, migration, body)
+                resumed, prompt = self._resumed_call(call, migration, body)
             except ProxyError:
                 break  # no other node: the client gets the first error
             try:
+                p_leg, d_leg = self._hinted(resumed, prompt, prefill_body(body, migration.path), encode_body(body))
                 if not resumed.decision.local:
-                    self._spawn_prefill(resumed, migration.path, prefill_body(body, migration.path))
-                first, chunks = await self._start_stream(resumed, migration.path, encode_body(body), None)
+                    self._spawn_prefill(resumed, migration.path, p_leg)
+                first, chunks = await self._start_stream(resumed, migration.path, d_leg, None)
             except ProxyError as next_exc:
                 await self._close(resumed)
                 exc, call = next_exc, resumed
@@ -383,12 +379,19 @@ class Dispatcher:
             return resumed, first, chunks
         raise exc
 
-    def _resumed_call(self, call: Call, migration: Migration, body: dict) -> Call:
-        """A new attempt for a migrated stream: a pair without the nodes that failed it, a new tag."""
-        model = body.get("model") if is_text(body.get("model")) else None
+    def _prompt_of(self, body: dict) -> str:
+        """The prompt as routing and the peer hint read it: its text when a policy reads prefixes, carrying
+        its token ids while some followed node's events are fresh (only the peer fetchers are followed
+        when no policy reads prefixes: proxy/app.py); "" when neither."""
         wants_text = self.config.policy == "prefix_aware" or self.config.disagg_policy == "auto"
         tokenize = self.exact is not None and self.exact.index.has_fresh
-        prompt = self.prompts.prompt(migration.body, tokenize) if wants_text else ""
+        return self.prompts.prompt(body, tokenize) if wants_text or tokenize else ""
+
+    def _resumed_call(self, call: Call, migration: Migration, body: dict) -> tuple[Call, str]:
+        """A new attempt for a migrated stream: a pair without the nodes that failed it, a new tag; and
+        the client's prompt as routing read it (the computing leg's peer hint names its blocks)."""
+        model = body.get("model") if is_text(body.get("model")) else None
+        prompt = self._prompt_of(migration.body)
         skip_d, client = frozenset(migration.failed_decodes), call.pair.client
         try:
             pair = self.router.pick(model, frozenset(migration.failed_prefills), prompt, skip_d, client)
@@ -402,7 +405,7 @@ class Dispatcher:
         tagged = make_request_id(p_addr, pair.decode.zmq_address, uuid.uuid4().hex)
         resumed = Call(pair, tagged, call.public_id, call.start, client_id=call.client_id, decision=decision)
         self.router.begin(pair, decision.local)
-        return resumed
+        return resumed, prompt
 
     def _lost(self, role: str, node: RegistrationMessage) -> LostCheck:
         return node_lost(self.router.registry, role, node, self.config.node_stall_timeout_s)

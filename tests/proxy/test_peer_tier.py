@@ -253,6 +253,6 @@ def test_the_hint_is_spliced_into_the_body_it_joins() -> None:
 
     from proxy.body import with_field
 
-    for raw in (b'{"prompt":[1,2]}', b'{ "prompt": [1, 2] }\n', b"{}"):
+    for raw in (b'{"prompt":[1,2]}', b'{ "prompt": [1, 2] }\n', b"{}", '{"prompt":"\u00e9"}'.encode("utf-16")):
         out = with_field(raw, PEER_PREFIX_FIELD, {"kv_addr": "h:1", "blocks": 2})
         assert json.loads(out) == {**json.loads(raw), PEER_PREFIX_FIELD: {"kv_addr": "h:1", "blocks": 2}}
