@@ -33,7 +33,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
@@ -57,9 +56,8 @@ def counters(decodes: list[Proc]) -> dict[str, float]:
 
 def run(policy: str, peer: str, args: argparse.Namespace, systems: list[str]) -> RunResult:
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-kv-peer-"))
-    proxy_args = ["--policy", policy, "--disagg-policy", "never"]
-    if policy == "prefix_aware":
-        proxy_args += ["--tokenizer", args.tokenizer]
+    # the tokenizer: the proxy matches a chat prompt's blocks against the nodes' KV events by its token ids
+    proxy_args = ["--policy", policy, "--disagg-policy", "never", "--tokenizer", args.tokenizer]
     proxy = start("proxy", tmp, *proxy_args, wait=False)
     model = ["--model", "embedded"] if args.model == "embedded" else []
     common = [*model, "--proxy", f"127.0.0.1:{proxy.kv_port}", "--heartbeat-interval-s", "0.5",

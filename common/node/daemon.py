@@ -210,7 +210,7 @@ class Daemon:
                        ["role"], registry=metrics.registry)
 
         def export() -> None:
-            peers.labels(metrics.role).set(len(getattr(self.heartbeater, "peers", None) or ()))
+            peers.labels(metrics.role).set(len(self.heartbeater.peers) if self.heartbeater is not None else 0)
             served.labels(metrics.role).set(transfer.peers.served_blocks)
         metrics.add_scrape_hook(export)
         logger.info("peer tier on: fetching prefix blocks from the peers the registry names, serving ours at %s",
@@ -219,7 +219,7 @@ class Daemon:
     def peer_vouched(self, kv_addr: str) -> bool:
         """May this node fetch prefix blocks from ``kv_addr`` (a proxy's hint)? With --kv-peer-fetch on,
         when a registry named it among this node's peers (same model and KV layout, peer fetch on)."""
-        peers = getattr(self.heartbeater, "peers", None) or frozenset()
+        peers = self.heartbeater.peers if self.heartbeater is not None else frozenset()
         return self.config.kv_peer_fetch == "on" and kv_addr in peers and kv_addr != self.config.kv_addr
 
     @property
