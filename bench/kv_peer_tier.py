@@ -111,9 +111,12 @@ def main() -> None:
     parser.add_argument("--kv-tier-load", choices=("auto", "always"), default="always",
                         help="the decode nodes' --kv-tier-load (auto: fetch only while measured cheaper than computing)")
     args = parser.parse_args()
-    from common.model.embedded import ensure_embedded_model
+    from common.defaults import DEFAULT_CACHE_DIR, EMBEDDED_MODEL_SPEC
+    from common.model.sources import resolve_model
 
-    args.tokenizer = str(ensure_embedded_model())  # SmolLM2's tokenizer: the embedded model shares it
+    # the nodes' own model directory: the proxy must render and tokenize a chat prompt as they do
+    spec = EMBEDDED_MODEL_SPEC if args.model == "embedded" else None
+    args.tokenizer = str(resolve_model(spec, DEFAULT_CACHE_DIR)[0])
     base = system_prompt(args.system_tokens)
     systems = [f"Conversation {i}. {base}" for i in range(args.conversations)]
     results = {(policy, peer): run(policy, peer, args, systems) for policy, peer in RUNS}
