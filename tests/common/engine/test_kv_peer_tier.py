@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 import random
-import time
 
 import torch
 
 from common.engine.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
+from test_kv_tiers import ask as tier_ask
 
 POOL = dict(device="cpu", num_kv_blocks=32, block_size=16)
 PEER = "10.0.0.2:5557"
@@ -32,15 +32,7 @@ def params(peer_blocks: int | None = None) -> SamplingParams:
 
 
 def ask(e: LLMEngine, tokens: list[int], rid: str, p: SamplingParams) -> tuple[list[int], int]:
-    e.add_request(rid, tokens, p)
-    out_tokens, cached = [], 0
-    deadline = time.monotonic() + 30
-    while e.has_unfinished_requests():
-        assert time.monotonic() < deadline, "request did not finish"
-        for out in e.step():
-            out_tokens += out.new_token_ids
-            cached = out.num_cached_tokens
-    return out_tokens, cached
+    return tier_ask(e, tokens, rid, params=p)
 
 
 class EnginePeer:

@@ -30,9 +30,10 @@ def prompts(n: int, length: int = 100, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 256) for _ in range(length)] for _ in range(n)]
 
 
-def ask(e: LLMEngine, prompt: list[int], rid: str, timeout: float = 30.0) -> tuple[list[int], int]:
+def ask(e: LLMEngine, prompt: list[int], rid: str, timeout: float = 30.0,
+        params: SamplingParams = GREEDY) -> tuple[list[int], int]:
     """One request alone: its tokens and its usage's cached tokens."""
-    e.add_request(rid, prompt, GREEDY)
+    e.add_request(rid, prompt, params)
     tokens, cached = [], 0
     deadline = time.monotonic() + timeout
     while e.has_unfinished_requests():
