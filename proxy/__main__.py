@@ -13,7 +13,7 @@ import uvicorn
 from common.config import load_config
 from common.logging_setup import configure_logging
 from common.node.startup import check_keyless_binds, check_port_free, one_line_failures
-from common.serving.http_server import HttpLimits, server_config
+from common.serving.http_server import HttpLimits, freeze_startup_heap, server_config
 from proxy.app import build_app
 from proxy.config import ProxyConfig
 
@@ -34,8 +34,11 @@ def serve(config: ProxyConfig) -> None:
     app = build_app(config)
     # Our own per-request log line names the tagged id and the pair; uvicorn's access log would repeat it.
     limits = HttpLimits(config.http_header_timeout_s, config.http_body_timeout_s, config.http_max_connections)
-    uvicorn.Server(server_config(app, config.host, config.port, limits, log_config=None, log_level=config.log_level,
-                                 access_log=False, timeout_keep_alive=config.keep_alive_timeout_s)).run()
+    server = uvicorn.Server(server_config(app, config.host, config.port, limits, log_config=None,
+                                          log_level=config.log_level, access_log=False,
+                                          timeout_keep_alive=config.keep_alive_timeout_s))
+    freeze_startup_heap()
+    server.run()
 
 
 def main(argv: list[str] | None = None) -> None:

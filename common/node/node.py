@@ -28,7 +28,7 @@ from common.metrics import NodeMetrics
 from common.node.startup import check_keyless_binds, check_port_free, one_line_failures
 from common.serving.app import build_app
 from common.serving.context import PrepareHook
-from common.serving.http_server import HttpLimits, server_config
+from common.serving.http_server import HttpLimits, freeze_startup_heap, server_config
 
 if TYPE_CHECKING:
     from common.engine.async_engine import AsyncLLMEngine
@@ -153,6 +153,7 @@ def serve_http(app: FastAPI, engine: AsyncLLMEngine, config: NodeConfig) -> None
                       timeout_graceful_shutdown=30, timeout_keep_alive=config.keep_alive_timeout_s)
     )
     engine.on_dead = lambda reason: setattr(server, "should_exit", True)  # /ready already says 503
+    freeze_startup_heap()
     _serve_until_signal(server)
     if engine.dead_reason is not None:
         logger.critical("exiting: the engine thread stopped (%s); restart this node", engine.dead_reason)
