@@ -117,6 +117,11 @@ def run(tiers: bool, args: argparse.Namespace, systems: list[str]) -> RunResult:
         procs += [prefill, decode]
         for proc in (prefill, decode, proxy):
             proc.wait_ready()
+        if args.pin:  # P and D on a core each, as on two machines: P's file writes do not share D's core
+            from bench.adaptive import pin
+
+            pin(prefill, {0})
+            pin(decode, {1})
         wait_registered(proxy, 1)
         chat_turn(proxy.url, [{"role": "user", "content": "warm up"}], 2)  # the pair, first-call costs
         before, kv_before = prefill_counters(prefill.url), metric(decode.url, "pdserve:kv_transfer_bytes_total")
@@ -190,6 +195,8 @@ def main() -> None:
                         help="with tiers on, a file tier on the decode node too (it then asks P only for what it lacks)")
     parser.add_argument("--kv-tier-load", choices=("auto", "always"), default="auto",
                         help="the prefill node's --kv-tier-load with tiers on")
+    parser.add_argument("--pin", action="store_true",
+                        help="the prefill node on CPU 0, the decode node on CPU 1 (proxy and client float)")
     args = parser.parse_args()
     base = system_prompt(args.system_tokens)
     systems = [f"Conversation {i}. {base}" for i in range(args.conversations)]
