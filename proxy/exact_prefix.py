@@ -47,6 +47,7 @@ from proxy.kv_index import KVIndex, NodeKey
 from proxy.prefix_policy import PromptText, prompt_text
 
 logger = logging.getLogger(__name__)
+MEDIUM_HOST = "CPU"  # the host tier's KV-event medium (common/engine/kv_tiers.py)
 MAX_TOKEN_IDS = 1 << 20
 PEER_PREFIX_FIELD = "pdserve_peer_prefix"  # the hint's body field; only the proxy sets it
 MEDIUM_PEER = "PEER"  # the peer tier's key in a heartbeat's kv_tier_load_bytes_per_s
@@ -139,7 +140,8 @@ class ExactPrefix:
     def peer_hint(self, target: RegistrationMessage, prompt: str) -> PeerHint | None:
         """The hint for ``target``, the node that will compute ``prompt`` (module docstring), or None:
         it does not run --kv-peer-fetch, the prompt has no token ids, its events are not fresh, or
-        no other peer fetcher holds more of the prompt in its pool than it holds in pool and tiers."""
+        no other peer fetcher holds more of the prompt in its pool and host tier (what a peer serves)
+        than it holds in pool and tiers."""
         if not target.kv_peer_fetch:  # the one check a request pays while no node runs it
             return None
         key = _key(target)
@@ -151,6 +153,12 @@ class ExactPrefix:
             return None
         hashes = _chain(prompt, target.kv_events.root, target.block_size)
         counts = self.index.leading(list(dict.fromkeys([key, *map(_key, holders)])), hashes)
+        host = self.index.tiers().get(MEDIUM_HOST)  # made once some node stored a block in its host tier
+        for holder in holders if host is not None else ():  # a peer serves its host tier's run after its pool's
+            k = _key(holder)
+            if k != key and counts[k] < len(hashes):
+                flags = host.held(k, hashes[counts[k]:])  # type: ignore[union-attr]
+                counts[k] += next((i for i, held in enumerate(flags) if not held), len(flags))
         best = _best(target, holders, counts)
         if best is None:
             return None
@@ -180,7 +188,7 @@ class ExactPrefix:
 @dataclass(frozen=True)
 class PeerHint:
     """What the computing leg's body carries as ``pdserve_peer_prefix``: a peer's KV address and how
-    many leading blocks of the prompt's chain its pool holds."""
+    many leading blocks of the prompt's chain its pool and then its host tier hold (what it serves)."""
 
     kv_addr: str
     blocks: int

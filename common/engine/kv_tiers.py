@@ -134,6 +134,10 @@ class HostTier:
             self._slots[block_hash] = slot
             self._ready[slot] = ready
 
+    def copy_of(self, block_hash: bytes) -> torch.Tensor:
+        """A copy of ``block_hash``'s KV in ordinary memory (for a peer: not a hit of this node's)."""
+        return self.read(self._slots[block_hash])
+
     def get(self, block_hash: bytes) -> int:
         """The slot holding ``block_hash``, now the most recently used."""
         self._slots.move_to_end(block_hash)
@@ -466,11 +470,19 @@ class KVTiers:
                            "dropped": 0, "load_bytes_per_s": self.block_bytes / peer_s if peer_s else 0.0}
         return out
 
-    def read_blocks(self, blocks: list[int]) -> bytes:
-        """Pool ``blocks``' KV, every layer's K and V of a block, block after block, in host memory
-        (what the peer tier serves: a copy, so nothing stays held for the asker)."""
-        kv = self._gather(blocks).cpu()
-        return kv.view(-1).view(torch.uint8).numpy().tobytes()
+    def read_blocks(self, blocks: list[int], then: list[bytes] = ()) -> tuple[int, bytes]:
+        """What the peer tier serves: pool ``blocks``' KV, every layer's K and V of a block, block after
+        block, in host memory, then that of the leading hashes of ``then`` the host tier holds; the
+        count and the bytes (a copy: nothing stays held for the asker)."""
+        parts = [self._gather(blocks).cpu()] if blocks else []
+        for block_hash in then if self.host is not None else ():
+            if block_hash not in self.host:
+                break
+            parts.append(self.host.copy_of(block_hash).unsqueeze(0))
+        if not parts:
+            return 0, b""
+        kv = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return kv.shape[0], kv.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
     def close(self) -> None:
         if self.file is not None:

@@ -164,12 +164,12 @@ class LLMEngine:
                 self._finished_unreported.append(seq)
 
     def peer_blocks(self, hashes: list[bytes]) -> tuple[int, bytes]:
-        """The peer tier's serving side: how many leading ``hashes`` the pool holds cached, and their
-        KV copied out (``KVTiers.read_blocks``). On the engine thread, between steps."""
-        blocks = self.block_manager.cached_blocks(hashes)
-        if not blocks or self.kv_tiers is None:
+        """The peer tier's serving side: how many leading ``hashes`` the pool holds cached, then the
+        host tier, and their KV copied out (``KVTiers.read_blocks``). On the engine thread, between steps."""
+        if self.kv_tiers is None:
             return 0, b""
-        return len(blocks), self.kv_tiers.read_blocks(blocks)
+        blocks = self.block_manager.cached_blocks(hashes)
+        return self.kv_tiers.read_blocks(blocks, hashes[len(blocks):])
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

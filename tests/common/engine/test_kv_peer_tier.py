@@ -149,3 +149,30 @@ def test_a_hint_is_ignored_without_the_peer_tier():
     reference, _ = ask(LLMEngine(EngineConfig(**POOL)), tokens, "ref", params())
     assert e.kv_tiers is None
     assert ask(e, tokens, "b", params(peer_blocks=6)) == (reference, 0)
+
+
+def test_a_peer_serves_what_its_host_tier_keeps_after_its_pool():
+    server = LLMEngine(EngineConfig(device="cpu", num_kv_blocks=8, block_size=16, kv_peer_fetch="on",
+                                    kv_host_bytes=64 << 20))
+    client = LLMEngine(EngineConfig(**POOL, kv_peer_fetch="on", kv_tier_load="always"))
+    client.kv_tiers.peer = EnginePeer(server, client)
+    tokens = prompt(seed=6)
+    reference, _ = ask(server, tokens, "a", params())
+    ask(server, prompt(seed=7), "evict", params())  # 8 blocks: the first prompt's go to the host tier
+    hashes = chain(server, tokens)
+    pooled = len(server.block_manager.cached_blocks(hashes))
+    assert pooled < 6 and all(h in server.kv_tiers.host for h in hashes[pooled:])  # the rest: in the host tier
+    count, _ = server.peer_blocks(hashes)
+    assert count == 6 and server.kv_tiers.host.hits == 0  # served, not counted as the server's own hits
+    got, cached = ask(client, tokens, "b", params(peer_blocks=6))
+    assert got == reference and cached == 96
+
+
+def chain(engine: LLMEngine, tokens: list[int]) -> list[bytes]:
+    """The hashes of ``tokens``' full blocks but the last token's, as ``engine`` names them."""
+    from common.engine.block_hash import extend_hashes, salted_root
+
+    hashes: list[bytes] = []
+    extend_hashes(hashes, salted_root(engine.scheduler.cache_root, None), lambda s, e: tokens[s:e], 16,
+                  (len(tokens) - 1) // 16)
+    return hashes
