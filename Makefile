@@ -32,8 +32,8 @@ down:
 
 # two workers (pytest-xdist), a test file (or the files sharing one cluster, tests/helpers/xdist_units.py)
 # each at a time: most of the suite waits on the processes it starts, and each worker forks them from a
-# zygote that imported torch once (tests/helpers/zygote.py), so two at once take ~8 min on 2 cores
-# (7:27-8:08 in fresh clones for 2,127 tests; 7:58 for 2,031 with a fresh python -m per node)
+# zygote that imported torch once (tests/helpers/zygote.py), so two at once take 7-8 min on 2 cores
+# (7:15-7:33 in fresh clones for 2,169 tests; 7:58 for 2,031 with a fresh python -m per node)
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
