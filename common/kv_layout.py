@@ -36,6 +36,11 @@ class KVLayout:
     def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
+    def block_shape(self) -> tuple[int, ...]:
+        """One block of every layer, ``[layers, 2, block_size, kv_heads, head_dim]`` (how the KV tiers
+        and the peer tier hold a block)."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
     def bytes_per_block_per_layer(self) -> int:
         elem = torch.empty((), dtype=self.torch_dtype).element_size()
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * elem

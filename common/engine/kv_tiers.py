@@ -285,6 +285,7 @@ class KVTiers:
         found = Found([], [])
         if self.host is not None:
             self.host.leased.clear()  # a new lookup: the last one was loaded, or given up
+        self._lookups += 1
         disk = self.file is not None and self.file.enabled and self._pays(MEDIUM_DISK)
         for block_hash in hashes:
             medium = None
@@ -317,20 +318,17 @@ class KVTiers:
     def _pays(self, medium: str) -> bool:
         """Loading from ``medium`` (the file tier, a peer) beats computing, as measured: a block's load
         (its wall time, waits included) against its tokens' prefill. Unmeasured: load (and measure).
-        One lookup in EXPLORE_EVERY loads anyway, so a rate measured at a bad moment is measured again."""
-        self._lookups += 1
+        One lookup in EXPLORE_EVERY loads anyway (counted once per lookup, whatever the tiers asked),
+        so a rate measured at a bad moment is measured again."""
         per_s, s_per_block = self.prefill_tokens_per_s(), self.s_per_block[medium]
         if self.always_load or s_per_block is None or not per_s or self._lookups % EXPLORE_EVERY == 0:
             return True
         return s_per_block < self.block_shape[2] / per_s
 
-    @property
-    def disk_s_per_block(self) -> float | None:
-        return self.s_per_block[MEDIUM_DISK]
-
-    @disk_s_per_block.setter
-    def disk_s_per_block(self, value: float | None) -> None:
-        self.s_per_block[MEDIUM_DISK] = value
+    def _load_rate(self, medium: str) -> float:
+        """``medium``'s measured load rate in bytes/s (0 until measured): what the proxy weighs a hit by."""
+        s_per_block = self.s_per_block[medium]
+        return self.block_bytes / s_per_block if s_per_block else 0.0
 
     def start_load(self, job: str, hashes: list[bytes], found: Found, blocks: list[int]) -> int | None:
         """Fill ``blocks`` with ``hashes``' KV (``found`` by :meth:`lookup`). None while the file
@@ -461,13 +459,12 @@ class KVTiers:
                            "misses": self.queried[MEDIUM_DISK] - self.found[MEDIUM_DISK] + f.load_errors,
                            "load_seconds": f.load_seconds, "store_seconds": f.store_seconds,
                            "errors": f.load_errors + f.store_errors + self.timeouts, "dropped": f.dropped,
-                           "load_bytes_per_s": self.block_bytes / self.disk_s_per_block if self.disk_s_per_block else 0.0}
+                           "load_bytes_per_s": self._load_rate(MEDIUM_DISK)}
         if self.peer is not None:
-            peer_s = self.s_per_block[MEDIUM_PEER]
             out["peer"] = {"bytes": 0, "blocks": 0, "hits": self.found[MEDIUM_PEER],
                            "misses": self.queried[MEDIUM_PEER] - self.found[MEDIUM_PEER],
                            "load_seconds": self.peer_seconds, "store_seconds": 0.0, "errors": self.peer_errors,
-                           "dropped": 0, "load_bytes_per_s": self.block_bytes / peer_s if peer_s else 0.0}
+                           "dropped": 0, "load_bytes_per_s": self._load_rate(MEDIUM_PEER)}
         return out
 
     def read_blocks(self, blocks: list[int], then: list[bytes] = ()) -> tuple[int, bytes]:

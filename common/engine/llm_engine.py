@@ -110,10 +110,9 @@ class LLMEngine:
         file_tier = None
         if cfg.kv_disk_dir is not None:
             layout = self.kv_layout
-            shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
             # the chain's root names model, layout and block size: nodes of one model share the folder
-            file_tier = FileTier(cfg.kv_disk_dir, self.scheduler.cache_root.hex(), cfg.kv_disk_bytes, shape,
-                                 layout.torch_dtype)
+            file_tier = FileTier(cfg.kv_disk_dir, self.scheduler.cache_root.hex(), cfg.kv_disk_bytes,
+                                 layout.block_shape(), layout.torch_dtype)
             file_tier.start()
         return KVTiers(self.kv_caches, cfg.kv_host_bytes, file_tier, cfg.kv_offload_on_finish,
                        always_load=cfg.kv_tier_load == "always")

@@ -129,8 +129,8 @@ class KVEndpoint:
     def peer_fetcher(self, timeout_s: float, on_news: Callable[[], None]) -> PeerFetcher:
         """A fetcher of prefix blocks from peers (the peer tier), asking over this endpoint."""
         layout = self.layout
-        shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        return PeerFetcher(self.control, layout.fingerprint(), shape, layout.torch_dtype, timeout_s, on_news)
+        return PeerFetcher(self.control, layout.fingerprint(), layout.block_shape(), layout.torch_dtype, timeout_s,
+                           on_news)
 
     def _on_router(self, identity: bytes, msg: Message) -> None:
         if isinstance(msg, FetchBlocks):

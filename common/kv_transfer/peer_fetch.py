@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -114,7 +113,6 @@ class _Fetch:
     kv_addr: str
     hashes: list[bytes]
     landed: list[torch.Tensor] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
 
 
 class PeerFetcher:

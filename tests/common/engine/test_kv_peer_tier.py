@@ -176,3 +176,18 @@ def chain(engine: LLMEngine, tokens: list[int]) -> list[bytes]:
     extend_hashes(hashes, salted_root(engine.scheduler.cache_root, None), lambda s, e: tokens[s:e], 16,
                   (len(tokens) - 1) // 16)
     return hashes
+
+
+def test_a_peer_slower_than_prefill_is_skipped_but_measured_again_beside_a_file_tier(tmp_path):
+    """One lookup in 16 tries a medium measured slower than computing, counted per lookup: with a file
+    tier asked too, the peer is still tried once in 16, not on every other count."""
+    from common.engine.kv_tiers import MEDIUM_DISK, MEDIUM_PEER
+
+    e = LLMEngine(EngineConfig(**POOL, kv_peer_fetch="on", kv_disk_dir=str(tmp_path)))
+    tiers = e.kv_tiers
+    tiers.peer = EnginePeer(e, e)
+    tiers.prefill_tokens_per_s = lambda: 16_000.0  # a block's 16 tokens in 1 ms
+    tiers.s_per_block[MEDIUM_DISK] = tiers.s_per_block[MEDIUM_PEER] = 0.002  # both cost more than computing
+    found = [len(tiers.lookup([bytes([i]) * 16], (PEER, 1))) for i in range(32)]
+    assert found.count(1) == 2 and found.count(0) == 30  # only the exploring lookups ask the peer
+    tiers.close()

@@ -14,7 +14,7 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.kv_file_tier import BadBlockFile, FileTier, decode_block, encode_block
-from common.engine.kv_tiers import Found, KVTiers
+from common.engine.kv_tiers import MEDIUM_DISK, Found, KVTiers
 from common.engine.llm_engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
 
@@ -199,9 +199,9 @@ def test_a_file_tier_slower_than_prefill_is_skipped_but_measured_again(tmp_path)
     caches, file_tier, tiers = one_block_on_disk(tmp_path)
     assert len(tiers.lookup([b"h" * 16])) == 1  # nothing measured yet: load
     tiers.prefill_tokens_per_s = lambda: 16_000.0  # a block's 16 tokens in 1 ms
-    tiers.disk_s_per_block = 0.0005
+    tiers.s_per_block[MEDIUM_DISK] = 0.0005
     assert len(tiers.lookup([b"h" * 16])) == 1
-    tiers.disk_s_per_block = 0.002  # loading costs more than computing
+    tiers.s_per_block[MEDIUM_DISK] = 0.002  # loading costs more than computing
     found = [len(tiers.lookup([b"h" * 16])) for _ in range(2 * 16)]
     assert found.count(1) == 2 and found.count(0) == 30  # only the exploring lookups load
     file_tier.close()
