@@ -99,10 +99,10 @@ class ModelRunner:
         self.kv_layout = kv_layout
         self._use(kernels)
         self.scratch_block = num_blocks
-        self.kv_caches = [
-            torch.zeros(kv_layout.layer_shape(num_blocks + 1), dtype=kv_layout.torch_dtype, device=device)
-            for _ in range(kv_layout.num_layers)
-        ]
+        # every layer's cache a slice of one allocation: the KV tiers gather and scatter any blocks of
+        # all layers in one kernel (kv_tiers.block_major)
+        self.kv_caches = list(torch.zeros((kv_layout.num_layers, *kv_layout.layer_shape(num_blocks + 1)),
+                                          dtype=kv_layout.torch_dtype, device=device).unbind(0))
         self.sampler = Sampler(device, seed, eos_token_ids)
         self.graphs: CudaGraphRunner | None = None
         self.graph_memory_bytes = 0
