@@ -40,7 +40,8 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Protocol
@@ -220,6 +221,10 @@ class KVTiers:
         self._lookups = 0
         self.host = HostTier(host_bytes, self.block_shape, kv_caches[0].dtype, self.device.type == "cuda") \
             if host_bytes > 0 else None
+        # on CUDA the host tier's copies run on a stream of their own: the steps queued meanwhile do
+        # not wait behind an eviction's device-to-host copy (issue 35: off the step's critical path)
+        self.copy_stream = torch.cuda.Stream(self.device) if self.host is not None and self.device.type == "cuda" \
+            else None
         self.file = file_tier
         self.offload_on_finish = offload_on_finish
         self.always_load = always_load  # --kv-tier-load always: no measured choice
@@ -272,20 +277,43 @@ class KVTiers:
             if self.file is not None and not self.file.knows(old_hash):
                 self.file.put(old_hash, self.host.read(old_slot), None)
         if todo:
-            self.host.fill([h for _, h in todo], slots, self._gather([b for b, _ in todo]))
+            kv = self._gather([b for b, _ in todo])  # on the current stream, after the steps that wrote the blocks
+            with self._copying(after=True, keep=kv):
+                self.host.fill([h for _, h in todo], slots, kv)
         self._events.extend(BlockStored((h,), None, (), 0, medium=MEDIUM_HOST) for _, h in todo)
         self.host.store_seconds += time.perf_counter() - started
 
     def _gather(self, blocks: list[int]) -> torch.Tensor:
         """The blocks' KV on the pool's device, ``[n, layers, 2, block_size, kv_heads, head_dim]``, contiguous:
         one kernel over the pool's block-major view, else one per layer."""
-        ids = torch.tensor(blocks, device=self.device)
+        ids = self._ids(blocks)
         if self.pool_blocks is not None:
             return self.pool_blocks.index_select(0, ids)
         out = torch.empty((len(blocks), *self.block_shape), dtype=self.kv_caches[0].dtype, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
             torch.index_select(cache, 1, ids, out=out[:, layer].transpose(0, 1))
         return out
+
+    def _ids(self, blocks: list[int]) -> torch.Tensor:
+        """``blocks`` as an index on the pool's device, copied without waiting: ``torch.tensor(...,
+        device=)`` waits for everything queued on the stream (the step in flight) before it returns."""
+        ids = torch.tensor(blocks, dtype=torch.int64)
+        return ids if self.device.type == "cpu" else ids.pin_memory().to(self.device, non_blocking=True)
+
+    @contextmanager
+    def _copying(self, after: bool, keep: torch.Tensor | None = None) -> Iterator[None]:
+        """What is queued inside runs on the copy stream (without one, where it is): ``after`` what
+        the current stream has queued so far; ``keep`` (made on the current stream) is not handed out
+        again before those copies ran."""
+        if self.copy_stream is None:
+            yield
+            return
+        if after:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if keep is not None:
+            keep.record_stream(self.copy_stream)
+        with torch.cuda.stream(self.copy_stream):
+            yield
 
     def _snapshot(self, kv: torch.Tensor) -> tuple[list[torch.Tensor], object]:
         """``kv`` (from :meth:`_gather`) in host memory, one view per block; on CUDA one pinned
@@ -448,16 +476,24 @@ class KVTiers:
         run of adjacent slots, then one scatter per layer."""
         if not blocks:
             return
-        staged = torch.empty((len(blocks), *self.block_shape), dtype=self.kv_caches[0].dtype, device=self.device)
         slots = [kv if isinstance(kv, int) else None for kv in kvs]
-        for start, stop in runs(slots):
-            first = slots[start]
-            if first is not None:
-                staged[start:stop].copy_(self.host.slab[first:first + stop - start], non_blocking=True)  # type: ignore[union-attr]
-            else:  # a tensor alone, on the stream: a pinned snapshot's device-to-host copy may still be
-                # queued, and only the stream orders a read after it (a host-side stack would not wait)
-                staged[start].copy_(kvs[start], non_blocking=True)  # type: ignore[arg-type]
-        ids = torch.tensor(blocks, device=self.device)
+        # host-tier slots were filled on the copy stream, in order; a tensor may be a pinned snapshot
+        # whose device-to-host copy is queued on the current stream: then the copies wait for it
+        with self._copying(after=None in slots):
+            staged = torch.empty((len(blocks), *self.block_shape), dtype=self.kv_caches[0].dtype,
+                                 device=self.device)  # the copy stream's memory: written there first
+            for start, stop in runs(slots):
+                first = slots[start]
+                if first is not None:
+                    staged[start:stop].copy_(self.host.slab[first:first + stop - start], non_blocking=True)  # type: ignore[union-attr]
+                else:  # a tensor alone, on the stream: only the stream orders a read after a pinned
+                    # snapshot's copy (a host-side stack would not wait)
+                    staged[start].copy_(kvs[start], non_blocking=True)  # type: ignore[arg-type]
+            ids = self._ids(blocks)
+        if self.copy_stream is not None:  # the scatter (on the current stream) after the copies
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            staged.record_stream(torch.cuda.current_stream(self.device))
+            ids.record_stream(torch.cuda.current_stream(self.device))
         if self.pool_blocks is not None:
             self.pool_blocks.index_copy_(0, ids, staged)
             return
