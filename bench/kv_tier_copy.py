@@ -39,9 +39,13 @@ def sync(device: torch.device) -> None:
 
 
 def measure(device: torch.device, shape: str, blocks: int, repeats: int, block_size: int = 16,
-            one_allocation: bool = True) -> dict:
+            one_allocation: bool = True, own_stream: bool = True) -> dict:
     """``one_allocation``: every layer's cache a slice of one tensor, as the model runner makes the
-    pool (the tiers copy any blocks in one kernel); else a tensor per layer (one kernel per layer)."""
+    pool (the tiers copy any blocks in one kernel); else a tensor per layer (one kernel per layer).
+    ``own_stream``: the tier's copies on its copy stream (the engine's way), else on the current one.
+    One ``KVTiers`` for every round, as an engine keeps it (a new one per round would also measure a
+    new stream's first allocations); it holds two rounds' blocks, so each round evicts the one
+    before last."""
     layers, heads, head_dim = SHAPES[shape]
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     layout = KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, block_size=block_size, dtype=dtype)
@@ -54,8 +58,10 @@ def measure(device: torch.device, shape: str, blocks: int, repeats: int, block_s
     nbytes = blocks * sum(c[:, 0].nbytes for c in caches)
     src, dst = list(range(blocks)), list(range(blocks, 2 * blocks))
     down, up, ref_down, ref_up = [], [], [], []
+    tiers = KVTiers(caches, host_bytes=2 * nbytes, file_tier=None)
+    if not own_stream:
+        tiers.copy_stream = None
     for r in range(repeats + 1):  # the first round warms the allocators up
-        tiers = KVTiers(caches, host_bytes=2 * nbytes, file_tier=None)
         hashes = [(r * blocks + b).to_bytes(8, "little") for b in src]
         sync(device)
         t0 = time.perf_counter()
@@ -88,7 +94,7 @@ def measure(device: torch.device, shape: str, blocks: int, repeats: int, block_s
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in
             (("tier_down", down), ("tier_up", up), ("copy_down", ref_down), ("copy_up", ref_up))}
     return {"device": str(device), "shape": shape, "blocks": blocks, "bytes": nbytes, "one_allocation": one_allocation,
-            **gbps,
+            "own_stream": own_stream, **gbps,
             "ratio_down": gbps["tier_down"] / gbps["copy_down"], "ratio_up": gbps["tier_up"] / gbps["copy_up"],
             "goal": GOAL}
 
@@ -101,15 +107,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", metavar="PATH", help="also write the figures here")
     args = ap.parse_args()
-    rows = [measure(torch.device(args.device), args.shape, args.blocks, args.repeats, one_allocation=one)
-            for one in (True, False)]
+    rows = [measure(torch.device(args.device), args.shape, args.blocks, args.repeats, one_allocation=one,
+                    own_stream=own) for one, own in ((True, True), (True, False), (False, True))]
     r = rows[0]
     print(f"{r['blocks']} blocks of {args.shape} ({r['bytes'] / 1e6:.1f} MB) on {r['device']}, medians of "
           f"{args.repeats}\n")
     print("| pool | direction | host tier GB/s | pinned copy_ GB/s | ratio | goal |")
     print("|---|---|---:|---:|---:|---:|")
     for row in rows:
-        pool = "one allocation (the engine's)" if row["one_allocation"] else "a tensor per layer"
+        pool = ("one allocation" if row["one_allocation"] else "a tensor per layer") + \
+            (", copy stream" if row["own_stream"] else ", current stream")
+        pool += " (the engine's)" if row["one_allocation"] and row["own_stream"] else ""
         for way, label in (("down", "pool -> host tier"), ("up", "host tier -> pool")):
             ratio = row[f"ratio_{way}"]
             print(f"| {pool} | {label} | {row[f'tier_{way}']:.2f} | {row[f'copy_{way}']:.2f} | {ratio:.2f} | "
