@@ -24,7 +24,9 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     token_ids: tuple[int, ...]
     block_size: int
-    medium: str | None = None  # None: the KV pool; else the tier (common/engine/kv_tiers.py: "CPU", "DISK")
+    # None: the KV pool; else the tier (common/engine/kv_tiers.py: "CPU", "DISK"), whose events carry
+    # no parent and no tokens, and whose ``block_hashes`` are a set (what one offload moved), not a chain
+    medium: str | None = None
 
 
 @dataclass(frozen=True)

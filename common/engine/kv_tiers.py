@@ -35,7 +35,6 @@ the KV pool.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import time
@@ -86,7 +85,9 @@ class HostTier:
         self.capacity = max_bytes // self.block_bytes
         self.slab = torch.empty((self.capacity, *block_shape), dtype=dtype, pin_memory=pin)
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
-        self._free = list(range(self.capacity))  # a heap: the lowest slots first, so runs stay long
+        # never filled yet, ascending (an evicted slot is filled again at once, never freed): taken from
+        # the front, so one offload's slots make one run
+        self._free = list(range(self.capacity))
         self._ready: list[object] = [None] * self.capacity  # the event after the copy that filled each slot
         self.leased: set[int] = set()  # slots a lookup handed out and no load has copied yet: not reused
         self.hits = 0
@@ -106,7 +107,8 @@ class HostTier:
     def claim(self, n: int) -> tuple[list[int], list[tuple[bytes, int]]]:
         """Up to ``n`` slots to fill, lowest first, and the (hash, slot) pairs evicted for them, oldest
         first; an evicted slot keeps its bytes until it is filled (:meth:`read` them before)."""
-        slots = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
+        slots = self._free[:n]
+        del self._free[:n]
         evicted = []
         if len(slots) < n:
             oldest = (h for h, slot in self._slots.items() if slot not in self.leased)
@@ -255,8 +257,8 @@ class KVTiers:
 
     # ---- down ------------------------------------------------------------------------------
     def offload_many(self, blocks: list[int], hashes: list[bytes]) -> None:
-        """Copy pool ``blocks`` (cached as ``hashes``) down, those no tier has yet, in one gather per
-        layer and one copy per run of host slots (the block manager's ``on_evict``: the blocks one
+        """Copy pool ``blocks`` (cached as ``hashes``) down, those no tier has yet, in one gather and
+        one copy per run of host slots (the block manager's ``on_evict``: the blocks one
         allocation evicts, before they are handed out)."""
         if self.host is None and (self.file is None or not self.file.enabled):
             return
@@ -272,15 +274,16 @@ class KVTiers:
         started = time.perf_counter()
         slots, evicted = self.host.claim(len(todo))
         todo = todo[:len(slots)]  # more than the tier holds (or every slot leased): the rest is not kept
+        if evicted:  # one event for the lot: the hashes of a tier's event are a set, not a chain
+            self._events.append(BlockRemoved(tuple(h for h, _ in evicted), medium=MEDIUM_HOST))
         for old_hash, old_slot in evicted:
-            self._events.append(BlockRemoved((old_hash,), medium=MEDIUM_HOST))
             if self.file is not None and not self.file.knows(old_hash):
                 self.file.put(old_hash, self.host.read(old_slot), None)
         if todo:
             kv = self._gather([b for b, _ in todo])  # on the current stream, after the steps that wrote the blocks
             with self._copying(after=True, keep=kv):
                 self.host.fill([h for _, h in todo], slots, kv)
-        self._events.extend(BlockStored((h,), None, (), 0, medium=MEDIUM_HOST) for _, h in todo)
+            self._events.append(BlockStored(tuple(h for _, h in todo), None, (), 0, medium=MEDIUM_HOST))
         self.host.store_seconds += time.perf_counter() - started
 
     def _gather(self, blocks: list[int]) -> torch.Tensor:
