@@ -49,6 +49,7 @@ import torch
 
 from common.engine.cache_events import BlockRemoved, BlockStored, CacheEvent
 from common.engine.kv_file_tier import FileTier
+from common.kv_layout import block_major
 
 logger = logging.getLogger(__name__)
 
@@ -147,23 +148,6 @@ class HostTier:
         self.hits += 1
         self.loaded_bytes += self.block_bytes
         return self._slots[block_hash]
-
-
-def block_major(kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
-    """The pool as one ``[blocks, layers, 2, block_size, kv_heads, head_dim]`` view, when its layers
-    (``[2, blocks, ...]`` each) are equally spaced slices of one allocation, as the model runner makes
-    them; else None. Over it a gather or a scatter of any blocks is one kernel, not one per layer
-    (issue 35: 24 indexing calls per copy held the host tier at 0.4x a pinned ``copy_`` on an H200)."""
-    first = kv_caches[0]
-    step = kv_caches[1].storage_offset() - first.storage_offset() if len(kv_caches) > 1 else first.numel()
-    same = all(c.shape == first.shape and c.stride() == first.stride() and c.dtype == first.dtype
-               and c.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-               and c.storage_offset() == first.storage_offset() + i * step for i, c in enumerate(kv_caches))
-    if not same or step < first.numel():
-        return None
-    kv_stride, block_stride, *rest = first.stride()
-    return first.as_strided((first.shape[1], len(kv_caches), first.shape[0], *first.shape[2:]),
-                            (block_stride, step, kv_stride, *rest))
 
 
 def runs(slots: list[int | None]) -> list[tuple[int, int]]:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from common.kv_layout import block_major
 from common.kv_transfer.config import PairBrokenError
 from common.kv_transfer.p2p_group import DTYPE_NAMES, dtype_name
 from common.kv_transfer.paged import block_run
@@ -73,10 +74,11 @@ def open_cache(exported: list[dict]) -> list[torch.Tensor]:
 
 
 class BlockCopy:
-    """``dst[:, dst_ids] = src[:, src_ids]`` for each layer of a job, on the current streams of both
-    devices (the last kernel runs on ``dst``'s); runs copy without a gather. The index tensors are
-    made once per job, not once per layer (each is a host-to-device copy that waits). Make it
-    inside the streams the copies run on: the index copies are queued there."""
+    """``dst[:, dst_ids] = src[:, src_ids]`` for each layer of a job (or ``dst[dst_ids] =
+    src[src_ids]`` over two pools' block-major views: every layer at once), on the current streams
+    of both devices (the last kernel runs on ``dst``'s); runs copy without a gather. The index
+    tensors are made once per job, not once per layer (each is a host-to-device copy that waits).
+    Make it inside the streams the copies run on: the index copies are queued there."""
 
     def __init__(self, dst_ids: list[int], src_ids: list[int], src_device: torch.device,
                  dst_device: torch.device) -> None:
@@ -85,12 +87,14 @@ class BlockCopy:
         self.src_index = None if self.srun is not None else torch.tensor(src_ids, device=src_device)
         self.dst_index = None if both_runs else torch.tensor(dst_ids, device=dst_device)
 
-    def __call__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def __call__(self, dst: torch.Tensor, src: torch.Tensor, dim: int = 1) -> None:
+        """Along ``dim``, the blocks' axis: 1 in a layer's ``[2, blocks, ...]``, 0 in a block-major view."""
+        at = (slice(None),) * dim
         if self.dst_index is None:
-            dst[:, self.drun].copy_(src[:, self.srun], non_blocking=True)
+            dst[(*at, self.drun)].copy_(src[(*at, self.srun)], non_blocking=True)
             return
-        gathered = src[:, self.srun] if self.src_index is None else src.index_select(1, self.src_index)
-        dst.index_copy_(1, self.dst_index, gathered.to(dst.device, non_blocking=True))
+        gathered = src[(*at, self.srun)] if self.src_index is None else src.index_select(dim, self.src_index)
+        dst.index_copy_(dim, self.dst_index, gathered.to(dst.device, non_blocking=True))
 
 
 class IpcPair:
@@ -102,6 +106,9 @@ class IpcPair:
                  streams: StreamOps) -> None:
         self.rank, self.broken, self.timeout_s, self.streams = rank, False, timeout_s, streams
         self.peer_cache = peer_cache or []
+        # both pools block by block (kv_layout.block_major), for a job of every layer: one copy
+        self._peer_major = block_major(self.peer_cache) if self.peer_cache else None
+        self._own: tuple[object, torch.Tensor | None] | None = None  # (the producer's cache list, its view)
         self.src_stream = self.dst_stream = None
         if rank == 0:
             here = torch.device(device)
@@ -121,6 +128,11 @@ class IpcPair:
         with self.streams.use(self.src_stream, self.dst_stream):
             if ready is not None:
                 self.streams.wait(self.src_stream, ready)  # after the layer's KV write on the compute stream
+            whole = self._whole_pools(job, kv_src)
+            if whole is not None:  # every layer of the pool in one copy (a gather and a scatter at most)
+                dst, src = whole
+                BlockCopy(dst_ids, src_ids, src.device, dst.device)(dst, src, dim=0)
+                return len(src_ids) * src[0].numel() * src.element_size()
             copy = None
             for j, layer in enumerate(job.layers):
                 src = job.staged[j] if job.staged is not None else kv_src[layer]
@@ -130,6 +142,17 @@ class IpcPair:
                 copy(self.peer_cache[layer], src)
                 nbytes += len(ids) * src[:, :1].numel() * src.element_size()
         return nbytes
+
+    def _whole_pools(self, job: SendJob, kv_src: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(consumer's, producer's) block-major views when ``job`` copies every layer of the pool
+        from its blocks (not staged) and both pools are one allocation each; else None."""
+        if self._peer_major is None or job.staged is not None or not isinstance(kv_src, list) \
+                or job.layers != list(range(len(kv_src))) or len(kv_src) != len(self.peer_cache):
+            return None
+        if self._own is None or self._own[0] is not kv_src:
+            self._own = (kv_src, block_major(kv_src))
+        src = self._own[1]
+        return None if src is None else (self._peer_major, src)
 
     def finished_within(self, seconds: float) -> bool:
         """Whether every queued copy finished within ``seconds`` (a short wait on the calling
@@ -156,5 +179,6 @@ class IpcPair:
                 pass  # unmapped anyway: holding a gone consumer's whole cache is worse
         self.broken = True
         had_mapping, self.peer_cache = bool(self.peer_cache), []
+        self._peer_major = self._own = None  # a view of the mapping holds it too
         if had_mapping:
             self.streams.release_ipc()

@@ -123,6 +123,31 @@ def test_ipc_copy_ends_on_the_destination_devices_stream_and_is_synchronized_the
     assert same_bytes(peer[1][:, [6, 1]], kv[1][:, [2, 7]])
 
 
+def test_ipc_job_of_every_layer_between_two_single_allocation_pools_is_one_copy():
+    """Both pools one allocation (as the model runner makes them): a job of every layer copies
+    them all at once over the block-major views, a gather and a scatter or one strided copy; the
+    bytes land in every layer, and closing the pair still drops the mapping."""
+    log: list = []
+    peer_pool = torch.zeros((LAYOUT.num_layers, *LAYOUT.layer_shape(8)), dtype=LAYOUT.torch_dtype)
+    mapped = weakref.ref(peer_pool)
+    peer = list(peer_pool.unbind(0))
+    kv = list(torch.randn((LAYOUT.num_layers, *LAYOUT.layer_shape(8))).to(LAYOUT.torch_dtype).unbind(0))
+    pair = IpcPair(0, "cpu", peer, 1.0, RecordingStreams(log))
+    every = list(range(LAYOUT.num_layers))
+    for dst_ids, src_ids in (([6, 1], [2, 7]), ([4, 5], [2, 3])):  # scattered, then one run each
+        req = ProducerRequest("r", None, ProducerState.SENDING, remote_block_ids=dst_ids)
+        job = SendJob("layers", req, every)
+        assert pair._whole_pools(job, kv) is not None
+        nbytes = pair.write(job, (kv, src_ids))
+        assert nbytes == len(src_ids) * sum(layer[:, :1].nbytes for layer in kv)
+        assert all(same_bytes(p[:, dst_ids], k[:, src_ids]) for p, k in zip(peer, kv))
+    assert pair._whole_pools(SendJob("layers", req, every[1:]), kv) is None  # some layers only: one by one
+    del peer, peer_pool
+    pair.close()
+    gc.collect()
+    assert mapped() is None, "the pair still holds the consumer's cache"
+
+
 def _ipc_done(log: list, streams: RecordingStreams, then=lambda: None) -> tuple[list, torch.Tensor]:
     """A cuda_ipc sender copies blocks [4, 3] of a layer into the peer's [0, 5], then sends DONE;
     ``then()`` runs once DONE is out, before the sender stops. Returns (peer cache, source KV)."""
