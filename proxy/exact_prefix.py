@@ -48,6 +48,7 @@ from proxy.prefix_policy import PromptText, prompt_text
 
 logger = logging.getLogger(__name__)
 MEDIUM_HOST = "CPU"  # the host tier's KV-event medium (common/engine/kv_tiers.py)
+MEDIUM_DISK = "DISK"  # the file tier's
 MAX_TOKEN_IDS = 1 << 20
 PEER_PREFIX_FIELD = "pdserve_peer_prefix"  # the hint's body field; only the proxy sets it
 MEDIUM_PEER = "PEER"  # the peer tier's key in a heartbeat's kv_tier_load_bytes_per_s
@@ -140,7 +141,7 @@ class ExactPrefix:
     def peer_hint(self, target: RegistrationMessage, prompt: str) -> PeerHint | None:
         """The hint for ``target``, the node that will compute ``prompt`` (module docstring), or None:
         it does not run --kv-peer-fetch, the prompt has no token ids, its events are not fresh, or
-        no other peer fetcher holds more of the prompt in its pool and host tier (what a peer serves)
+        no other peer fetcher holds more of the prompt in its pool, host and file tiers (what a peer serves)
         than it holds in pool and tiers."""
         if not target.kv_peer_fetch:  # the one check a request pays while no node runs it
             return None
@@ -153,11 +154,13 @@ class ExactPrefix:
             return None
         hashes = _chain(prompt, target.kv_events.root, target.block_size)
         counts = self.index.leading(list(dict.fromkeys([key, *map(_key, holders)])), hashes)
-        host = self.index.tiers().get(MEDIUM_HOST)  # made once some node stored a block in its host tier
-        for holder in holders if host is not None else ():  # a peer serves its host tier's run after its pool's
+        # a peer serves its host tier's run after its pool's, then its file tier's (each index made
+        # once some node stored a block in that tier)
+        tiers = [t for t in map(self.index.tiers().get, (MEDIUM_HOST, MEDIUM_DISK)) if t is not None]
+        for holder, tier in ((h, t) for t in tiers for h in holders):
             k = _key(holder)
             if k != key and counts[k] < len(hashes):
-                flags = host.held(k, hashes[counts[k]:])  # type: ignore[union-attr]
+                flags = tier.held(k, hashes[counts[k]:])
                 counts[k] += next((i for i, held in enumerate(flags) if not held), len(flags))
         best = _best(target, holders, counts)
         if best is None:

@@ -113,7 +113,8 @@ class FileTier:
         self._threads: list[threading.Thread] = []
         self.bytes = 0  # writer / loader threads, under the lock
         self.dropped = 0  # engine thread
-        self.blocks_read = self.load_errors = 0  # loader thread
+        self.blocks_read = self.load_errors = 0  # loader thread (load_errors: the peer reader's too)
+        self.blocks_served = 0  # read for peers (read_run)
         self.load_seconds = self.loaded_bytes = 0.0  # loader thread
         self.stores = self.store_errors = 0  # writer thread
         self.store_seconds = 0.0  # writer thread
@@ -255,6 +256,20 @@ class FileTier:
             return
         self._warned[kind] = (now, 0)
         logger.warning(message + (f" ({quiet} more since the last such warning)" if quiet else ""), *args)
+
+    # ---- any thread ----------------------------------------------------------------------------
+    def read_run(self, hashes: list[bytes]) -> tuple[int, bytes]:
+        """What the peer tier serves from files (after the pool and the host tier): how many leading
+        ``hashes`` have a whole file here (CRC checked), and their KV back to back. Runs on the peer
+        server's reader thread; a bad file is handled as a load's (warned, deleted, forgotten)."""
+        parts = []
+        for block_hash in hashes:
+            kv = self._read(block_hash) if self.contains(block_hash) else None
+            if kv is None:
+                break
+            parts.append(kv.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        self.blocks_served += len(parts)
+        return len(parts), b"".join(parts)
 
     # ---- writer thread -----------------------------------------------------------------------
     def _path(self, block_hash: bytes) -> Path:

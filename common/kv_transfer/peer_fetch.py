@@ -7,9 +7,12 @@ transfer: no pair, no record in the producer's or consumer's table.
 
 Serving (:class:`PeerServer`): a :class:`FetchBlocks` goes to ``serve`` (the engine's, run on its
 thread between two steps), which copies the KV of the leading asked blocks its pool holds out at
-once; the copy is the answer. Nothing stays held for the asker, so a fetch that is lost, aborted
-or never read leaves nothing behind on this node. At most ``MAX_SERVING`` answers are being made
-at once; more are told busy (the asker computes instead).
+once; the copy is the answer. When those fall short of the ask, ``serve_rest`` (the file tier's,
+when the node has one) reads the blocks after them on the server's own reader thread, never the
+engine's: pool, then host tier, then files, each run after the one before. Nothing stays held for
+the asker, so a fetch that is lost, aborted or never read leaves nothing behind on this node. At
+most ``MAX_SERVING`` answers are being made at once; more are told busy (the asker computes
+instead).
 
 Fetching (:class:`PeerFetcher`): ``load(job, kv_addr, hashes)`` asks for the blocks a chunk at a
 time (at most ``CHUNK_BYTES`` of KV per answer), in order. A chunk's blocks count only when the
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import zlib
 from collections.abc import Callable
@@ -43,6 +47,7 @@ MAX_HASH_BYTES = 64
 BUSY = "busy: too many peer fetches being served"
 # serve(hashes) -> future of (count, data): the KV of the leading ``count`` blocks held, back to back
 ServeBlocks = Callable[[list[bytes]], "Future[tuple[int, bytes]]"]
+ServeRest = Callable[[list[bytes]], tuple[int, bytes]]  # the leading blocks of these it holds, and their KV
 
 
 def block_checksums(data: bytes | memoryview, count: int, block_bytes: int) -> list[int]:
@@ -56,6 +61,8 @@ class PeerServer:
     def __init__(self, control: ControlPlane, fingerprint: str, block_bytes: int) -> None:
         self.control, self.fingerprint, self.block_bytes = control, fingerprint, block_bytes
         self.serve: ServeBlocks | None = None  # set when the node runs --kv-peer-fetch on
+        self.serve_rest: ServeRest | None = None  # then the blocks after those (the file tier), read off the engine thread
+        self._reads: queue.SimpleQueue | None = None  # the reader thread's work, once it runs
         self._serving = 0
         self._lock = threading.Lock()
         self.served_blocks = 0
@@ -93,15 +100,44 @@ class PeerServer:
         return None
 
     def _answered(self, identity: bytes, msg: FetchBlocks, future: Future | None, error: Exception | None) -> None:
-        with self._lock:
-            self._serving -= 1
+        """The engine's part is done (or failed): answer, or first read the rest on the reader thread."""
+        count, data = 0, b""
         if future is not None:
             error = future.exception()
+            if error is None:
+                count, data = future.result()
+                if count < len(msg.hashes) and self.serve_rest is not None:
+                    self._reader().put((identity, msg, count, data))
+                    return
+        self._reply(identity, msg, count, data, error)
+
+    def _reader(self) -> queue.SimpleQueue:
+        with self._lock:
+            if self._reads is None:
+                self._reads = queue.SimpleQueue()
+                # a daemon thread: a read hung on a dead volume must not hold the process at exit
+                threading.Thread(target=self._read_loop, args=(self._reads,), name="peer-serve-reader",
+                                 daemon=True).start()
+            return self._reads
+
+    def _read_loop(self, reads: queue.SimpleQueue) -> None:
+        while True:
+            identity, msg, count, data = reads.get()
+            try:
+                more, extra = self.serve_rest(list(msg.hashes[count:]))  # type: ignore[misc]
+            except Exception as e:  # noqa: BLE001 - the blocks in hand still go; the reader goes on
+                logger.warning("peer fetch: reading %d block(s) after the %d held failed: %r",
+                               len(msg.hashes) - count, count, e)
+                more, extra = 0, b""
+            self._reply(identity, msg, count + more, data + extra, None)
+
+    def _reply(self, identity: bytes, msg: FetchBlocks, count: int, data: bytes, error: Exception | None) -> None:
+        with self._lock:
+            self._serving -= 1
         if error is not None:
             logger.warning("peer fetch: serving %d block(s) failed: %r", len(msg.hashes), error)
             self.control.reply(identity, Error(id=msg.id, reason=f"serving failed: {error!r}"[:200]))
             return
-        count, data = future.result()  # type: ignore[union-attr]
         self.served_blocks += count
         self.control.reply(identity, Blocks(id=msg.id, count=count, data=data,
                                             checksums=block_checksums(data, count, self.block_bytes)))

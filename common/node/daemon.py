@@ -196,13 +196,16 @@ class Daemon:
 
     def _start_peer_tier(self) -> None:
         """The peer tier (issue 35): the engine's KV tiers fetch through this node's KV endpoint, and
-        the endpoint serves peers' fetches from the pool, on the engine thread between steps."""
+        the endpoint serves peers' fetches from the pool and the host tier, on the engine thread
+        between steps, then from the file tier on the endpoint's reader thread."""
         assert self.transfer is not None
         engine, transfer = self.engine, self.transfer
         tiers = engine.engine.kv_tiers
         assert tiers is not None  # EngineConfig builds them with --kv-peer-fetch on
         tiers.peer = transfer.peer_fetcher(transfer.config.timeout_s, engine.wake)
         transfer.peers.serve = lambda hashes: engine.call(lambda llm: llm.peer_blocks(hashes))
+        if tiers.file is not None:  # then the file tier's run, off the engine thread (none while it is off)
+            transfer.peers.serve_rest = tiers.file.read_run
         metrics = self.metrics
         peers = Gauge(PREFIX + "kv_peers", "Peers this node may fetch prefix blocks from (the peer tier: those "
                       "the registry named)", ["role"], registry=metrics.registry)

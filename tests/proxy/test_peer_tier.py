@@ -258,14 +258,16 @@ def test_the_hint_is_spliced_into_the_body_it_joins() -> None:
         assert json.loads(out) == {**json.loads(raw), PEER_PREFIX_FIELD: {"kv_addr": "h:1", "blocks": 2}}
 
 
-def test_a_holders_host_tier_run_after_its_pool_counts_as_what_it_can_serve() -> None:
+def test_a_holders_host_then_file_tier_runs_after_its_pool_count_as_what_it_can_serve() -> None:
     target, holder = peer("P", 14101), peer("D", 14102)
     _, index, exact = setup(target, holder)
     hashes = chain()
     index.stored(key(holder), hashes[:2])
     index.stored(key(target), hashes[:2])
     assert exact.peer_hint(target, prompt()) is None  # the same pool run: nothing to fetch
-    index.tier("CPU").stored(key(holder), hashes[2:5])  # evicted to its host tier: a peer serves it too
-    assert exact.peer_hint(target, prompt()) == PeerHint("127.0.0.1:14102", 5)
-    index.tier("DISK").stored(key(holder), hashes[5:6])  # its file tier: not served to peers
-    assert exact.peer_hint(target, prompt()) == PeerHint("127.0.0.1:14102", 5)
+    index.tier("CPU").stored(key(holder), hashes[2:4])  # evicted to its host tier: a peer serves it too
+    assert exact.peer_hint(target, prompt()) == PeerHint("127.0.0.1:14102", 4)
+    index.tier("DISK").stored(key(holder), hashes[5:6])  # its file tier, after a hole: not part of the run
+    assert exact.peer_hint(target, prompt()) == PeerHint("127.0.0.1:14102", 4)
+    index.tier("DISK").stored(key(holder), hashes[4:5])  # the hole filled: pool, host, then files
+    assert exact.peer_hint(target, prompt()) == PeerHint("127.0.0.1:14102", 6)

@@ -172,3 +172,51 @@ def test_ten_thousand_aborted_fetches_leave_nothing_on_either_side(pair):
     assert pair.calls >= 100  # asked and answered, then dropped unread: cancelled while in flight
     assert pair.fetcher.take_loaded() == [] and pair.fetcher.pending == 0
     assert _same(pair.fetch(HASHES[:2], job="after"), HASHES[:2])  # and it still serves
+
+
+def test_blocks_after_the_pool_come_from_the_file_tier_off_the_engine_thread(pair, tmp_path):
+    """The engine's part holds 3 blocks; the server's file tier has the next 4 (then a hole): the
+    asker gets all 7, read on the server's reader thread, and a damaged file ends the run there."""
+    from common.engine.kv_file_tier import FileTier
+
+    files = FileTier(str(tmp_path), "ns", 1 << 30, SHAPE, LAYOUT.torch_dtype)
+    assert files.start()
+    try:
+        for h in HASHES[3:7]:
+            files.put(h, KV[h])
+        assert files.drain(10.0)
+        pair.held = set(HASHES[:3])
+        read_on: list[str] = []
+
+        def rest(hashes: list[bytes]) -> tuple[int, bytes]:
+            read_on.append(threading.current_thread().name)
+            return files.read_run(hashes)
+
+        pair.server.peers.serve_rest = rest
+        got = pair.fetch(HASHES)
+        assert _same(got, HASHES[:7])
+        assert read_on == ["peer-serve-reader"]
+        assert pair.server.peers.served_blocks == 7 and files.blocks_served == 4
+        assert pair.server.peers._serving == 0
+
+        path = files._path(HASHES[5])
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0xFF
+        path.write_bytes(bytes(data))
+        got = pair.fetch(HASHES, job="again")
+        assert _same(got, HASHES[:5])  # blocks 0-2 held, 3-4 from files, 5 damaged: the run ends
+        assert not path.exists() and files.load_errors == 1
+    finally:
+        files.close()
+
+
+def test_a_failing_file_read_still_sends_the_blocks_held(pair):
+    pair.held = set(HASHES[:2])
+
+    def broken(hashes: list[bytes]) -> tuple[int, bytes]:
+        raise OSError("the volume is gone")
+
+    pair.server.peers.serve_rest = broken
+    got = pair.fetch(HASHES)
+    assert _same(got, HASHES[:2])
+    assert pair.server.peers._serving == 0 and pair.server.peers.served_blocks == 2
