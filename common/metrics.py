@@ -25,6 +25,8 @@ TIER_COUNTERS = {  # KVTiers.stats() keys exported as counters (pdserve:kv_tier_
     "store_seconds": "Seconds spent storing KV blocks in a KV tier",
     "errors": "KV tier faults (unusable directory, full disk, damaged file, I/O error): each one recomputed",
     "dropped": "KV blocks not stored because the tier's write queue was full",
+    "served": "KV blocks a KV tier gave peers' fetches (the peer tier's serving side; the pool's are in "
+              "pdserve:kv_peer_served_blocks with them)",
 }
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 

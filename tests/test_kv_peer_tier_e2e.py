@@ -3,8 +3,10 @@ prompt prefilled on its decode node), one prefill node and two decode nodes with
 
 A prompt computed on D1 is fetched, not computed, by D2: when the request names D1 itself (the
 hint a proxy adds, here sent straight to D2) and when the proxy routes the same prompt to D2 and
-adds the hint from D1's KV events. The answers equal D1's. A hint naming a peer the registry did
-not vouch for is ignored; a hint naming a peer that died costs a compute, not an answer.
+adds the hint from D1's KV events; and when D1's pool has evicted the prefix into its file tier (D1
+alone has one, and a small pool), read from D1's files for D2. The answers equal D1's. A hint naming
+a peer the registry did not vouch for is ignored; a hint naming a peer that died costs a compute,
+not an answer.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from common.request_id import LOCAL_PREFILL, make_request_id
 
 HITS = "pdserve:kv_tier_hits_total"
 BLOCK = 16
+POOL_BLOCKS = 48  # D1's pool: four 200-token prompts evict a fifth's blocks into its file tier
 
 
 def prompt(seed: int, length: int = 200) -> list[int]:
@@ -39,8 +42,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     node = ("--proxy", f"127.0.0.1:{proxy.kv_port}", "--heartbeat-interval-s", "0.5", "--block-size", str(BLOCK),
             "--kv-peer-fetch", "on", "--kv-tier-load", "always", "--kv-timeout-s", "1")
     procs = {"proxy": proxy, "prefill": start("prefill", tmp, *node, wait=False)}
-    for name in ("d1", "d2"):
-        procs[name] = start("decode", tmp, *node, name=name, wait=False)
+    d1_files = ("--kv-disk-dir", str(tmp / "d1-files"), "--num-kv-blocks", str(POOL_BLOCKS))
+    for name, extra in (("d1", d1_files), ("d2", ())):
+        procs[name] = start("decode", tmp, *node, *extra, name=name, wait=False)
     with all_ready(procs):
         for name in ("d1", "d2"):  # each knows the other (and the prefill node) as a peer
             wait_until(lambda name=name: metric(procs[name].url, "pdserve:kv_peers") >= 2,
@@ -118,6 +122,25 @@ def test_the_proxy_adds_the_hint_when_it_routes_a_prefix_away_from_its_holder(cl
     assert texts[0] == texts[1]
     assert labelled(proxy.url, "pdserve:proxy_peer_hints_total") > hints
     assert peer_hits(d1) + peer_hits(d2) > hits
+
+
+def test_a_prefix_the_peer_keeps_in_its_file_tier_is_read_for_the_asker(cluster):
+    d1, d2 = cluster["d1"], cluster["d2"]
+    tokens = prompt(5)
+    full = (len(tokens) - 1) // BLOCK
+    first = direct(d1, tokens)
+    for seed in range(10, 14):  # 4 x 13 blocks through a pool of 48: the first prompt's are evicted
+        direct(d1, prompt(seed))
+    # its blocks are the least recently used: the first evicted, the first written
+    wait_until(lambda: labelled(d1.url, "pdserve:kv_tier_blocks", tier="disk") >= full,
+               "D1 to write its evicted blocks to files", timeout=30)
+    served, hits = metric(d1.url, "pdserve:kv_peer_served_blocks"), peer_hits(d2)
+    second = direct(d2, tokens, pdserve_peer_prefix={"kv_addr": d1.kv_addr, "blocks": full})
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert cached(second) == full * BLOCK and peer_hits(d2) - hits == full
+    assert metric(d1.url, "pdserve:kv_peer_served_blocks") - served == full
+    assert labelled(d1.url, "pdserve:kv_tier_served_total", tier="disk") == full  # from D1's files, all of them
+    assert labelled(d1.url, "pdserve:kv_tier_hits_total", tier="disk") == 0  # serving a peer is no hit of D1's
 
 
 def test_a_peer_that_died_costs_a_compute_not_an_answer(cluster):

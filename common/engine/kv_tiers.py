@@ -91,7 +91,7 @@ class HostTier:
         self._free = list(range(self.capacity))
         self._ready: list[object] = [None] * self.capacity  # the event after the copy that filled each slot
         self.leased: set[int] = set()  # slots a lookup handed out and no load has copied yet: not reused
-        self.hits = 0
+        self.hits = self.served = 0  # served: blocks copied out for peers' fetches
         self.load_seconds = self.store_seconds = self.loaded_bytes = 0.0
 
     def __contains__(self, block_hash: bytes) -> bool:
@@ -502,13 +502,15 @@ class KVTiers:
             out["host"] = {"bytes": h.bytes, "blocks": h.blocks, "hits": h.hits,
                            "misses": self.queried[MEDIUM_HOST] - self.found[MEDIUM_HOST],
                            "load_seconds": h.load_seconds, "store_seconds": h.store_seconds, "errors": 0,
-                           "dropped": 0, "load_bytes_per_s": h.loaded_bytes / h.load_seconds if h.load_seconds else 0.0}
+                           "dropped": 0, "served": h.served,
+                           "load_bytes_per_s": h.loaded_bytes / h.load_seconds if h.load_seconds else 0.0}
         if self.file is not None:
             f = self.file
             out["disk"] = {"bytes": f.bytes, "blocks": f.blocks, "hits": self.disk_hits,
                            "misses": self.queried[MEDIUM_DISK] - self.found[MEDIUM_DISK] + f.load_errors,
                            "load_seconds": f.load_seconds, "store_seconds": f.store_seconds,
                            "errors": f.load_errors + f.store_errors + self.timeouts, "dropped": f.dropped,
+                           "served": f.blocks_served,
                            "load_bytes_per_s": self._load_rate(MEDIUM_DISK)}
         if self.peer is not None:
             out["peer"] = {"bytes": 0, "blocks": 0, "hits": self.found[MEDIUM_PEER],
@@ -526,6 +528,7 @@ class KVTiers:
             if block_hash not in self.host:
                 break
             parts.append(self.host.copy_of(block_hash).unsqueeze(0))
+            self.host.served += 1
         if not parts:
             return 0, b""
         kv = torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -164,6 +164,7 @@ def test_a_peer_serves_what_its_host_tier_keeps_after_its_pool():
     assert pooled < 6 and all(h in server.kv_tiers.host for h in hashes[pooled:])  # the rest: in the host tier
     count, _ = server.peer_blocks(hashes)
     assert count == 6 and server.kv_tiers.host.hits == 0  # served, not counted as the server's own hits
+    assert server.kv_tiers.stats()["host"]["served"] == 6 - pooled
     got, cached = ask(client, tokens, "b", params(peer_blocks=6))
     assert got == reference and cached == 96
 
