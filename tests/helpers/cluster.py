@@ -65,7 +65,7 @@ class Proc:
                     return
             except (httpx.HTTPError, ValueError):
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise RuntimeError(f"{self.name} not ready after {timeout} s:\n{self.log_tail()}")
 
     def kill(self) -> None:
@@ -208,7 +208,7 @@ def wait_idle(base_url: str, timeout: float = 30.0) -> None:
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"{base_url} not idle: usage {usage}, running {running}, waiting {waiting}")
-        time.sleep(0.1)
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager

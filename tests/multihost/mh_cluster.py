@@ -135,7 +135,7 @@ def assert_nothing_leaked(procs: list[NsProc], before: dict[str, tuple[int, int]
         if not grown:
             return
         assert time.monotonic() < deadline, f"(threads, fds) before -> after: {grown}"
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def assert_all_idle(cluster) -> None:
