@@ -16,7 +16,7 @@ import threading
 
 import httpx
 from helpers.cluster import all_ready, labelled, metric, start
-from helpers.waiting import wait_until
+from helpers.waiting import wait_for, wait_until
 
 A_BODY = {"prompt": "one prompt that prefix routing would keep sending to the same node " * 2,
           "max_tokens": 4, "ignore_eos": True, "temperature": 0}
@@ -67,9 +67,16 @@ def test_a_clients_requests_are_spread_when_every_decode_node_is_saturated(tmp_p
         try:
             for i in range(4):  # C's four prompts share nothing: least loaded, two a node
                 send(c_stream, i)
-            for name in ("d1", "d2"):
-                wait_until(lambda name=name: metric(procs[name].url, "pdserve:num_requests_waiting") >= 1,
-                           f"{name} runs one of C's requests and queues another", 120)
+
+            def saturated() -> bool:  # each node runs one of C's requests and queues another
+                return all(metric(procs[name].url, "pdserve:num_requests_waiting") >= 1 for name in ("d1", "d2"))
+
+            # a node that got one of the four only, or finished one before this looked (3,000 tokens
+            # take seconds on a fast engine), gets another of C's requests
+            while not wait_for(saturated, 10, 0.02):
+                assert i < 12, "both decode nodes never ran one of C's requests and queued another"
+                i += 1
+                send(c_stream, i)
             before = legs()
             sent = 0
             # A's copies go where prefix_aware wants until a heartbeat has told the proxy both nodes
