@@ -13,21 +13,25 @@ everything it started, and marked FAIL "timed out":
 
 | step | timeout | what |
 |---|---:|---|
-| pytest | 180 s | ``pytest -m gpu`` over the test files that hold gpu-marked tests (with |
+| pytest | 175 s | ``pytest -m gpu`` over the test files that hold gpu-marked tests (with |
 | | | ``--batch-invariant``'s: test_batch_invariant_engine.py, logits bitwise in any batch) |
-| checkpoints | 40 s | random bf16 checkpoints of a Qwen2.5-0.5B and a Llama-3.1-8B shape |
-| engine | 105 s | decode ms/step at batch 1 and 64, CUDA graphs and eager, beside the memory floor; |
+| checkpoints | 50 s | random bf16 checkpoints of a Qwen2.5-0.5B and a Llama-3.1-8B shape |
+| engine | 75 s | decode ms/step at batch 1 and 64, CUDA graphs and eager, beside the memory floor; |
 | | | the KV host tier's copy bandwidth against a pinned ``copy_`` (bench/kv_tier_copy.py, >= 0.7x) |
-| ttft | 35 s | TTFT of a 2,000-token prompt on the 8B shape |
-| cuda_ipc | 100 s | one GPU, 8B: `pdserve up`'s proxy vs a colocated node on 20 greedy requests; |
+| ttft | 100 s | TTFT of a 2,000-token prompt on the 8B shape; ``--batch-invariant``'s cost |
+| cuda_ipc | 95 s | one GPU, 8B: `pdserve up`'s proxy vs a colocated node on 20 greedy requests; |
 | | | TTFT disaggregated / colocated and the KV bandwidth of a 2,000-token move (ttft_breakdown) |
+| kv_tiers | 120 s | one GPU, 0.5B: bench/kv_tiers.py's multi-turn trace (2,000-token contexts, host tier |
+| | | on the prefill node, pools ~5x smaller than the working set): TTFT of turns >= 2 off / on |
+| | | (>= 4x), ITL p50 (<= +5 %), answers identical (issue 35) |
 | nccl | 45 s | the same over an NCCL pair, prefill on GPU 0, decode on GPU 1 (parity through the pair) |
 
-The timeouts add up to 505 s; with the probe (15 s), each step's 3 s of grace and the cuda_ipc
-step's clean-up (`pdserve down`, 20 s) the worst case is 558 s, under 10 minutes. An H200 took
-95-127 s for pytest (Triton compiling on a fresh machine), 35-39 s for the checkpoints, 38-40 s
-for the engine, 11-13 s for ttft and 58 s for cuda_ipc (2026-11-27). ``--timeout-scale`` scales
-them, ``--steps`` picks some. Writes OUT/gpu-check.md (printed last) and
+The run has a budget (``--budget-s``, 570 s with the probe): a step runs only if its timeout, its 3 s
+of grace and its clean-up (`pdserve down`, 20 s) fit in what is left, else it is SKIP with the
+reason, so a run ends within one 10-minute device call even if every step hangs. An H200 took
+95-158 s for pytest (Triton compiling on a fresh machine), 35-49 s for the checkpoints, 38-51 s
+for the engine, 11-31 s for ttft and 58-66 s for cuda_ipc (2026-11-27); the kv_tiers step has not
+run on a GPU yet. ``--timeout-scale`` scales the timeouts, ``--steps`` picks some. Writes OUT/gpu-check.md (printed last) and
 OUT/gpu-check.json; each step's output is in OUT/logs/. Without CUDA every step is SKIP
 ("no CUDA device") and the exit code is 0; it is 1 when a step FAILs.
 """
@@ -50,6 +54,7 @@ from gpu_check_runner import (FAIL, PASS, ROOT, Context, Figure, Step, StepResul
                               last_line, render_table, run_step, skip_reason, step_env)
 
 PROBE_TIMEOUT_S = 15.0
+BUDGET_S = 570.0  # the whole run, probe included: within a lent machine's 10 minutes a command
 # what the steps import; a GPU machine without network may lack the pure-Python ones
 MODULES = ("torch", "triton", "transformers", "safetensors", "tokenizers", "jinja2", "httpx", "msgpack",
            "prometheus_client", "zmq", "fastapi", "starlette", "uvicorn", "pydantic", "pytest")
@@ -124,6 +129,26 @@ def judge_engine(ctx: Context, code: int, text: str) -> Verdict:
                 missed.append(f"{label} {ratio:.2f}x")
     if code != 0:
         return FAIL, f"exit {code}: {last_line(text)}", figures
+    return (FAIL, "goal not met: " + "; ".join(missed), figures) if missed else (PASS, "every goal met", figures)
+
+
+TIERS_TTFT_GOAL, TIERS_ITL_GOAL = 4.0, 0.05  # issue 35: >= 4x better TTFT at >= 2,000 tokens; ITL <= +5 %
+
+
+def judge_kv_tiers(ctx: Context, code: int, text: str) -> Verdict:
+    """bench/kv_tiers.py on the 0.5B shape: turns >= 2's TTFT with the host tier against without,
+    the ITL beside it, and the answers (identical with the tier on and off)."""
+    if code != 0:
+        return FAIL, f"exit {code}: {last_line(text)}", []
+    r = ctx.results("kv_tiers")
+    figures = [Figure("KV tiers: TTFT p50 of turns >= 2, off / on", f"{r['ttft_ratio']:.2f}x "
+                      f"({r['system_tokens']:,}-token contexts, host-tier hit rate {r['tier_hit_rate']:.0%})",
+                      f">= {TIERS_TTFT_GOAL:g}x", r["ttft_ratio"] >= TIERS_TTFT_GOAL),
+               Figure("KV tiers: ITL p50 change", f"{r['itl_p50_change']:+.1%} (p99 {r['itl_p99_change']:+.1%})",
+                      f"<= +{TIERS_ITL_GOAL:.0%}", r["itl_p50_change"] <= TIERS_ITL_GOAL),
+               Figure("KV tiers: answers identical, tier on / off", f"{r['identical']}/{r['answers']}",
+                      "all", r["identical"] == r["answers"])]
+    missed = [f.label for f in figures if f.met is False]
     return (FAIL, "goal not met: " + "; ".join(missed), figures) if missed else (PASS, "every goal met", figures)
 
 
@@ -217,6 +242,13 @@ STEPS = [
          judge_disaggregated("cuda_ipc", "parity_up", "pdserve up, proxy vs colocated"), needs="checkpoints",
          # `up`'s daemons leave the step's process tree (the launcher exits once they are ready)
          cleanup=lambda ctx: [ctx.python, "-m", "pdserve.cli", "down", "--run-dir", str(ctx.work / "up")]),
+    Step("kv_tiers", "KV tiers trace, 0.5B, one GPU (host tier)", 120,
+         # issue 35: turns >= 2 of a multi-turn trace whose working set is ~5x the pools, host tier off / on
+         bench("kv_tiers.py", "--model", "{ckpt}/qwen2.5-0.5b", "--token-ids", "--tier", "host",
+               "--system-tokens", "2000", "--conversations", "8", "--turns", "3", "--pool-blocks", "192",
+               "--node-arg=--device=cuda", "--node-arg=--gpu-memory-utilization=0.2",
+               "--node-arg=--kv-transport=cuda_ipc", "--json", "{work}/kv_tiers.json"),
+         judge_kv_tiers, needs="checkpoints"),
     Step("nccl", "NCCL pair, cuda:0 -> cuda:1", 45,
          bench("ttft_breakdown.py", *disaggregated_args("nccl", "0.45", "--decode-gpu", "1",
                                                          "--parity", str(PARITY_REQUESTS))),
@@ -291,6 +323,9 @@ def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
     ap.add_argument("--workdir", default=None,
                     help="where checkpoints (~17 GB) go and stay (default: a temporary directory, removed)")
     ap.add_argument("--steps", default=None, help="only these steps, comma-separated (with those they need)")
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S,
+                    help="the whole run's time: a step whose timeout (with its grace and clean-up) no longer fits "
+                         "in what is left is SKIP, so a run ends within one 10-minute device call")
     ap.add_argument("--timeout-scale", type=float, default=1.0,
                     help="multiply every step's timeout (the timeouts are estimates; a first run on a new "
                          "machine may want more room)")
@@ -303,7 +338,8 @@ def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
     try:
         machine = probe(sys.executable)
         ctx = Context(python=sys.executable, out=out.resolve(), work=work.resolve(), gpus=machine.get("gpus", 0),
-                      missing=machine.get("missing", []), probe_error=machine.get("error"))
+                      missing=machine.get("missing", []), probe_error=machine.get("error"),
+                      deadline=t0 + args.budget_s)
         chosen = STEPS if steps is None else steps
         if args.steps:
             wanted = set(args.steps.split(","))

@@ -64,6 +64,7 @@ class Context:
     gpus: int = 0
     missing: list[str] = field(default_factory=list)
     probe_error: str | None = None
+    deadline: float | None = None  # time.monotonic() by which the whole run must end (its budget)
 
     def results(self, step: str) -> dict:
         return json.loads((self.work / f"{step}.json").read_text())
@@ -155,6 +156,11 @@ def skip_reason(step: Step, ctx: Context, done: dict[str, StepResult]) -> str | 
         return NO_CUDA if ctx.gpus == 0 else step.fewer_gpus
     if step.needs and done.get(step.needs) and done[step.needs].status != PASS:
         return f"not run: step {step.needs} did not pass"
+    if ctx.deadline is not None:  # a step runs only if it ends within the run's budget even if it hangs
+        worst = step.timeout_s + GRACE_S + (CLEANUP_TIMEOUT_S if step.cleanup is not None else 0)
+        left = ctx.deadline - time.monotonic()
+        if worst > left:
+            return f"not run: it may take {worst:.0f} s and {max(left, 0):.0f} s of the run's budget are left"
     return None
 
 

@@ -22,11 +22,19 @@ chunks arrive several per read, so single gaps say little), output tokens/s,
 KV bytes moved P->D, and whether every answer is identical with tiers on and off.
 
     python bench/kv_tiers.py [--conversations 16] [--turns 4] [--system-tokens 1200] [--pool-blocks 256]
+
+On a GPU (``make gpu-check``'s kv_tiers step): ``--model DIR --token-ids --tier host
+--node-arg=--device=cuda --node-arg=--gpu-memory-utilization=0.2 --node-arg=--kv-transport=cuda_ipc``:
+a checkpoint without a chat template gets random token-id prompts (each conversation's own system
+ids, then a new question of ids each turn; its answers are not resent), and the prefill node's tier
+is its pinned host tier (``--kv-host-bytes``), not files. ``--json PATH`` writes the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import shutil
 import statistics
 import sys
@@ -81,17 +89,36 @@ def chat_turn(url: str, messages: list[dict], max_tokens: int,
     return stamps[0], stamps[-1], text, tokens
 
 
+def completion_turn(url: str, prompt: list[int], max_tokens: int, model: str | None) -> tuple[float, float, str, int]:
+    """:func:`chat_turn` for a prompt of token ids (a model without a chat template)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, **({"model": model} if model else {})}
+    t0 = time.perf_counter()
+    stamps, text, tokens = [], "", 0
+    for event in data_events(HTTP, url + "/v1/completions", body):
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+        for choice in event.get("choices", []):
+            if choice.get("text"):
+                stamps.append(time.perf_counter() - t0)
+                text += choice["text"]
+    if not stamps:
+        raise RuntimeError("no token")
+    return stamps[0], stamps[-1], text, tokens
+
+
 COUNTERS = {  # prefill node's figures (the decode node's KV bytes separately)
     "queries": "pdserve:prefix_cache_queries_total",
     "hits": "pdserve:prefix_cache_hits_total",
 }
 
 
-def prefill_counters(url: str) -> dict[str, float]:
+def prefill_counters(url: str, tier: str = "disk") -> dict[str, float]:
+    """The prefill node's prefix-cache figures and those of its KV tier ``tier`` ("disk", "host")."""
     out = {k: metric(url, name) for k, name in COUNTERS.items()}
-    out["disk_blocks"] = labelled(url, "pdserve:kv_tier_hits_total", tier="disk")
-    out["disk_errors"] = labelled(url, "pdserve:kv_tier_errors_total", tier="disk")
-    out["disk_dropped"] = labelled(url, "pdserve:kv_tier_dropped_total", tier="disk")
+    out["tier_blocks"] = labelled(url, "pdserve:kv_tier_hits_total", tier=tier)
+    out["tier_errors"] = labelled(url, "pdserve:kv_tier_errors_total", tier=tier)
+    out["tier_dropped"] = labelled(url, "pdserve:kv_tier_dropped_total", tier=tier)
     return out
 
 
@@ -100,11 +127,12 @@ def run(tiers: bool, args: argparse.Namespace, systems: list[str]) -> RunResult:
     proxy = start("proxy", tmp, "--disagg-policy", "always", wait=False)
     # both pools small: a decode node with room for the whole trace would keep every conversation's
     # prefix itself and compute each new turn's few tokens locally, and P (and its tiers) would not be asked
-    common = ["--model", "embedded", "--proxy", f"127.0.0.1:{proxy.kv_port}", "--heartbeat-interval-s", "0.5",
-              "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(args.pool_blocks)]
+    common = ["--model", args.model, "--proxy", f"127.0.0.1:{proxy.kv_port}", "--heartbeat-interval-s", "0.5",
+              "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(args.pool_blocks), *args.node_arg]
     prefill_args = list(common)
     if tiers:
-        prefill_args += ["--kv-disk-dir", str(tmp / "kv"), "--kv-tier-load", args.kv_tier_load]
+        where = ["--kv-host-bytes", str(args.host_bytes)] if args.tier == "host" else ["--kv-disk-dir", str(tmp / "kv")]
+        prefill_args += [*where, "--kv-tier-load", args.kv_tier_load]
         if args.offload_on_finish:
             prefill_args.append("--kv-offload-on-finish")
     procs: list[Proc] = [proxy]
@@ -123,13 +151,32 @@ def run(tiers: bool, args: argparse.Namespace, systems: list[str]) -> RunResult:
             pin(prefill, {0})
             pin(decode, {1})
         wait_registered(proxy, 1)
-        chat_turn(proxy.url, [{"role": "user", "content": "warm up"}], 2)  # the pair, first-call costs
-        before, kv_before = prefill_counters(prefill.url), metric(decode.url, "pdserve:kv_transfer_bytes_total")
+        tier = "host" if args.tier == "host" else "disk"
+        if args.token_ids:  # the pair, first-call costs
+            completion_turn(proxy.url, [5, 6, 7], 2, args.served_model_name)
+        else:
+            chat_turn(proxy.url, [{"role": "user", "content": "warm up"}], 2)
+        before = prefill_counters(prefill.url, tier)
+        kv_before = metric(decode.url, "pdserve:kv_transfer_bytes_total")
         result = RunResult()
         histories = [[{"role": "system", "content": s}] for s in systems]
+        rng = random.Random(7)  # --token-ids: the same ids in every run
+        id_histories = [[rng.randrange(4, 2048) for _ in range(args.system_tokens)] for _ in systems]
+        questions = [[[rng.randrange(4, 2048) for _ in range(16)] for _ in range(args.turns)] for _ in systems]
         started = time.perf_counter()
         for turn in range(args.turns):  # a wave: every conversation's turn, --concurrency at a time
             def one(i: int, turn: int = turn) -> None:
+                if args.token_ids:
+                    id_histories[i] += questions[i][turn]
+                    ttft, last, answer, tokens = completion_turn(proxy.url, list(id_histories[i]), args.max_tokens,
+                                                                 args.served_model_name)
+                    result.answers[(i, turn)] = answer
+                    result.output_tokens += tokens
+                    if turn:
+                        result.ttft_ms.append(ttft * 1000)
+                    if tokens > 1:
+                        result.itl_ms.append((last - ttft) * 1000 / (tokens - 1))
+                    return
                 messages = histories[i]
                 messages.append({"role": "user", "content": QUESTIONS[(i + turn) % len(QUESTIONS)]})
                 ttft, last, answer, tokens = chat_turn(proxy.url, messages, args.max_tokens)
@@ -144,7 +191,7 @@ def run(tiers: bool, args: argparse.Namespace, systems: list[str]) -> RunResult:
             with ThreadPoolExecutor(args.concurrency) as pool:
                 list(pool.map(one, range(args.conversations)))
         result.seconds = time.perf_counter() - started
-        after = prefill_counters(prefill.url)
+        after = prefill_counters(prefill.url, tier)
         result.counters = {k: after[k] - before[k] for k in after}
         result.counters["kv_bytes"] = metric(decode.url, "pdserve:kv_transfer_bytes_total") - kv_before
         return result
@@ -160,25 +207,34 @@ def report(on: RunResult, off: RunResult, args: argparse.Namespace, working_toke
           f"{args.concurrency} at a time; {args.system_tokens}-token system prompt of its own each, "
           f"{args.max_tokens} tokens per answer; working set ~{working_tokens:,} tokens = "
           f"{working_tokens / pool_tokens:.1f}x a node's pool ({args.pool_blocks} blocks x {BLOCK_SIZE}); "
-          "proxy + prefill + decode (P->D), embedded model, CPU fp32, loopback\n")
-    print("| tiers | pool hit rate | file-tier hit rate | TTFT p50 ms (turns>=2) | TTFT p99 ms | ITL p50 ms "
+          f"proxy + prefill + decode (P->D), {args.model} model{' ' + ' '.join(args.node_arg) if args.node_arg else ''}"
+          "\n")
+    tier = "host-tier" if args.tier == "host" else "file-tier"
+    print(f"| tiers | pool hit rate | {tier} hit rate | TTFT p50 ms (turns>=2) | TTFT p99 ms | ITL p50 ms "
           "| ITL p99 ms | output tok/s | KV bytes P->D | tier errors / dropped stores |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    on_name = (f"on (file tier{' on P and D' if args.decode_tiers else ''}, --kv-tier-load {args.kv_tier_load}"
-               f"{', --kv-offload-on-finish' if args.offload_on_finish else ''})")
+    on_name = (f"on ({'host' if args.tier == 'host' else 'file'} tier{' on P and D' if args.decode_tiers else ''}, "
+               f"--kv-tier-load {args.kv_tier_load}{', --kv-offload-on-finish' if args.offload_on_finish else ''})")
     for name, r in (("off", off), (on_name, on)):
         c = r.counters
         queries = max(c["queries"], 1)
-        disk_tokens = c["disk_blocks"] * BLOCK_SIZE
-        print(f"| {name} | {(c['hits'] - disk_tokens) / queries:.1%} | {disk_tokens / queries:.1%} "
+        tier_tokens = c["tier_blocks"] * BLOCK_SIZE
+        print(f"| {name} | {(c['hits'] - tier_tokens) / queries:.1%} | {tier_tokens / queries:.1%} "
               f"| {statistics.median(r.ttft_ms):.1f} | {pct(r.ttft_ms, 0.99):.1f} | {statistics.median(r.itl_ms):.2f} "
               f"| {pct(r.itl_ms, 0.99):.2f} | {r.output_tokens / r.seconds:.1f} | {c['kv_bytes'] / 1e6:,.1f} MB "
-              f"| {c['disk_errors']:.0f} / {c['disk_dropped']:.0f} |")
+              f"| {c['tier_errors']:.0f} / {c['tier_dropped']:.0f} |")
     same = sum(on.answers[k] == off.answers.get(k) for k in on.answers)
     ratio = statistics.median(off.ttft_ms) / statistics.median(on.ttft_ms)
     itl = statistics.median(on.itl_ms) / statistics.median(off.itl_ms) - 1
     print(f"\nTTFT p50 of turns >= 2, off / on: {ratio:.2f}x; ITL p50 change with tiers: {itl:+.1%}; "
           f"answers identical: {same}/{len(on.answers)}")
+    if args.json:
+        figures = {"ttft_ratio": ratio, "itl_p50_change": itl, "identical": same, "answers": len(on.answers),
+                   "tier": args.tier, "system_tokens": args.system_tokens,
+                   "tier_hit_rate": on.counters["tier_blocks"] * BLOCK_SIZE / max(on.counters["queries"], 1),
+                   "itl_p99_change": pct(on.itl_ms, 0.99) / pct(off.itl_ms, 0.99) - 1,
+                   "tier_errors": on.counters["tier_errors"]}
+        Path(args.json).write_text(json.dumps(figures, indent=1))
 
 
 def main() -> None:
@@ -195,6 +251,14 @@ def main() -> None:
                         help="with tiers on, a file tier on the decode node too (it then asks P only for what it lacks)")
     parser.add_argument("--kv-tier-load", choices=("auto", "always"), default="auto",
                         help="the prefill node's --kv-tier-load with tiers on")
+    parser.add_argument("--model", default="embedded", help="the daemons' --model (embedded, default or a DIR)")
+    parser.add_argument("--served-model-name", default=None, help="the model name requests carry (--token-ids)")
+    parser.add_argument("--node-arg", action="append", default=[], help="one more flag for both daemons (repeat)")
+    parser.add_argument("--token-ids", action="store_true",
+                        help="random token-id prompts through /v1/completions (a model without a chat template)")
+    parser.add_argument("--tier", choices=("file", "host"), default="file", help="the prefill node's tier with tiers on")
+    parser.add_argument("--host-bytes", type=int, default=1 << 30, help="its --kv-host-bytes with --tier host")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures here")
     parser.add_argument("--pin", action="store_true",
                         help="the prefill node on CPU 0, the decode node on CPU 1 (proxy and client float)")
     args = parser.parse_args()
