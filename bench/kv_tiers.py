@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -262,6 +263,8 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true",
                         help="the prefill node on CPU 0, the decode node on CPU 1 (proxy and client float)")
     args = parser.parse_args()
+    if any("cuda" in a for a in args.node_arg):  # daemons of their own, not forks of a process holding torch
+        os.environ.setdefault("PDSERVE_TEST_FORK", "0")
     base = system_prompt(args.system_tokens)
     systems = [f"Conversation {i}. {base}" for i in range(args.conversations)]
     working = args.conversations * (args.system_tokens + args.turns * (args.max_tokens + 20))
