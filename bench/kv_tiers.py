@@ -41,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,34 +76,26 @@ def chat_turn(url: str, messages: list[dict], max_tokens: int,
     """(seconds to the first token, to the last, the answer, its tokens) of one streamed turn."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    stamps, text, tokens = [], "", 0
-    for event in data_events(HTTP, url + "/v1/chat/completions", body):
-        if event.get("usage"):
-            tokens = event["usage"]["completion_tokens"]
-        for choice in event.get("choices", []):
-            piece = (choice.get("delta") or {}).get("content") or ""
-            if piece:
-                stamps.append(time.perf_counter() - t0)
-                text += piece
-    if not stamps:
-        raise RuntimeError("no token")
-    return stamps[0], stamps[-1], text, tokens
+    return _timed_stream(url + "/v1/chat/completions", body, lambda c: (c.get("delta") or {}).get("content") or "")
 
 
 def completion_turn(url: str, prompt: list[int], max_tokens: int, model: str | None) -> tuple[float, float, str, int]:
     """:func:`chat_turn` for a prompt of token ids (a model without a chat template)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, **({"model": model} if model else {})}
+    return _timed_stream(url + "/v1/completions", body, lambda c: c.get("text") or "")
+
+
+def _timed_stream(url: str, body: dict, piece: Callable[[dict], str]) -> tuple[float, float, str, int]:
     t0 = time.perf_counter()
     stamps, text, tokens = [], "", 0
-    for event in data_events(HTTP, url + "/v1/completions", body):
+    for event in data_events(HTTP, url, body):
         if event.get("usage"):
             tokens = event["usage"]["completion_tokens"]
         for choice in event.get("choices", []):
-            if choice.get("text"):
+            if got := piece(choice):
                 stamps.append(time.perf_counter() - t0)
-                text += choice["text"]
+                text += got
     if not stamps:
         raise RuntimeError("no token")
     return stamps[0], stamps[-1], text, tokens

@@ -173,8 +173,12 @@ def test_worst_case_fits_in_one_10_minute_device_call() -> None:
 
 
 def test_a_step_that_would_overrun_the_budget_is_skipped_and_the_rest_still_run(tmp_path: Path) -> None:
-    quick = lambda ctx: [sys.executable, "-c", "print('ran')"]  # noqa: E731
-    judge = lambda ctx, code, text: (PASS, "ran", [])  # noqa: E731
+    def quick(ctx):
+        return [sys.executable, "-c", "print('ran')"]
+
+    def judge(ctx, code, text):
+        return PASS, "ran", []
+
     steps = [Step("long", "long", 60, quick, judge, gpus=0), Step("short", "short", 5, quick, judge, gpus=0)]
     out = tmp_path / "out"
     assert gpu_check.main([str(out), "--budget-s", "30"], steps) == 0
@@ -192,8 +196,8 @@ def test_kv_tiers_figures_hold_ttft_itl_and_answers_to_their_goals(tmp_path: Pat
     status, reason, shown = gpu_check.judge_kv_tiers(ctx, 0, "")
     assert (status, reason) == (PASS, "every goal met")
     assert [f.text() for f in shown] == [
-        "KV tiers: TTFT p50 of turns >= 2, off / on: 5.20x (2,000-token contexts, host-tier hit rate 81%) "
-        "(goal >= 4x: met)",
+        ("KV tiers: TTFT p50 of turns >= 2, off / on: 5.20x (2,000-token contexts, host-tier hit rate 81%) "
+         "(goal >= 4x: met)"),
         "KV tiers: ITL p50 change: +3.1% (p99 +12.0%) (goal <= +5%: met)",
         "KV tiers: answers identical, tier on / off: 24/24 (goal all: met)"]
     (tmp_path / "kv_tiers.json").write_text(json.dumps({**figures, "itl_p50_change": 0.09, "identical": 23}))
