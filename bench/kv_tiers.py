@@ -65,6 +65,19 @@ BLOCK_SIZE = 16
 class RunResult:
     ttft_ms: list[float] = field(default_factory=list)  # turns >= 2
     itl_ms: list[float] = field(default_factory=list)  # per request: (last token - first) / (tokens - 1)
+    decoding: list[tuple[float, float]] = field(default_factory=list)  # per request: first token to last, as seen
+
+    def overlap(self) -> float:
+        """The share of the requests' decoding time (first token to last) during which another
+        request was decoding too: the decode node ran a batch of two or more."""
+        edges = sorted([(a, 1) for a, _ in self.decoding] + [(b, -1) for _, b in self.decoding])
+        total = shared = 0.0
+        active, at = 0, edges[0][0] if edges else 0.0
+        for t, step in edges:
+            total += active * (t - at)
+            shared += active * (t - at) if active >= 2 else 0.0
+            active, at = active + step, t
+        return shared / total if total else 0.0
     answers: dict[tuple[int, int], str] = field(default_factory=dict)
     output_tokens: int = 0
     seconds: float = 0.0
@@ -160,27 +173,23 @@ def run(tiers: bool, args: argparse.Namespace, systems: list[str]) -> RunResult:
         started = time.perf_counter()
         for turn in range(args.turns):  # a wave: every conversation's turn, --concurrency at a time
             def one(i: int, turn: int = turn) -> None:
+                sent = time.perf_counter()
                 if args.token_ids:
                     id_histories[i] += questions[i][turn]
                     ttft, last, answer, tokens = completion_turn(proxy.url, list(id_histories[i]), args.max_tokens,
                                                                  args.served_model_name)
-                    result.answers[(i, turn)] = answer
-                    result.output_tokens += tokens
-                    if turn:
-                        result.ttft_ms.append(ttft * 1000)
-                    if tokens > 1:
-                        result.itl_ms.append((last - ttft) * 1000 / (tokens - 1))
-                    return
-                messages = histories[i]
-                messages.append({"role": "user", "content": QUESTIONS[(i + turn) % len(QUESTIONS)]})
-                ttft, last, answer, tokens = chat_turn(proxy.url, messages, args.max_tokens)
+                else:
+                    messages = histories[i]
+                    messages.append({"role": "user", "content": QUESTIONS[(i + turn) % len(QUESTIONS)]})
+                    ttft, last, answer, tokens = chat_turn(proxy.url, messages, args.max_tokens)
+                    messages.append({"role": "assistant", "content": answer})
                 if turn:
                     result.ttft_ms.append(ttft * 1000)
                 if tokens > 1:  # chunks can arrive several per read: a request's mean gap, not each gap
                     result.itl_ms.append((last - ttft) * 1000 / (tokens - 1))
+                result.decoding.append((sent + ttft, sent + last))
                 result.answers[(i, turn)] = answer
                 result.output_tokens += tokens
-                messages.append({"role": "assistant", "content": answer})
 
             with ThreadPoolExecutor(args.concurrency) as pool:
                 list(pool.map(one, range(args.conversations)))
@@ -205,8 +214,8 @@ def report(on: RunResult, off: RunResult, args: argparse.Namespace, working_toke
           "\n")
     tier = "host-tier" if args.tier == "host" else "file-tier"
     print(f"| tiers | pool hit rate | {tier} hit rate | TTFT p50 ms (turns>=2) | TTFT p99 ms | ITL p50 ms "
-          "| ITL p99 ms | output tok/s | KV bytes P->D | tier errors / dropped stores |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| ITL p99 ms | decoding beside another | output tok/s | KV bytes P->D | tier errors / dropped stores |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     on_name = (f"on ({'host' if args.tier == 'host' else 'file'} tier{' on P and D' if args.decode_tiers else ''}, "
                f"--kv-tier-load {args.kv_tier_load}{', --kv-offload-on-finish' if args.offload_on_finish else ''})")
     for name, r in (("off", off), (on_name, on)):
@@ -215,7 +224,8 @@ def report(on: RunResult, off: RunResult, args: argparse.Namespace, working_toke
         tier_tokens = c["tier_blocks"] * BLOCK_SIZE
         print(f"| {name} | {(c['hits'] - tier_tokens) / queries:.1%} | {tier_tokens / queries:.1%} "
               f"| {statistics.median(r.ttft_ms):.1f} | {pct(r.ttft_ms, 0.99):.1f} | {statistics.median(r.itl_ms):.2f} "
-              f"| {pct(r.itl_ms, 0.99):.2f} | {r.output_tokens / r.seconds:.1f} | {c['kv_bytes'] / 1e6:,.1f} MB "
+              f"| {pct(r.itl_ms, 0.99):.2f} | {r.overlap():.0%} | {r.output_tokens / r.seconds:.1f} "
+              f"| {c['kv_bytes'] / 1e6:,.1f} MB "
               f"| {c['tier_errors']:.0f} / {c['tier_dropped']:.0f} |")
     same = sum(on.answers[k] == off.answers.get(k) for k in on.answers)
     ratio = statistics.median(off.ttft_ms) / statistics.median(on.ttft_ms)
@@ -227,7 +237,7 @@ def report(on: RunResult, off: RunResult, args: argparse.Namespace, working_toke
                    "tier": args.tier, "system_tokens": args.system_tokens,
                    "tier_hit_rate": on.counters["tier_blocks"] * BLOCK_SIZE / max(on.counters["queries"], 1),
                    "itl_p99_change": pct(on.itl_ms, 0.99) / pct(off.itl_ms, 0.99) - 1,
-                   "tier_errors": on.counters["tier_errors"]}
+                   "tier_errors": on.counters["tier_errors"], "overlap_off": off.overlap(), "overlap_on": on.overlap()}
         Path(args.json).write_text(json.dumps(figures, indent=1))
 
 
