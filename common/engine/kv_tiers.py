@@ -460,7 +460,8 @@ class KVTiers:
 
     def _copy_in(self, blocks: list[int], kvs: list[torch.Tensor | int]) -> None:
         """Write ``kvs`` (host-tier slots or tensors) into pool ``blocks``: one copy to the device per
-        run of adjacent slots, then one scatter per layer."""
+        run of adjacent slots (on the copy stream), then one scatter over the pool's block-major view
+        (else one per layer)."""
         if not blocks:
             return
         slots = [kv if isinstance(kv, int) else None for kv in kvs]
@@ -478,9 +479,10 @@ class KVTiers:
                     staged[start].copy_(kvs[start], non_blocking=True)  # type: ignore[arg-type]
             ids = self._ids(blocks)
         if self.copy_stream is not None:  # the scatter (on the current stream) after the copies
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-            staged.record_stream(torch.cuda.current_stream(self.device))
-            ids.record_stream(torch.cuda.current_stream(self.device))
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self.copy_stream)
+            staged.record_stream(current)
+            ids.record_stream(current)
         if self.pool_blocks is not None:
             self.pool_blocks.index_copy_(0, ids, staged)
             return

@@ -163,6 +163,7 @@ class KVEndpoint:
         """Stop every thread, close every pair and socket."""
         for half in reversed(self._halves()):
             half.close()
+        self.peers.close()
         self.control.close()
 
     def __enter__(self) -> KVEndpoint:

@@ -120,9 +120,17 @@ class PeerServer:
                                  daemon=True).start()
             return self._reads
 
+    def close(self) -> None:
+        """Stop the reader thread once it has answered what it holds (a read hung on a dead volume
+        keeps it, a daemon thread, until the read returns)."""
+        with self._lock:
+            if self._reads is not None:
+                self._reads.put(None)
+                self._reads = None
+
     def _read_loop(self, reads: queue.SimpleQueue) -> None:
-        while True:
-            identity, msg, count, data = reads.get()
+        while (item := reads.get()) is not None:
+            identity, msg, count, data = item
             try:
                 more, extra = self.serve_rest(list(msg.hashes[count:]))  # type: ignore[misc]
             except Exception as e:  # noqa: BLE001 - the blocks in hand still go; the reader goes on

@@ -44,6 +44,7 @@ class Pair:
         self.held: set[bytes] = set(HASHES)
         self.hang_after: int | None = None  # serve this many fetches, then never answer
         self.calls = 0
+        self.closed = False
         self.news = threading.Event()
         self.server.peers.serve = self._serve
         self.fetcher = self.client.peer_fetcher(timeout_s, self.news.set)
@@ -63,8 +64,10 @@ class Pair:
         return got[0][1]
 
     def close(self) -> None:
-        self.client.close()
-        self.server.close()
+        if not self.closed:  # once: a test may close it before the fixture does
+            self.closed = True
+            self.client.close()
+            self.server.close()
 
 
 @pytest.fixture
@@ -206,6 +209,9 @@ def test_blocks_after_the_pool_come_from_the_file_tier_off_the_engine_thread(pai
         got = pair.fetch(HASHES, job="again")
         assert _same(got, HASHES[:5])  # blocks 0-2 held, 3-4 from files, 5 damaged: the run ends
         assert not path.exists() and files.load_errors == 1
+        pair.close()  # the reader thread stops with its endpoint
+        wait_until(lambda: not any(t.name == "peer-serve-reader" for t in threading.enumerate()),
+                   "the peer reader thread to stop", timeout=10)
     finally:
         files.close()
 
