@@ -13,7 +13,7 @@ import threading
 
 import httpx
 import pytest
-from helpers.cluster import metric, start
+from helpers.cluster import metrics, start
 from helpers.waiting import wait_until
 
 NUM_A = 10
@@ -41,9 +41,14 @@ def a_done_when_b_done(url: str) -> int:
     for t in threads:
         t.start()
     # every A request has reached the engine: done, running (one at a time: its 4 choices fill the
-    # batch) or queued behind it (a loaded machine may deliver the last ones late: B must not pass them)
-    wait_until(lambda: metric(url, "pdserve:num_requests_waiting") + len(done) >= NUM_A - 1, "A's requests queued",
-               60)
+    # batch) or queued behind it (a loaded machine may deliver the last ones late: B must not pass them).
+    # Read while all 4 choices run: a request's choices 1..3 count as waiting until they get slots, so
+    # the waiting count alone can reach NUM_A - 1 while some of A's requests are still on their way
+    def all_arrived() -> bool:
+        running, waiting = metrics(url, "pdserve:num_requests_running", "pdserve:num_requests_waiting")
+        return (running == 4 and waiting + len(done) >= NUM_A - 1) or len(done) >= NUM_A - 1
+
+    wait_until(all_arrived, "A's requests queued", 60)
     out = complete(url, "key-B", B_BODY)
     with lock:
         a_done = len(done)
